@@ -1,0 +1,27 @@
+"""The contract between producers and workers. Imports without vLLM or a GPU.
+
+    from tasks import generate, sync_weights
+    out = generate.delay(["2+2="], {"temperature": 0.7, "max_tokens": 64}).get()
+    report = sync_weights.broadcast(model, version=7)
+"""
+
+from tasks import sync_weights
+from tasks.app import app, configure
+from tasks.errors import RolloutError, WeightSyncError
+from tasks.generate import generate
+from tasks.schemas import GenerationResult, SamplingParams, SyncReport, WorkerInfo
+from tasks.signature import signature
+
+__all__ = [
+    "app",
+    "configure",
+    "generate",
+    "sync_weights",
+    "signature",
+    "SamplingParams",
+    "GenerationResult",
+    "SyncReport",
+    "WorkerInfo",
+    "RolloutError",
+    "WeightSyncError",
+]

@@ -1,0 +1,100 @@
+"""The ``generate`` task: producer-side validation, worker-side execution hook.
+
+Producers call ``generate.delay(prompts, params)``. Prompts and params are
+validated here, in the producer, before anything reaches Redis; the task
+message carries the canonical params and the signature (also as a header,
+so Flower and routers see it without parsing args).
+
+On a worker, :attr:`GenerateTask.executor` is installed at boot
+(``workers.service.GenerationService``); the task body only hands over.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from celery import Task
+from celery.result import AsyncResult
+from kombu.exceptions import OperationalError
+
+from tasks import keys
+from tasks.app import app
+from tasks.errors import (
+    BrokerUnavailable,
+    EngineError,
+    InvalidRequest,
+    PromptTooLong,
+    Requeue,
+    RolloutError,
+)
+from tasks.schemas import GenerateRequest, SamplingParams
+from tasks.signature import signature
+
+SIGNATURE_HEADER = "rq_signature"
+SENT_AT_HEADER = "rq_sent_at"
+MIN_VERSION_HEADER = "rq_min_weight_version"
+
+
+class Executor(Protocol):
+    def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]: ...
+
+
+def build_request(prompts: Any, params: SamplingParams | Mapping[str, Any] | None) -> GenerateRequest:
+    """Validate prompts and params; raises ``pydantic.ValidationError`` naming the field."""
+    if isinstance(params, SamplingParams):
+        params = params.canonical()
+    return GenerateRequest.model_validate({"prompts": prompts, "params": dict(params or {})})
+
+
+class GenerateTask(Task):
+    """Validates in ``apply_async``; runs through the worker's executor."""
+
+    name = keys.GENERATE_TASK
+    executor: Executor | None = None
+    # Engine failures (a poison request) are retried this often, then fail.
+    max_retries = 2
+    track_started = True
+    throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
+        arguments = dict(kwargs or {})
+        positional = list(args or ())
+        prompts = positional[0] if positional else arguments.pop("prompts", None)
+        params = positional[1] if len(positional) > 1 else arguments.pop("params", None)
+        if arguments or len(positional) > 2:
+            extra = sorted(arguments) or [f"{len(positional)} positional arguments"]
+            raise TypeError(f"generate takes (prompts, params); got unexpected {', '.join(extra)}")
+        request = build_request(prompts, params)
+        headers = dict(options.pop("headers", None) or {})
+        headers.setdefault(SENT_AT_HEADER, time.time())
+        headers[SIGNATURE_HEADER] = signature(request.params)
+        headers[MIN_VERSION_HEADER] = request.params.min_weight_version
+        wire = request.model_dump(mode="json")
+        try:
+            return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
+        except OperationalError as exc:
+            from tasks.app import settings
+
+            raise BrokerUnavailable(
+                f"could not enqueue the task: Redis at {settings().redacted_url} did not answer "
+                f"({exc}); check REDIS_URL and that Redis is up"
+            ) from exc
+
+    def run(self, prompts: Any, params: Any) -> dict[str, Any]:
+        if self.executor is None:
+            raise RolloutError(
+                "this process hosts no engine; generate tasks run on `rollout-queue worker` processes"
+            )
+        try:
+            return self.executor.execute(self, prompts, params)
+        except Requeue as exc:
+            # Not this worker's to serve now (weights too old, sync abort):
+            # back to the queue for any worker, without using up retries.
+            raise self.retry(exc=exc, countdown=exc.countdown, max_retries=None) from exc
+        except EngineError as exc:
+            raise self.retry(exc=exc, countdown=1) from exc
+
+
+generate: GenerateTask = app.register_task(GenerateTask())  # type: ignore[assignment]

@@ -1,0 +1,50 @@
+"""Reading the worker registry and the fleet's weight version from Redis.
+
+Workers write their ``WorkerInfo`` under ``rq:worker:<node>`` with a TTL
+refreshed by a heartbeat (``workers.heartbeat``); a worker whose key expired
+is gone. Producers, the trainer and ``rollout-queue status`` read it here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from tasks import keys
+from tasks.errors import BrokerUnavailable
+from tasks.schemas import WorkerInfo
+from tasks.settings import ClientSettings
+
+
+def connect(settings: ClientSettings) -> redis.Redis:
+    return redis.Redis.from_url(
+        settings.redis_url.get_secret_value(),
+        socket_connect_timeout=5,
+        socket_timeout=30,
+        health_check_interval=10,
+        decode_responses=True,
+    )
+
+
+def live_workers(client: redis.Redis, pool: str | None = None) -> list[WorkerInfo]:
+    """Every worker (of ``pool``, if given) whose heartbeat has not expired."""
+    try:
+        names = sorted(client.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500))
+        values: list[Any] = client.mget(names) if names else []
+    except redis.RedisError as exc:
+        raise BrokerUnavailable(f"could not read the worker registry: {exc}") from exc
+    workers = [WorkerInfo.model_validate_json(v) for v in values if v]
+    return [w for w in workers if pool is None or w.pool == pool]
+
+
+def fleet_version(client: redis.Redis, pool: str = keys.DEFAULT_POOL) -> int:
+    try:
+        value = client.get(keys.fleet_version(pool))
+    except redis.RedisError as exc:
+        raise BrokerUnavailable(f"could not read the fleet weight version: {exc}") from exc
+    return int(value) if value else 0
+
+
+def queue_depths(client: redis.Redis, queues: list[str]) -> dict[str, int]:
+    return {queue: int(client.llen(queue)) for queue in queues}

@@ -1,0 +1,325 @@
+"""Every message that crosses a process boundary, one pydantic model each.
+
+Dicts from the wire are parsed here and nowhere else (``model_validate``);
+every model forbids unknown keys, so a typo is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PROTOCOL_VERSION = 1
+
+PauseMode = Literal["wait", "keep", "abort"]
+WorkerState = Literal["starting", "serving", "paused", "syncing", "fenced", "sleeping", "stopping"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------
+# Generation
+# --------------------------------------------------------------------------
+
+
+class SamplingParams(_Message):
+    """One sampling signature: OpenAI and vLLM sampling fields, checked ranges."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="None, 0 or -1: disabled")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=256)
+    stop: list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    ignore_eos: bool = False
+    # Structured output: at most one of these.
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    # Never start this task on a worker whose weights are older.
+    min_weight_version: int = Field(0, ge=0)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value or None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_disabled(cls, value: int | None) -> int | None:
+        return None if value is not None and value <= 0 else value
+
+    @field_validator("choice")
+    @classmethod
+    def _choice_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("choice must list at least one option")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        structured = [
+            name
+            for name, on in (
+                ("json_schema", self.json_schema is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", self.choice is not None),
+            )
+            if on
+        ]
+        if len(structured) > 1:
+            raise ValueError(f"at most one structured output field, got {', '.join(structured)}")
+        return self
+
+    def canonical(self) -> dict[str, Any]:
+        """Every field, defaults included, JSON-ready: what travels and is hashed."""
+        return self.model_dump(mode="json")
+
+
+class ChatMessage(_Message):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+TextPrompt = Annotated[str, Field(min_length=1)]
+TokenPrompt = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+ChatPrompt = Annotated[list[ChatMessage], Field(min_length=1)]
+PromptKind = Literal["text", "chat", "tokens"]
+
+
+class GenerateRequest(_Message):
+    """The arguments of one ``generate`` task, validated."""
+
+    prompts: Union[list[TextPrompt], list[TokenPrompt], list[ChatPrompt]]
+    params: SamplingParams
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_kind(cls, value: Any) -> Any:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError("prompts must be a list of strings, chat conversations or token-id lists")
+        if not value:
+            raise ValueError("prompts must not be empty")
+        kinds = {_kind_of(p) for p in value}
+        if None in kinds:
+            bad = next(i for i, p in enumerate(value) if _kind_of(p) is None)
+            raise ValueError(
+                f"prompt {bad} is {type(value[bad]).__name__}; expected a string, "
+                "a chat conversation ([{'role', 'content'}, ...]) or a list of token ids"
+            )
+        if len(kinds) > 1:
+            raise ValueError(f"prompts mix kinds ({', '.join(sorted(map(str, kinds)))}); one kind per task")
+        return list(value)
+
+    @property
+    def kind(self) -> PromptKind:
+        kind = _kind_of(self.prompts[0])
+        assert kind is not None  # the validator above refused anything else
+        return kind
+
+
+def _kind_of(prompt: Any) -> PromptKind | None:
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return "tokens"
+        if all(isinstance(m, (dict, ChatMessage)) for m in prompt):
+            return "chat"
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        return "tokens"  # empty: refused by min_length with a clear message
+    return None
+
+
+class Sample(_Message):
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    # Per generated token: [[token_id, logprob], ...] of the top `logprobs` tokens.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    # [[first_token_index, version], ...]: more than one span only when a
+    # pause="keep" sync happened while this sample was being generated.
+    weight_versions: list[tuple[int, int]]
+
+
+class PromptOutput(_Message):
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[float | None] | None = None
+    samples: list[Sample]
+
+
+class Usage(_Message):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timing(_Message):
+    queued_s: float
+    generate_s: float
+
+
+class GenerationResult(_Message):
+    signature: str
+    weight_version: int
+    worker: str
+    outputs: list[PromptOutput]
+    usage: Usage
+    timing: Timing
+
+
+# --------------------------------------------------------------------------
+# Worker registry
+# --------------------------------------------------------------------------
+
+
+class WorkerInfo(_Message):
+    node: str
+    # Workers of one pool serve one policy and are synced together.
+    pool: str = "default"
+    queues: list[str] = ["generate"]
+    model: str
+    device: str
+    dtype: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    weight_version: int = 0
+    state: WorkerState = "starting"
+    inflight_requests: int = 0
+    waiting_requests: int = 0
+    inflight_tasks: int = 0
+    tokens_per_s: float = 0.0
+    generated_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    max_model_len: int = 0
+    metrics_port: int | None = None
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+# --------------------------------------------------------------------------
+# Weight sync
+# --------------------------------------------------------------------------
+
+
+class TensorSpec(_Message):
+    name: str
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: list[int]
+    bucket: int
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+
+
+class Manifest(_Message):
+    """Every tensor of the sync and where it sits in which bucket."""
+
+    tensors: list[TensorSpec]
+    bucket_sizes: list[int]  # bytes per bucket, in send order
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+
+class SyncPlan(_Message):
+    """The one broadcast that triggers a sync. Signed when a secret is set."""
+
+    protocol: int = PROTOCOL_VERSION
+    epoch: int
+    version: int
+    pause: PauseMode
+    store_host: str
+    store_port: int
+    # Proposed membership: node → engine ranks it brings. The decision in the
+    # store fixes the final roster (who answered ready) and rank offsets.
+    members: dict[str, int]
+    backend: Literal["gloo", "nccl"]
+    manifest: Manifest
+    issued_at: float
+    hmac: str | None = None
+
+    def signing_payload(self) -> bytes:
+        import json
+
+        body = self.model_dump(mode="json", exclude={"hmac"})
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+class SyncAccepted(_Message):
+    """A worker's immediate reply to the trigger."""
+
+    node: str
+    epoch: int
+    ok: bool
+    error: str | None = None
+    phase: str = "trigger"
+
+
+class SyncAck(_Message):
+    """A worker's acknowledgement of one phase, pushed to Redis."""
+
+    node: str
+    epoch: int
+    version: int
+    phase: Literal["ready", "done"]
+    ok: bool
+    error: str | None = None
+    seconds: dict[str, float] = {}
+
+
+class SyncDecision(_Message):
+    """Written by the trainer into its store once the ready acks are in."""
+
+    go: bool
+    reason: str | None = None
+    # node → first global rank; world = 1 + Σ ranks.
+    offsets: dict[str, int] = {}
+    world: int = 0
+    group_id: str = ""
+    reuse_group: bool = False
+
+
+class SyncReport(_Message):
+    version: int
+    epoch: int
+    workers: list[str]
+    tensors: int
+    bytes: int
+    seconds: float
+    gb_per_s: float
+    backend: str
+    reused_group: bool
+    phases: dict[str, float]

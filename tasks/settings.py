@@ -1,0 +1,68 @@
+"""Settings, one class per process kind, read from the environment.
+
+Nothing here is read at import time: ``ClientSettings()`` reads the
+environment when it is built, which the Celery app does the first time it is
+configured, and the CLIs do in ``main()``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def redact_url(url: str) -> str:
+    """``redis://:secret@host`` → ``redis://:***@host`` for logs and reprs."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user, _, _ = creds.partition(":")
+    return f"{scheme}://{user}:***@{host}"
+
+
+class ClientSettings(BaseSettings):
+    """What every process that talks to the queue needs (producer, worker, api)."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore")
+
+    redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
+    # Seconds a result stays in Redis.
+    result_expires: int = 24 * 3600
+    # Seconds before Redis hands an unacknowledged task to another worker.
+    # Must stay well above the longest generation (late acks).
+    visibility_timeout: int = 6 * 3600
+    # Per-task time limits (seconds); the soft one aborts the engine requests.
+    task_soft_time_limit: float = 3600.0
+    task_time_limit: float = 3660.0
+    # Redeliveries of a task whose worker died, before it fails for good.
+    task_max_redeliveries: int = 3
+    # How long a producer retries an unreachable broker before giving up.
+    broker_connect_timeout: float = 10.0
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.redis_url.get_secret_value())
+
+
+class SyncTimeouts(BaseModel):
+    """Deadline of each weight-sync phase, seconds."""
+
+    membership: float = 5.0
+    trigger: float = 10.0
+    ready: float = 120.0
+    transfer: float = 300.0
+    commit: float = 60.0
+
+
+class SyncSettings(BaseSettings):
+    """The trainer's side of the weight sync."""
+
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore")
+
+    # Address workers use to reach the trainer's TCPStore. Bound as given.
+    rendezvous_host: str = "127.0.0.1"
+    rendezvous_port: int = 0  # 0: pick a free port
+    bucket_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    weight_sync_secret: SecretStr | None = None
+    timeouts: SyncTimeouts = SyncTimeouts()

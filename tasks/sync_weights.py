@@ -1,0 +1,1 @@
+"""Weight sync (trainer side); see the module docstring once written."""

@@ -1,0 +1,130 @@
+"""The wire both sides of a weight sync share: bucket planning, packing, groups.
+
+Pure planning (``plan_buckets``) needs no torch. The rest imports torch
+lazily, so producers that never sync never import it. Process groups are
+built straight from a ``TCPStore`` (no ``init_process_group``), so they
+neither need nor disturb the default group of the process they live in (the
+trainer's, or vLLM's own inside its worker processes).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tasks.schemas import Manifest, TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 64  # bytes; every tensor starts aligned so a view of any dtype is legal
+
+DTYPE_SIZES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> Manifest:
+    """Pack (name, dtype, shape) in order into buckets of at most ``bucket_bytes``.
+
+    A tensor larger than a bucket travels alone in a bucket of its own size.
+    """
+    tensors: list[TensorSpec] = []
+    sizes: list[int] = []
+    used = 0
+    seen: set[str] = set()
+    for name, dtype, shape in specs:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in the weights")
+        seen.add(name)
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"tensor {name!r} has dtype {dtype}, which cannot be synced")
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * DTYPE_SIZES[dtype]
+        if not sizes or (used and used + nbytes > bucket_bytes):
+            sizes.append(0)
+            used = 0
+        offset = used
+        used = _align(offset + nbytes)
+        sizes[-1] = offset + nbytes
+        tensors.append(
+            TensorSpec(name=name, dtype=dtype, shape=list(shape), bucket=len(sizes) - 1,
+                       offset=offset, nbytes=nbytes)
+        )
+    return Manifest(tensors=tensors, bucket_sizes=sizes)
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+def bucket_views(buffer: torch.Tensor, specs: Iterable[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Typed, shaped views of a received bucket (no copies)."""
+    return [
+        (spec.name, buffer[spec.offset : spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape))
+        for spec in specs
+    ]
+
+
+def pack(buffer: torch.Tensor, specs: Iterable[TensorSpec], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy each tensor's bytes into its place in ``buffer``."""
+    for spec in specs:
+        src = tensors[spec.name]
+        if src.device != buffer.device:
+            src = src.to(buffer.device, non_blocking=True)
+        buffer[spec.offset : spec.offset + spec.nbytes].copy_(
+            src.contiguous().view(-1).view(buffer.dtype), non_blocking=True
+        )
+
+
+def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host, port, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, use_libuv=True,
+    )
+
+
+def new_group(store: Any, group_id: str, rank: int, world: int, backend: str, timeout_s: float) -> Any:
+    """A process group of ``world`` ranks over ``store``, namespaced by ``group_id``.
+
+    Blocks until every rank has joined (or the timeout passes).
+    """
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"rq/{group_id}", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, world, options)
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start a broadcast from rank 0; returns the work handle."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    return group.broadcast([tensor], opts)
+
+
+def wait(work: Any, timeout_s: float) -> None:
+    work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))

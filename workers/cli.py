@@ -1,0 +1,103 @@
+"""``rollout-queue``: thin CLI. Flags → settings → ``run(settings)``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from workers.main import run_worker
+    from workers.settings import WorkerSettings
+
+    overrides: dict[str, Any] = {
+        k: v for k, v in vars(args).items()
+        if k not in ("command", "func") and v is not None
+    }
+    if "redis_url" in overrides:
+        from pydantic import SecretStr
+
+        overrides["redis_url"] = SecretStr(overrides["redis_url"])
+    return run_worker(WorkerSettings(**overrides))
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from workers.tiny_model import make_tiny_model
+
+    path = make_tiny_model(args.path, seed=args.seed, kind=args.kind)
+    print(path)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from workers.status import run_status
+
+    return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url)
+
+
+def _api(args: argparse.Namespace) -> int:
+    from api.server import run_api
+
+    return run_api(host=args.host, port=args.port, redis_url=args.redis_url)
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from workers.quickstart import run_quickstart
+
+    return run_quickstart()
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="rollout-queue", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="run one worker node hosting one vLLM engine")
+    w.add_argument("--model", required=True, help="model path or Hugging Face id")
+    w.add_argument("--device", choices=["cpu", "cuda"])
+    w.add_argument("--name", help="Celery node name, e.g. gpu0@host")
+    w.add_argument("--max-inflight", type=int, help="tasks in flight at once")
+    w.add_argument("--tensor-parallel-size", type=int)
+    w.add_argument("--max-model-len", type=int)
+    w.add_argument("--dtype")
+    w.add_argument("--gpu-memory-utilization", type=float)
+    w.add_argument("--enforce-eager", action="store_true", default=None)
+    w.add_argument("--enable-sleep-mode", action="store_true", default=None)
+    w.add_argument("--weight-load-mode", choices=["auto", "layerwise", "direct"])
+    w.add_argument("--metrics-port", type=int)
+    w.add_argument("--pool", help="weight-sync pool (workers of one policy); default 'default'")
+    w.add_argument("--queues", type=lambda s: s.split(","), help="queues to consume, comma-separated")
+    w.add_argument("--redis-url")
+    w.add_argument("--log-level")
+    w.set_defaults(func=_worker)
+
+    m = sub.add_parser("make-tiny-model", help="write a small random model for tests")
+    m.add_argument("path")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--kind", default="llama", choices=["llama", "qwen2-0.5b"])
+    m.set_defaults(func=_make_tiny_model)
+
+    s = sub.add_parser("status", help="workers, versions and queue depths")
+    s.add_argument("--watch", action="store_true")
+    s.add_argument("--interval", type=float, default=2.0)
+    s.add_argument("--redis-url")
+    s.set_defaults(func=_status)
+
+    a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway")
+    a.add_argument("--host", default=None)
+    a.add_argument("--port", type=int, default=None)
+    a.add_argument("--redis-url")
+    a.set_defaults(func=_api)
+
+    q = sub.add_parser("quickstart", help="start Redis (if needed) and a CPU worker, generate, stop")
+    q.set_defaults(func=_quickstart)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

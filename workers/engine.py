@@ -1,0 +1,404 @@
+"""``EngineHost``: one vLLM engine, driven by one background event loop.
+
+Every prompt of every task becomes one engine request on the same
+``AsyncLLM``; requests from concurrent tasks join the running batch
+(continuous batching). Celery task threads call :meth:`EngineHost.generate`,
+which blocks on ``concurrent.futures`` futures resolved by the loop thread.
+
+The host also owns what a weight sync needs from the engine: closing intake,
+pausing in one of three modes, RPCs into the engine's worker processes,
+prefix-cache reset, the ``weight_version`` stamped on results, and the
+per-sample version spans recorded when a ``keep`` sync crosses a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
+from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
+from workers.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EXTENSION_CLS = "workers.extension.WeightReceiver"
+
+
+class AbortedForSync(Requeue):
+    """In-flight requests were aborted by a ``pause="abort"`` sync: requeue the task."""
+
+
+@dataclass
+class _Live:
+    """A request in the engine, and the weight versions its samples crossed."""
+
+    version: int
+    spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    aborted_for_sync: bool = False
+
+
+def to_vllm_params(params: SamplingParams) -> Any:
+    """Our validated params → ``vllm.SamplingParams`` (final output only)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    kwargs: dict[str, Any] = dict(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        n=params.n,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        ignore_eos=params.ignore_eos,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    if params.top_k is not None:
+        kwargs["top_k"] = params.top_k
+    structured = None
+    if params.json_schema is not None:
+        structured = StructuredOutputsParams(json=params.json_schema, disable_any_whitespace=True)
+    elif params.json_object:
+        structured = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    elif params.regex is not None:
+        structured = StructuredOutputsParams(regex=params.regex)
+    elif params.choice is not None:
+        structured = StructuredOutputsParams(choice=params.choice)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
+    return VllmSamplingParams(**kwargs)
+
+
+def _logprob_of(position: Any, token_id: int) -> float | None:
+    if position is None:
+        return None
+    entry = position.get(token_id)
+    return None if entry is None else float(entry.logprob)
+
+
+def _top(position: Any, k: int) -> list[tuple[int, float]]:
+    ranked = sorted(position.items(), key=lambda item: (item[1].rank or 0, -item[1].logprob))
+    return [(int(tid), float(lp.logprob)) for tid, lp in ranked if (lp.rank or 0) <= k][:k]
+
+
+class EngineHost:
+    """One vLLM engine in this process's event-loop thread."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.settings = settings
+        self.weight_version = 0
+        self.tokenizer: Any = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.dtype = ""
+        self.engine: Any = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._intake = threading.Event()
+        self._intake.set()
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._keep_pause = False
+        self.generated_tokens = 0
+        self.finished_requests = 0
+
+    # ------------------------------------------------------------------ life
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the engine loop and wait for it (from any thread)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        s = self.settings
+        kwargs: dict[str, Any] = dict(
+            model=s.model,
+            dtype=s.dtype,
+            tensor_parallel_size=s.tensor_parallel_size,
+            max_model_len=s.max_model_len,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            enforce_eager=s.enforce_eager,
+            enable_prefix_caching=s.enable_prefix_caching,
+            seed=s.seed,
+            worker_extension_cls=EXTENSION_CLS,
+            disable_log_stats=False,
+        )
+        if s.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        return AsyncEngineArgs(**kwargs)
+
+    def start(self) -> None:
+        """Load the engine (blocking). Raises ``EngineError`` with the reason."""
+        from transformers import AutoTokenizer
+
+        self._thread.start()
+
+        async def create() -> Any:
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            return AsyncLLM.from_engine_args(self.engine_args())
+
+        try:
+            self.engine = self.call(create())
+            self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model)
+        except Exception as exc:  # vLLM raises many kinds; report the reason
+            raise EngineError(f"could not load model {self.settings.model!r}: {exc}") from exc
+        config = self.engine.model_config
+        self.max_model_len = int(config.max_model_len)
+        self.vocab_size = int(config.get_vocab_size())
+        self.dtype = str(config.dtype).removeprefix("torch.")
+        self.call(self.engine.collective_rpc("rq_attach", args=(self.load_mode,)))
+
+    @property
+    def load_mode(self) -> str:
+        mode = self.settings.weight_load_mode
+        if mode == "auto":
+            return "layerwise" if self.settings.device == "cpu" else "direct"
+        return mode
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception:  # shutting down: nothing left to report to
+                log.exception("engine shutdown failed")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    # ------------------------------------------------------------ generation
+
+    def prompt_token_ids(self, request: GenerateRequest) -> list[list[int]]:
+        """Tokenize (chat template for conversations) and check every prompt fits."""
+        tok = self.tokenizer
+        ids: list[list[int]] = []
+        for i, prompt in enumerate(request.prompts):
+            if request.kind == "text":
+                tokens = list(tok(prompt).input_ids)
+            elif request.kind == "chat":
+                messages = [m.model_dump() for m in prompt]  # type: ignore[union-attr]
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                tokens = list(tok(text, add_special_tokens=False).input_ids)
+            else:
+                tokens = list(prompt)  # type: ignore[arg-type]
+                bad = [t for t in tokens if t >= self.vocab_size]
+                if bad:
+                    raise InvalidRequest(
+                        f"prompt {i} has token id {bad[0]}; this model's vocabulary has "
+                        f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})"
+                    )
+            if not tokens:
+                raise InvalidRequest(f"prompt {i} tokenizes to nothing; send at least one token")
+            if len(tokens) >= self.max_model_len:
+                raise PromptTooLong(
+                    f"prompt {i} has {len(tokens)} tokens; this worker's max_model_len is "
+                    f"{self.max_model_len} (prompt plus at least one generated token must fit)"
+                )
+            ids.append(tokens)
+        return ids
+
+    def wait_for_intake(self, deadline: float) -> None:
+        """Block while a weight sync holds intake closed."""
+        if not self._intake.wait(max(0.0, deadline - time.time())):
+            raise GenerationTimeout("the task's time limit passed while a weight sync held intake")
+
+    def generate(self, request: GenerateRequest, deadline: float) -> tuple[list[PromptOutput], int]:
+        """Run every prompt as one engine request; returns outputs and the final version."""
+        prompt_ids = self.prompt_token_ids(request)
+        self.wait_for_intake(deadline)
+        sampling = to_vllm_params(request.params)
+        batch = uuid.uuid4().hex[:12]
+        rids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
+        with self._lock:
+            for rid in rids:
+                self._live[rid] = _Live(version=self.weight_version)
+        futures = [
+            asyncio.run_coroutine_threadsafe(self._run(rid, ids, sampling), self._loop)
+            for rid, ids in zip(rids, prompt_ids)
+        ]
+        try:
+            done, pending = concurrent.futures.wait(
+                futures,
+                timeout=max(0.0, deadline - time.time()),
+                return_when=concurrent.futures.FIRST_EXCEPTION,
+            )
+            if pending:
+                self._abort(rids)
+                failed = [f for f in done if f.exception() is not None]
+                if failed:
+                    raise self._engine_error(failed[0].exception())
+                raise GenerationTimeout(
+                    f"{len(pending)} of {len(rids)} prompts unfinished at the task's time limit; "
+                    "their engine requests were aborted"
+                )
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                raise self._engine_error(errors[0])
+            with self._lock:
+                lives = [self._live[rid] for rid in rids]
+            if any(live.aborted_for_sync for live in lives):
+                raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
+            outputs = [
+                self._to_output(f.result(), live, request.params) for f, live in zip(futures, lives)
+            ]
+            version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
+            return outputs, version
+        finally:
+            with self._lock:
+                for rid in rids:
+                    self._live.pop(rid, None)
+
+    @staticmethod
+    def _engine_error(exc: BaseException | None) -> Exception:
+        if isinstance(exc, (InvalidRequest, PromptTooLong, EngineError)):
+            return exc
+        return EngineError(f"the engine failed the request: {type(exc).__name__}: {exc}")
+
+    async def _run(self, rid: str, prompt_ids: list[int], sampling: Any) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, rid):
+            final = out
+        return final
+
+    def _abort(self, rids: list[str]) -> None:
+        try:
+            self.call(self.engine.abort(rids), timeout=10)
+        except Exception:  # best effort: the requests may have finished meanwhile
+            log.warning("abort of %d requests failed", len(rids), exc_info=True)
+
+    def _to_output(self, out: Any, live: _Live, params: SamplingParams) -> PromptOutput:
+        samples = []
+        for comp in sorted(out.outputs, key=lambda c: c.index):
+            token_ids = list(comp.token_ids)
+            logprobs = top = None
+            if params.logprobs is not None and comp.logprobs is not None:
+                positions = list(comp.logprobs)
+                logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+                if params.logprobs > 0:
+                    top = [_top(p, params.logprobs) for p in positions]
+            spans = [(0, live.version)] + live.spans.get(comp.index, [])
+            samples.append(
+                Sample(
+                    text=comp.text,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    top_logprobs=top,
+                    finish_reason=comp.finish_reason,
+                    stop_reason=comp.stop_reason,
+                    weight_versions=[s for s in spans if s[0] <= max(len(token_ids), 0)],
+                )
+            )
+            self.generated_tokens += len(token_ids)
+        self.finished_requests += 1
+        prompt_ids = list(out.prompt_token_ids or [])
+        prompt_lps = None
+        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_lps = [_logprob_of(p, t) for p, t in zip(out.prompt_logprobs, prompt_ids)]
+        return PromptOutput(prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, samples=samples)
+
+    # ------------------------------------------------------- sync and control
+
+    @property
+    def intake_open(self) -> bool:
+        return self._intake.is_set()
+
+    def inflight_requests(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def pause(self, mode: PauseMode, timeout: float) -> None:
+        """Close intake and pause the engine the way ``mode`` says."""
+        self._intake.clear()
+        self._keep_pause = mode == "keep"
+        if mode == "abort":
+            with self._lock:
+                for live in self._live.values():
+                    live.aborted_for_sync = True
+        self.call(self.engine.pause_generation(mode=mode, clear_cache=False), timeout=timeout)
+        if mode == "keep":
+            self._mark_pending_spans()
+
+    def _mark_pending_spans(self) -> None:
+        """Remember how many tokens each kept request had when the weights changed."""
+        states = getattr(getattr(self.engine, "output_processor", None), "request_states", {})
+        counts: dict[tuple[str, int], int] = {}
+        for state in list(states.values()):
+            detok = getattr(state, "detokenizer", None)
+            generated = len(getattr(detok, "output_token_ids", []) or [])
+            key = (getattr(state, "external_req_id", state.request_id), getattr(state, "request_index", 0))
+            counts[key] = generated
+        self._pending_counts = counts
+
+    def resume(self, new_version: int | None, timeout: float) -> None:
+        """Reset the prefix cache, adopt ``new_version`` (if any), resume, open intake."""
+        if new_version is not None:
+            # Cached blocks were computed with the old weights: never reuse
+            # them. Kept requests are recomputed with the new weights.
+            self.call(
+                self.engine.reset_prefix_cache(reset_running_requests=self._keep_pause),
+                timeout=timeout,
+            )
+            if self._keep_pause:
+                with self._lock:
+                    for (rid, index), count in getattr(self, "_pending_counts", {}).items():
+                        live = self._live.get(rid)
+                        if live is not None:
+                            live.spans.setdefault(index, []).append((count, new_version))
+            self.weight_version = new_version
+        self._pending_counts = {}
+        self._keep_pause = False
+        self.call(self.engine.resume_generation(), timeout=timeout)
+        self._intake.set()
+
+    def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
+        return self.call(self.engine.collective_rpc(method, args=args), timeout=timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call(self.engine.reset_prefix_cache(), timeout=30))
+
+    def sleep(self, level: int) -> None:
+        if not self.settings.enable_sleep_mode:
+            raise EngineError(
+                "sleep mode is off on this worker; start it with --enable-sleep-mode "
+                "(CUDA only: vLLM's CPU backend has no sleep mode)"
+            )
+        self._intake.clear()
+        self.call(self.engine.sleep(level), timeout=120)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if not self.settings.enable_sleep_mode:
+            raise EngineError("sleep mode is off on this worker; nothing to wake")
+        self.call(self.engine.wake_up(tags), timeout=120)
+        if tags is None or "kv_cache" in tags:
+            self._intake.set()
+
+    def is_sleeping(self) -> bool:
+        if not self.settings.enable_sleep_mode:
+            return False
+        return bool(self.call(self.engine.is_sleeping(), timeout=30))

@@ -1,0 +1,147 @@
+"""``WorkerRuntime``: one worker node's parts, their state, and its heartbeat.
+
+Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
+through, the ``SyncParticipant``, the registry heartbeat (a thread writing
+``WorkerInfo`` with a TTL) and fencing: a worker whose weights are older than
+the fleet's stops consuming the generate queue until a sync catches it up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+
+from tasks import keys
+from tasks.registry import connect, fleet_version
+from tasks.schemas import WorkerInfo, WorkerState
+from workers.engine import EngineHost
+from workers.service import GenerationService
+from workers.settings import WorkerSettings
+from workers.sync import SyncParticipant
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings, host: EngineHost) -> None:
+        self.settings = settings
+        self.host = host
+        self.node = settings.name
+        self.client: redis.Redis = connect(settings)
+        self.state: WorkerState = "starting"
+        self.started_at = time.time()
+        self.service = GenerationService(host, self.node, settings.task_soft_time_limit)
+        secret = settings.weight_sync_secret.get_secret_value() if settings.weight_sync_secret else None
+        self.sync = SyncParticipant(host, self.node, self.client, secret, self.set_state, self.set_fenced)
+        self.consumer: Any = None
+        self._consuming = True
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="registry-heartbeat", daemon=True)
+        self._last_tokens = (time.monotonic(), 0)
+        self.tokens_per_s = 0.0
+        self.kv_cache_usage = 0.0
+        self.waiting_requests = 0
+
+    # ----------------------------------------------------------------- state
+
+    def set_state(self, state: str) -> None:
+        self.state = state  # type: ignore[assignment]
+        self.publish()
+
+    def set_fenced(self, reason: str | None) -> None:
+        """Stop (reason) or resume (None) consuming the generate queue."""
+        if reason is not None:
+            log.warning("fenced: %s", reason)
+        self.service.fenced_reason = reason
+        self._set_consuming(reason is None)
+        if reason is None and self.state == "fenced":
+            self.state = "serving"
+        elif reason is not None:
+            self.state = "fenced"
+        self.publish()
+
+    def _set_consuming(self, on: bool) -> None:
+        if on == self._consuming or self.consumer is None:
+            self._consuming = on
+            return
+        self._consuming = on
+        for queue in self.settings.queues:
+            if on:
+                self.consumer.call_soon(self.consumer.add_task_queue, queue)
+            else:
+                self.consumer.call_soon(self.consumer.cancel_task_queue, queue)
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            node=self.node,
+            pool=self.settings.pool,
+            queues=self.settings.queues,
+            model=self.settings.model,
+            device=self.settings.device,
+            dtype=self.host.dtype,
+            tensor_parallel_size=self.settings.tensor_parallel_size,
+            weight_version=self.host.weight_version,
+            state=self.state,
+            inflight_requests=self.host.inflight_requests(),
+            waiting_requests=self.waiting_requests,
+            inflight_tasks=self.service.inflight_tasks,
+            tokens_per_s=round(self.tokens_per_s, 1),
+            generated_tokens=self.host.generated_tokens,
+            kv_cache_usage=self.kv_cache_usage,
+            max_model_len=self.host.max_model_len,
+            metrics_port=self.settings.metrics_port,
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+        )
+
+    def publish(self) -> None:
+        try:
+            self.client.set(
+                keys.worker_key(self.node), self.info().model_dump_json(),
+                px=int(self.settings.registry_ttl_s * 1000),
+            )
+        except redis.RedisError as exc:
+            log.warning("registry heartbeat failed: %s", exc)
+
+    # ------------------------------------------------------------- heartbeat
+
+    def start(self) -> None:
+        self._heartbeat.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.state = "stopping"
+        try:
+            self.client.delete(keys.worker_key(self.node))
+        except redis.RedisError:
+            pass
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_s):
+            now, tokens = time.monotonic(), self.host.generated_tokens
+            last_t, last_tokens = self._last_tokens
+            self.tokens_per_s = (tokens - last_tokens) / max(now - last_t, 1e-6)
+            self._last_tokens = (now, tokens)
+            try:
+                self._check_fleet_version()
+            except Exception as exc:  # Redis away: keep beating, reconnect later
+                log.warning("fleet version check failed: %s", exc)
+            self.publish()
+
+    def _check_fleet_version(self) -> None:
+        if self.sync.busy() or self.state in ("sleeping", "stopping", "starting"):
+            return
+        fleet = fleet_version(self.client, self.settings.pool)
+        reason = self.service.fenced_reason
+        if fleet > self.host.weight_version:
+            if reason is None:
+                self.set_fenced(
+                    f"fleet is at weight_version {fleet}, this worker at {self.host.weight_version}; "
+                    "waiting for the next sync"
+                )
+        elif reason is not None and reason.startswith(("fleet is at", "missed sync")):
+            self.set_fenced(None)

@@ -1,0 +1,76 @@
+"""``GenerationService``: what a ``generate`` task does on a worker.
+
+Parses the task's wire arguments (the one place they are parsed), refuses
+work this worker must not serve (fenced, weights older than the task's
+``min_weight_version``), runs the prompts on the ``EngineHost`` and builds
+the ``GenerationResult``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from celery import Task
+
+from tasks.errors import Requeue
+from tasks.generate import SENT_AT_HEADER, SIGNATURE_HEADER
+from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage
+from tasks.signature import signature
+from workers.engine import EngineHost
+
+
+class GenerationService:
+    def __init__(self, host: EngineHost, node: str, soft_time_limit: float) -> None:
+        self.host = host
+        self.node = node
+        self.soft_time_limit = soft_time_limit
+        self.fenced_reason: str | None = None
+        self.inflight_tasks = 0
+        self.completed_tasks = 0
+        self.failed_tasks = 0
+        self._lock = threading.Lock()
+        self.on_finished: list[Any] = []  # callbacks (metrics): (result | None, seconds)
+
+    def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
+        started = time.time()
+        request = GenerateRequest.model_validate({"prompts": prompts, "params": params})
+        needed = request.params.min_weight_version
+        if self.fenced_reason is not None:
+            raise Requeue(f"{self.node} is fenced ({self.fenced_reason}); requeued", countdown=1.0)
+        if needed > self.host.weight_version:
+            raise Requeue(
+                f"task needs weight_version >= {needed}; {self.node} has {self.host.weight_version}",
+                countdown=1.0,
+            )
+        headers = task.request.headers or {}
+        sent_at = float(headers.get(SENT_AT_HEADER) or getattr(task.request, SENT_AT_HEADER, None) or started)
+        limit = float(task.request.timelimit[1] or 0) if task.request.timelimit else 0.0
+        deadline = started + (limit or self.soft_time_limit)
+        with self._lock:
+            self.inflight_tasks += 1
+        ok = False
+        try:
+            outputs, version = self.host.generate(request, deadline)
+            ok = True
+        finally:
+            with self._lock:
+                self.inflight_tasks -= 1
+                self.completed_tasks += ok
+                self.failed_tasks += not ok
+        done = time.time()
+        result = GenerationResult(
+            signature=headers.get(SIGNATURE_HEADER) or signature(request.params),
+            weight_version=version,
+            worker=self.node,
+            outputs=outputs,
+            usage=Usage(
+                prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                completion_tokens=sum(len(s.token_ids) for o in outputs for s in o.samples),
+            ),
+            timing=Timing(queued_s=max(0.0, started - sent_at), generate_s=done - started),
+        )
+        for callback in self.on_finished:
+            callback(result, done - started)
+        return result.model_dump(mode="json")

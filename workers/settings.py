@@ -1,0 +1,38 @@
+"""Settings of a worker node (one engine), from the environment and CLI flags."""
+
+from __future__ import annotations
+
+import socket
+from typing import Literal
+
+from pydantic import Field, SecretStr
+
+from tasks.settings import ClientSettings
+
+
+class EngineSettings(ClientSettings):
+    model: str = ""
+    device: Literal["cpu", "cuda"] = "cuda"
+    dtype: str = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False
+    seed: int = 0
+    # "auto": layerwise reload on CPU (a bare load_weights leaves the old
+    # weights in use there), direct load_weights on CUDA.
+    weight_load_mode: Literal["auto", "layerwise", "direct"] = "auto"
+
+
+class WorkerSettings(EngineSettings):
+    name: str = Field(default_factory=lambda: f"worker@{socket.gethostname()}")
+    max_inflight: int = Field(64, ge=1, description="tasks in flight at once (threads)")
+    queues: list[str] = ["generate"]
+    pool: str = "default"
+    heartbeat_s: float = 2.0
+    registry_ttl_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus /metrics; None = off
+    weight_sync_secret: SecretStr | None = None
+    log_level: str = "INFO"

@@ -1,0 +1,197 @@
+"""The worker's side of a weight sync, driven from the host process.
+
+The trigger arrives as a remote-control command (``workers.control``), which
+calls :meth:`SyncParticipant.accept` in Celery's consumer loop: it checks the
+signature and the manifest, answers at once, and hands the rest to a thread
+(:meth:`SyncParticipant.run`), which reports through Redis:
+
+    accept   HMAC, membership, manifest names/shapes/dtype     → reply to trigger
+    pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
+    decide   wait for the trainer's decision in its TCPStore
+    join     rq_begin_update on every engine rank
+    receive  rq_receive_buckets (buckets over gloo / NCCL, load)
+    commit   rq_finish_update, reset prefix cache, new version,
+             resume, open intake                                → push "done" ack
+
+A worker left out of a sync, or whose sync failed, is fenced (takes no
+tasks) until a later sync brings it to the fleet's version.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import redis
+
+from tasks import keys, transport
+from tasks.auth import plan_signature_ok
+from tasks.errors import ManifestMismatch, SyncRefused
+from tasks.schemas import PROTOCOL_VERSION, SyncAccepted, SyncAck, SyncDecision, SyncPlan
+from workers.checkpoint import checkpoint_shapes
+from workers.engine import EngineHost
+
+log = logging.getLogger(__name__)
+
+
+class SyncParticipant:
+    def __init__(
+        self,
+        host: EngineHost,
+        node: str,
+        client: redis.Redis,
+        secret: str | None,
+        set_state: Callable[[str], None],
+        set_fenced: Callable[[str | None], None],
+    ) -> None:
+        self.host = host
+        self.node = node
+        self.client = client
+        self.secret = secret
+        self.set_state = set_state
+        self.set_fenced = set_fenced
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        self._current: Future[None] | None = None
+        self._lock = threading.Lock()
+        self._shapes: dict[str, list[int]] | None = None
+        self._shapes_loaded = False
+        self.last_error: str | None = None
+        self.sync_seconds: list[float] = []
+
+    # ---------------------------------------------------------------- accept
+
+    def accept(self, raw_plan: Any) -> dict[str, Any]:
+        """Validate the trigger and start the sync thread; the reply is immediate."""
+        epoch = int(raw_plan.get("epoch", -1)) if isinstance(raw_plan, dict) else -1
+        try:
+            plan = SyncPlan.model_validate(raw_plan)
+            self._check_signature(plan)
+            if plan.protocol != PROTOCOL_VERSION:
+                raise SyncRefused(f"protocol {plan.protocol}; this worker speaks {PROTOCOL_VERSION}")
+            if self.node not in plan.members:
+                raise SyncRefused(f"{self.node} is not a member of sync epoch {plan.epoch}")
+            self._check_manifest(plan)
+            with self._lock:
+                if self._current is not None and not self._current.done():
+                    raise SyncRefused(f"{self.node} is already in a sync")
+                self._current = self._pool.submit(self.run, plan)
+        except Exception as exc:  # every refusal is answered, never raised into Celery
+            log.warning("weight sync epoch %s refused: %s", epoch, exc)
+            return SyncAccepted(node=self.node, epoch=epoch, ok=False, error=f"{type(exc).__name__}: {exc}").model_dump()
+        return SyncAccepted(node=self.node, epoch=plan.epoch, ok=True).model_dump()
+
+    def _check_signature(self, plan: SyncPlan) -> None:
+        if self.secret is None:
+            return
+        if not plan_signature_ok(plan, self.secret):
+            raise SyncRefused(
+                "the sync command is unsigned or wrongly signed; the trainer must use the "
+                "same WEIGHT_SYNC_SECRET as the workers"
+            )
+
+    def _check_manifest(self, plan: SyncPlan) -> None:
+        if not self._shapes_loaded:
+            self._shapes = checkpoint_shapes(self.host.settings.model)
+            self._shapes_loaded = True
+        problems: list[str] = []
+        for spec in plan.manifest.tensors:
+            if spec.dtype != self.host.dtype:
+                problems.append(f"{spec.name}: dtype {spec.dtype}, engine runs {self.host.dtype}")
+            if self._shapes is not None:
+                shape = self._shapes.get(spec.name)
+                if shape is None:
+                    problems.append(f"{spec.name}: not a tensor of this model's checkpoint")
+                elif list(shape) != list(spec.shape):
+                    problems.append(f"{spec.name}: shape {spec.shape}, checkpoint has {shape}")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ManifestMismatch("manifest refused: " + "; ".join(problems[:3]) + more, phase="trigger")
+
+    # ------------------------------------------------------------------- run
+
+    def run(self, plan: SyncPlan) -> None:
+        t_start = time.monotonic()
+        seconds: dict[str, float] = {}
+        changed = False
+        paused = False
+        try:
+            self.set_state("syncing")
+            t = time.monotonic()
+            self.host.pause(plan.pause, timeout=120.0)
+            paused = True
+            seconds["pause"] = time.monotonic() - t
+            self._ack(plan, "ready", True, seconds=seconds)
+            decision = self._await_decision(plan)
+            if not decision.go or self.node not in decision.offsets:
+                reason = decision.reason or "left out of the roster"
+                raise SyncRefused(f"trainer called off epoch {plan.epoch} for {self.node}: {reason}")
+            t = time.monotonic()
+            self.host.collective_rpc(
+                "rq_begin_update", 120.0, plan.model_dump(mode="json"), decision.model_dump(mode="json"), self.node
+            )
+            seconds["join"] = time.monotonic() - t
+            changed = True
+            t = time.monotonic()
+            stats = self.host.collective_rpc("rq_receive_buckets", 600.0, 300.0)
+            seconds["receive"] = time.monotonic() - t
+            seconds["load"] = max(s.get("load_s", 0.0) for s in stats)
+            t = time.monotonic()
+            self.host.collective_rpc("rq_finish_update", 120.0)
+            self.host.resume(plan.version, timeout=60.0)
+            paused = False
+            seconds["commit"] = time.monotonic() - t
+            self.set_fenced(None)
+            self.set_state("serving")
+            self.last_error = None
+            self.sync_seconds.append(time.monotonic() - t_start)
+            self._ack(plan, "done", True, seconds=seconds)
+            log.info("weight sync epoch %d: now at version %d", plan.epoch, plan.version)
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.error("weight sync epoch %d failed: %s", plan.epoch, self.last_error)
+            self._recover(changed, paused, plan)
+            self._ack(plan, "done", False, error=self.last_error, seconds=seconds)
+
+    def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
+        if changed:
+            try:
+                self.host.collective_rpc("rq_abort_update", 120.0)
+            except Exception:
+                log.exception("rq_abort_update failed")
+        if paused:
+            try:
+                self.host.resume(None, timeout=60.0)
+            except Exception:
+                log.exception("resume after a failed sync failed")
+        if changed:
+            self.set_fenced(f"weights half-loaded by failed sync epoch {plan.epoch}")
+        elif plan.version > self.host.weight_version:
+            self.set_fenced(f"missed sync to version {plan.version}")
+        self.set_state("fenced" if changed or plan.version > self.host.weight_version else "serving")
+
+    def _await_decision(self, plan: SyncPlan) -> SyncDecision:
+        store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
+        key = f"rq/decision/{plan.epoch}"
+        store.set_timeout(datetime.timedelta(seconds=180))
+        return SyncDecision.model_validate_json(store.get(key))
+
+    def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: str | None = None,
+             seconds: dict[str, float] | None = None) -> None:
+        ack = SyncAck(node=self.node, epoch=plan.epoch, version=plan.version, phase=phase,  # type: ignore[arg-type]
+                      ok=ok, error=error, seconds=seconds or {})
+        name = keys.sync_acks(plan.epoch, phase)
+        try:
+            self.client.rpush(name, ack.model_dump_json())
+            self.client.expire(name, 3600)
+        except redis.RedisError:
+            log.exception("could not push the %s ack of epoch %d", phase, plan.epoch)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._current is not None and not self._current.done()
+
+

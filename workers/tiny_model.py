@@ -1,0 +1,117 @@
+"""Build small random-weight models that vLLM loads, for tests and the quickstart.
+
+``llama``: a tiny Llama (head_dim 64, float32) with a byte-level tokenizer of
+256 byte tokens plus chat specials, so every string tokenizes and every
+sampled id decodes. ``qwen2-0.5b``: a Qwen2 shaped like Qwen2-0.5B (bf16) with
+a WordLevel tokenizer of 32,000 tokens ``t0 … t31999``, for GPU runs.
+Weights are random (norms stay at 1.0, or logits collapse to ties); the same
+seed gives the same weights, another seed other weights of the same shapes.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def _word_level_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size - len(SPECIALS))}
+    for i, special in enumerate(SPECIALS):
+        vocab[special] = vocab_size - len(SPECIALS) + i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|eos|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def _save_tokenizer(tok, path: Path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|eos|>",
+        unk_token="<|eos|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama") -> Path:
+    """Write a random model and its tokenizer to ``path``; returns the path."""
+    import torch
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = _byte_level_tokenizer()
+        config = LlamaConfig(
+            vocab_size=tok.get_vocab_size(),
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=2048,
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+            bos_token_id=tok.token_to_id("<|bos|>"),
+            eos_token_id=tok.token_to_id("<|eos|>"),
+            torch_dtype="float32",
+        )
+        model_cls, dtype = LlamaForCausalLM, torch.float32
+    elif kind == "qwen2-0.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        tok = _word_level_tokenizer(32000)
+        config = Qwen2Config(
+            vocab_size=32000,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            initializer_range=0.02,
+            tie_word_embeddings=True,
+            bos_token_id=tok.token_to_id("<|bos|>"),
+            eos_token_id=tok.token_to_id("<|eos|>"),
+            torch_dtype="bfloat16",
+        )
+        model_cls, dtype = Qwen2ForCausalLM, torch.bfloat16
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; use 'llama' or 'qwen2-0.5b'")
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    model.save_pretrained(str(path), safe_serialization=True)
+    _save_tokenizer(tok, path)
+    (path / "rollout_queue.json").write_text(json.dumps({"kind": kind, "seed": seed}))
+    return path
