@@ -1,1 +1,480 @@
-"""Weight sync (trainer side); see the module docstring once written."""
+"""Weight sync, trainer side: push new policy weights into every worker.
+
+    report = sync_weights.broadcast(model, version=7, pause="wait")
+
+The protocol, in the order :meth:`WeightSender.sync` runs it::
+
+    trainer (rank 0)                              each worker (ranks offset … offset+TP·PP-1)
+    ────────────────                              ──────────────────────────────────────────
+    1 membership  live workers of the pool
+                  from the Redis registry
+    2 rendezvous  host a TCPStore at
+                  RENDEZVOUS_HOST:PORT (kept)
+    3 trigger     one broadcast control ────────► accept: HMAC, manifest vs checkpoint
+                  message: SyncPlan (epoch,        (names, shapes, dtype) → reply ok/refused
+                  version, pause, store, members,  pause: close intake, pause engine
+                  manifest = names/dtypes/shapes   (wait | keep | abort) → "ready" ack (Redis)
+                  + bucket plan, HMAC)
+      ready       wait for "ready" acks; drop the
+                  silent; decision → TCPStore ───► read the decision (roster, offsets, world)
+    4 transfer    join/reuse the process group ◄──► rq_begin_update (join/reuse)
+                  pack buckets (two buffers) ────► rq_receive_buckets: receive into fresh
+                  broadcast from rank 0 (NCCL on   buffers, load (layerwise or direct)
+                  CUDA, gloo on CPU)
+    5 load        (workers)                        rq_finish_update: every entry arrived?
+    6 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
+                  pool's fleet version              resume, open intake → "done" ack
+
+Every phase has a deadline (``SyncTimeouts``). A worker that is silent or
+fails is named in the ``WeightSyncError`` the trainer raises once the others
+have committed; it fences itself until a later sync catches it up. The
+process group is kept between syncs while the roster is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from tasks import keys, transport
+from tasks.app import app, settings as client_settings
+from tasks.auth import sign_plan
+from tasks.errors import (
+    ManifestMismatch,
+    NoWorkers,
+    RendezvousTimeout,
+    SyncRefused,
+    WeightSyncError,
+    WorkerLost,
+)
+from tasks.registry import connect, fleet_version, live_workers
+from tasks.schemas import (
+    Manifest,
+    PauseMode,
+    SyncAccepted,
+    SyncAck,
+    SyncDecision,
+    SyncPlan,
+    SyncReport,
+    WorkerInfo,
+)
+from tasks.settings import SyncSettings
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+Weights = Any  # torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
+
+
+def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with checkpoint names; tied tensors are sent once."""
+    import torch
+
+    if isinstance(weights, torch.nn.Module):
+        pairs = list(weights.named_parameters())
+    elif isinstance(weights, Mapping):
+        pairs = list(weights.items())
+    else:
+        pairs = list(weights)
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    unique: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in pairs:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        tensor = tensor.detach()
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and ident in seen:
+            continue  # tied weights (e.g. lm_head = embed_tokens): the checkpoint holds one
+        seen.add(ident)
+        unique.append((name, tensor))
+    if not unique:
+        raise ValueError("no tensors to sync")
+    return unique
+
+
+class WeightSender:
+    """The trainer's end of the protocol: rank 0, host of the rendezvous store."""
+
+    def __init__(self, settings: SyncSettings | None = None, pool: str = keys.DEFAULT_POOL) -> None:
+        self.settings = settings or SyncSettings()
+        self.pool = pool
+        self.client = connect(client_settings())
+        self.store: Any = None
+        self.store_port = 0
+        self.group: Any = None
+        self.group_id = ""
+        self.roster: dict[str, int] = {}
+        self.backend = ""
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-send")
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(
+        self,
+        weights: Weights,
+        version: int | None = None,
+        timeout: float = 120.0,
+        pause: PauseMode = "wait",
+    ) -> SyncReport:
+        with self._lock:
+            started = time.monotonic()
+            deadline = started + timeout
+            phases: dict[str, float] = {}
+            tensors = named_tensors(weights)
+
+            t = time.monotonic()
+            members = self.membership()
+            phases["membership"] = time.monotonic() - t
+
+            version = self.next_version() if version is None else int(version)
+            backend = self.choose_backend(tensors, members)
+            manifest, tensors_by_name = self.manifest(tensors, members, backend)
+
+            t = time.monotonic()
+            self.rendezvous()
+            phases["rendezvous"] = time.monotonic() - t
+
+            t = time.monotonic()
+            plan = self.trigger(members, manifest, version, pause, backend, deadline)
+            phases["trigger"] = time.monotonic() - t
+
+            t = time.monotonic()
+            decision, silent = self.await_ready(plan, members, deadline)
+            phases["ready"] = time.monotonic() - t
+
+            t = time.monotonic()
+            self.transfer(plan, decision, tensors_by_name, deadline)
+            phases["transfer"] = time.monotonic() - t
+
+            t = time.monotonic()
+            committed, failed = self.await_commit(plan, decision, deadline)
+            phases["commit"] = time.monotonic() - t
+
+            seconds = time.monotonic() - started
+            report = SyncReport(
+                version=version,
+                epoch=plan.epoch,
+                workers=sorted(committed),
+                tensors=len(manifest.tensors),
+                bytes=manifest.total_bytes,
+                seconds=seconds,
+                gb_per_s=manifest.total_bytes / max(phases["transfer"], 1e-9) / 1e9,
+                backend=backend,
+                reused_group=decision.reuse_group,
+                phases=phases,
+            )
+            lost = {**silent, **failed}
+            if lost:
+                error = WorkerLost(
+                    f"weight sync to version {version}: "
+                    + "; ".join(f"{node} ({why})" for node, why in sorted(lost.items()))
+                    + f". {len(committed)} worker(s) committed; the others are fenced until the next sync",
+                    phase="ready" if not failed else "commit",
+                    workers=lost,
+                )
+                error.report = report  # type: ignore[attr-defined]
+                raise error
+            return report
+
+    # --------------------------------------------------------------- phases
+
+    def membership(self) -> list[WorkerInfo]:
+        """1. Live workers of the pool, from the registry."""
+        workers = [w for w in live_workers(self.client, self.pool) if w.state != "stopping"]
+        if not workers:
+            raise NoWorkers(
+                f"no live worker in pool {self.pool!r}; start one with `rollout-queue worker`",
+                phase="membership",
+            )
+        return workers
+
+    def next_version(self) -> int:
+        current = fleet_version(self.client, self.pool)
+        return current + 1
+
+    def choose_backend(self, tensors: list[tuple[str, torch.Tensor]], members: list[WorkerInfo]) -> str:
+        on_cuda = {w.device == "cuda" for w in members}
+        if len(on_cuda) > 1:
+            raise SyncRefused("the pool mixes CPU and CUDA workers; sync them as separate pools",
+                              phase="membership")
+        if on_cuda == {True}:
+            return "nccl"
+        return "gloo"
+
+    def manifest(
+        self, tensors: list[tuple[str, torch.Tensor]], members: list[WorkerInfo], backend: str
+    ) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """Cast floating tensors to the workers' dtype; plan the buckets."""
+        import torch
+
+        dtypes = {w.dtype for w in members}
+        if len(dtypes) > 1:
+            raise SyncRefused(f"the pool's workers run different dtypes {sorted(dtypes)}", phase="membership")
+        target = transport.torch_dtype(dtypes.pop())
+        device = self._device(backend)
+        by_name: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors:
+            if tensor.is_floating_point() and tensor.dtype != target:
+                tensor = tensor.to(target)
+            if device.type == "cuda" and tensor.device != device:
+                tensor = tensor.to(device, non_blocking=True)
+            by_name[name] = tensor
+        specs = ((name, transport.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
+        return transport.plan_buckets(specs, self.settings.bucket_bytes), by_name
+
+    @staticmethod
+    def _device(backend: str) -> torch.device:
+        """NCCL sends from this process's current CUDA device; gloo from host memory."""
+        import torch
+
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def rendezvous(self) -> None:
+        """2. Host the TCPStore (once; it lives on between syncs)."""
+        if self.store is not None:
+            return
+        try:
+            self.store = transport.connect_store(
+                self.settings.rendezvous_host, self.settings.rendezvous_port,
+                self.settings.timeouts.transfer, is_master=True,
+            )
+        except Exception as exc:  # torch raises RuntimeError/DistNetworkError
+            raise RendezvousTimeout(
+                f"could not host the rendezvous store at {self.settings.rendezvous_host}:"
+                f"{self.settings.rendezvous_port}: {exc}; set RENDEZVOUS_HOST to an address of "
+                "this machine that workers can reach",
+                phase="rendezvous",
+            ) from exc
+        self.store_port = int(self.store.port)
+
+    def trigger(
+        self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode,
+        backend: str, deadline: float,
+    ) -> SyncPlan:
+        """3. One broadcast control message; every member answers accepted or refused."""
+        epoch = int(self.client.incr(keys.SYNC_EPOCH))
+        plan = SyncPlan(
+            epoch=epoch, version=version, pause=pause,
+            store_host=self.settings.rendezvous_host, store_port=self.store_port,
+            members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
+            manifest=manifest, issued_at=time.time(),
+        )
+        secret = self.settings.weight_sync_secret
+        if secret is not None:
+            plan = plan.model_copy(update={"hmac": sign_plan(plan, secret.get_secret_value())})
+        timeout = min(self.settings.timeouts.trigger, max(deadline - time.monotonic(), 0.1))
+        replies = app.control.broadcast(
+            keys.CONTROL_SYNC, arguments={"plan": plan.model_dump(mode="json")},
+            destination=list(plan.members), reply=True, timeout=timeout, limit=len(plan.members),
+        )
+        answers: dict[str, SyncAccepted] = {}
+        for reply in replies or []:
+            for node, body in reply.items():
+                answers[node] = SyncAccepted.model_validate(body)
+        refused = {node: a.error or "refused" for node, a in answers.items() if not a.ok}
+        missing = set(plan.members) - set(answers)
+        if refused:
+            # Nobody changes a weight: release whoever accepted.
+            self._decide(plan, SyncDecision(go=False, reason="another worker refused the plan"))
+            error_cls = ManifestMismatch if any("Manifest" in e for e in refused.values()) else SyncRefused
+            raise error_cls(
+                "weight sync refused before any weight changed: "
+                + "; ".join(f"{node}: {why}" for node, why in sorted(refused.items())),
+                phase="trigger", workers=refused,
+            )
+        if len(missing) == len(plan.members):
+            self._decide(plan, SyncDecision(go=False, reason="no worker answered"))
+            raise WorkerLost(
+                f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))}",
+                phase="trigger", workers=missing,
+            )
+        return plan
+
+    def await_ready(
+        self, plan: SyncPlan, members: list[WorkerInfo], deadline: float
+    ) -> tuple[SyncDecision, dict[str, str]]:
+        """Wait for "ready" acks; write the decision (roster, ranks) to the store."""
+        acks = self._collect(plan, "ready", set(plan.members),
+                             min(deadline, time.monotonic() + self.settings.timeouts.ready))
+        silent = {node: "did not pause in time" for node in set(plan.members) - set(acks)}
+        for node, ack in acks.items():
+            if not ack.ok:
+                silent[node] = ack.error or "failed to pause"
+        ready = sorted(node for node, ack in acks.items() if ack.ok)
+        if not ready:
+            self._decide(plan, SyncDecision(go=False, reason="no worker became ready"))
+            raise RendezvousTimeout(
+                f"no worker became ready for sync epoch {plan.epoch}: "
+                + "; ".join(f"{n} ({w})" for n, w in sorted(silent.items())),
+                phase="ready", workers=silent,
+            )
+        offsets: dict[str, int] = {}
+        rank = 1
+        for node in ready:
+            offsets[node] = rank
+            rank += plan.members[node]
+        reuse = self.group is not None and offsets == self.roster and plan.backend == self.backend
+        if not reuse:
+            self.group = None
+            self.group_id = uuid.uuid4().hex[:12]
+        decision = SyncDecision(go=True, offsets=offsets, world=rank, group_id=self.group_id,
+                                reuse_group=reuse)
+        self._decide(plan, decision)
+        return decision, silent
+
+    def transfer(self, plan: SyncPlan, decision: SyncDecision, tensors: dict[str, torch.Tensor],
+                 deadline: float) -> None:
+        """4. Join (or reuse) the group and broadcast the packed buckets."""
+        remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
+        if not decision.reuse_group:
+            if plan.backend == "nccl":
+                import torch
+
+                torch.cuda.set_device(self._device(plan.backend))
+            future: Future[Any] = self._pool.submit(
+                transport.new_group, self.store, decision.group_id, 0, decision.world, plan.backend,
+                min(self.settings.timeouts.transfer, remaining()),
+            )
+            try:
+                self.group = future.result(timeout=remaining())
+            except Exception as exc:
+                self.group = None
+                raise RendezvousTimeout(
+                    f"workers {', '.join(decision.offsets)} did not all join the process group: {exc}",
+                    phase="rendezvous", workers=decision.offsets,
+                ) from exc
+            self.roster = dict(decision.offsets)
+            self.backend = plan.backend
+        sending = self._pool.submit(
+            self._send_buckets, plan.manifest, tensors, self._device(plan.backend), remaining()
+        )
+        try:
+            sending.result(timeout=remaining())
+        except Exception as exc:
+            self.group = None  # a failed collective leaves the group unusable
+            self.roster = {}
+            raise WorkerLost(
+                f"transfer of sync epoch {plan.epoch} failed: {exc}; a worker died or stalled",
+                phase="transfer", workers=decision.offsets,
+            ) from exc
+
+    def _send_buckets(
+        self, manifest: Manifest, tensors: dict[str, torch.Tensor], device: torch.device, timeout_s: float
+    ) -> None:
+        """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
+        import torch
+
+        deadline = time.monotonic() + timeout_s
+        largest = max(manifest.bucket_sizes)
+        buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)]
+        in_flight: list[Any] = [None, None]
+        by_bucket: dict[int, list[Any]] = {}
+        for spec in manifest.tensors:
+            by_bucket.setdefault(spec.bucket, []).append(spec)
+        for index, size in enumerate(manifest.bucket_sizes):
+            slot = index % 2
+            if in_flight[slot] is not None:  # the buffer's previous bucket must be out
+                transport.wait(in_flight[slot], deadline - time.monotonic())
+            buffer = buffers[slot][:size]
+            transport.pack(buffer, by_bucket.get(index, []), tensors)
+            if device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            in_flight[slot] = transport.broadcast(self.group, buffer)
+        for work in in_flight:
+            if work is not None:
+                transport.wait(work, deadline - time.monotonic())
+
+    def await_commit(
+        self, plan: SyncPlan, decision: SyncDecision, deadline: float
+    ) -> tuple[list[str], dict[str, str]]:
+        """6. Wait for "done" acks; move the pool's fleet version forward."""
+        acks = self._collect(plan, "done", set(decision.offsets),
+                             min(deadline, time.monotonic() + self.settings.timeouts.commit))
+        committed = sorted(node for node, ack in acks.items() if ack.ok)
+        failed = {node: ack.error or "failed" for node, ack in acks.items() if not ack.ok}
+        for node in set(decision.offsets) - set(acks):
+            failed[node] = "no commit ack before the deadline"
+        if committed:
+            self.client.set(keys.fleet_version(self.pool), plan.version)
+        if failed:
+            self.group = None
+            self.roster = {}
+        return committed, failed
+
+    # -------------------------------------------------------------- helpers
+
+    def _decide(self, plan: SyncPlan, decision: SyncDecision) -> None:
+        self.store.set(f"rq/decision/{plan.epoch}", decision.model_dump_json())
+
+    def _collect(self, plan: SyncPlan, phase: str, expected: set[str], deadline: float) -> dict[str, SyncAck]:
+        acks: dict[str, SyncAck] = {}
+        name = keys.sync_acks(plan.epoch, phase)
+        while set(acks) < expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            item = self.client.blpop([name], timeout=max(0.1, min(remaining, 1.0)))
+            if item is None:
+                continue
+            ack = SyncAck.model_validate_json(item[1])
+            if ack.epoch == plan.epoch and ack.node in expected:
+                acks[ack.node] = ack
+        return acks
+
+    def status(self) -> dict[str, int]:
+        return {w.node: w.weight_version for w in live_workers(self.client, self.pool)}
+
+    def close(self) -> None:
+        """Drop the process group and the store; the next sync builds new ones."""
+        self.group = None
+        self.roster = {}
+        self.store = None
+        self.store_port = 0
+
+
+_senders: dict[str, WeightSender] = {}
+
+
+def sender(pool: str = keys.DEFAULT_POOL, settings: SyncSettings | None = None) -> WeightSender:
+    """The process-wide sender of ``pool`` (its store and group live on between syncs)."""
+    if pool not in _senders or settings is not None:
+        if pool in _senders:
+            _senders[pool].close()
+        _senders[pool] = WeightSender(settings, pool)
+    return _senders[pool]
+
+
+def broadcast(
+    weights: Weights,
+    version: int | None = None,
+    timeout: float = 120.0,
+    pause: PauseMode = "wait",
+    pool: str = keys.DEFAULT_POOL,
+) -> SyncReport:
+    """Push ``weights`` to every live worker of ``pool``; returns a ``SyncReport``."""
+    return sender(pool).sync(weights, version=version, timeout=timeout, pause=pause)
+
+
+def status(pool: str = keys.DEFAULT_POOL) -> dict[str, int]:
+    """Weight version of every live worker of ``pool``."""
+    return sender(pool).status()
+
+
+def close(pool: str | None = None) -> None:
+    """Close the process group(s) and stores; the next sync builds new ones."""
+    for name in [pool] if pool else list(_senders):
+        if name in _senders:
+            _senders.pop(name).close()
+
+
+__all__ = ["broadcast", "status", "close", "sender", "WeightSender", "WeightSyncError"]

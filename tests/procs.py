@@ -1,0 +1,102 @@
+"""Subprocess helpers for tests: start, wait for, and always stop processes.
+
+Every process logs to a file under ``.artifacts/logs``, runs in its own
+session (so teardown kills its whole tree: vLLM engine cores and workers
+included), and a process that dies while we wait for it fails the test with
+the tail of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / ".artifacts"
+LOGS = ARTIFACTS / "logs"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.argv = argv
+        self.log_path = LOGS / f"{name}.log"
+        self._log = self.log_path.open("ab")
+        self._log.write(f"\n=== {' '.join(argv)}\n".encode())
+        self._log.flush()
+        full_env = {**os.environ, **(env or {})}
+        self.popen = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
+            start_new_session=True, cwd=str(ROOT),
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def wait_until(self, check: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise AssertionError(
+                    f"{self.name} exited with {self.popen.returncode} while waiting for {what}:\n{self.tail()}"
+                )
+            try:
+                if check():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"{self.name}: {what} not within {timeout:.0f}s:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.popen.pid, sig)
+
+    def kill_tree(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the tree, wait, then SIGKILL whatever is left."""
+        if self.alive():
+            self.kill_tree(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_tree(signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def python() -> str:
+    return sys.executable
