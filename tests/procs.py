@@ -72,7 +72,7 @@ class Proc:
             time.sleep(0.25)
         raise AssertionError(f"{self.name}: {what} not within {timeout:.0f}s:\n{self.tail()}")
 
-    def signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.alive():
             os.kill(self.popen.pid, sig)
 

@@ -1,0 +1,161 @@
+"""Weight-sync protocol pieces: bucket planning, tensor collection, phase order,
+signing, and the gloo transport between two real processes (no engine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tasks import transport
+from tasks.auth import plan_signature_ok, sign_plan
+from tasks.errors import WeightSyncError
+from tasks.schemas import Manifest, SyncPlan
+from tasks.sync_weights import named_tensors
+from tests.procs import ROOT, free_port
+
+
+def test_buckets_pack_tensors_in_order_and_never_exceed_the_bucket_size() -> None:
+    specs = [(f"w{i}", "float32", [100]) for i in range(10)]  # 400 bytes each
+    manifest = transport.plan_buckets(specs, bucket_bytes=1024)
+    assert [t.name for t in manifest.tensors] == [f"w{i}" for i in range(10)]
+    assert all(size <= 1024 for size in manifest.bucket_sizes)
+    per_bucket: dict[int, list[str]] = {}
+    for spec in manifest.tensors:
+        per_bucket.setdefault(spec.bucket, []).append(spec.name)
+        assert spec.offset % transport.ALIGN == 0
+        assert spec.offset + spec.nbytes <= manifest.bucket_sizes[spec.bucket]
+    assert len(per_bucket) == len(manifest.bucket_sizes) == 5
+
+
+def test_a_tensor_larger_than_a_bucket_travels_alone() -> None:
+    manifest = transport.plan_buckets(
+        [("small", "bfloat16", [4]), ("huge", "float32", [1000]), ("tail", "int64", [2])], 256
+    )
+    buckets = {t.name: t.bucket for t in manifest.tensors}
+    assert buckets == {"small": 0, "huge": 1, "tail": 2}
+    assert manifest.bucket_sizes[1] == 4000
+
+
+def test_bucket_planning_refuses_duplicate_names_and_unknown_dtypes() -> None:
+    with pytest.raises(ValueError, match="twice"):
+        transport.plan_buckets([("a", "float32", [1]), ("a", "float32", [1])], 1024)
+    with pytest.raises(ValueError, match="complex64"):
+        transport.plan_buckets([("a", "complex64", [1])], 1024)
+
+
+def test_packed_bucket_views_give_back_every_tensor_bit_for_bit() -> None:
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
+    manifest = transport.plan_buckets(
+        ((n, transport.dtype_name(t), list(t.shape)) for n, t in tensors.items()), 1 << 20
+    )
+    buffer = torch.empty(manifest.bucket_sizes[0], dtype=torch.uint8)
+    transport.pack(buffer, manifest.tensors, tensors)
+    for name, view in transport.bucket_views(buffer, manifest.tensors):
+        assert torch.equal(view, tensors[name])
+
+
+def test_named_tensors_send_tied_weights_once_and_keep_checkpoint_names() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as lm_head = embed_tokens
+    names = [n for n, _ in named_tensors(model)]
+    assert names == ["0.weight"]
+    state = {"x": torch.ones(2), "y": torch.zeros(3)}
+    assert [n for n, _ in named_tensors(state)] == ["x", "y"]
+    assert [n for n, _ in named_tensors(iter(state.items()))] == ["x", "y"]
+    with pytest.raises(TypeError, match="not a tensor"):
+        named_tensors({"x": [1.0]})
+
+
+def _plan(**updates: object) -> SyncPlan:
+    plan = SyncPlan(
+        epoch=1, version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
+        members={"w@h": 1}, backend="gloo",
+        manifest=Manifest(tensors=[], bucket_sizes=[]), issued_at=0.0,
+    )
+    return plan.model_copy(update=updates)
+
+
+def test_plan_signature_detects_any_change_and_a_wrong_secret() -> None:
+    plan = _plan()
+    signed = plan.model_copy(update={"hmac": sign_plan(plan, "s3cret")})
+    assert plan_signature_ok(signed, "s3cret")
+    assert not plan_signature_ok(signed, "other")
+    assert not plan_signature_ok(plan, "s3cret")  # unsigned
+    tampered = signed.model_copy(update={"version": 4})
+    assert not plan_signature_ok(tampered, "s3cret")
+
+
+def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> None:
+    from workers.extension import WeightReceiver
+
+    receiver = WeightReceiver()
+    with pytest.raises(WeightSyncError, match="rq_attach"):
+        receiver.rq_finish_update()
+    receiver.rq_attach("layerwise")
+    with pytest.raises(WeightSyncError, match="call rq_begin_update first"):
+        receiver.rq_receive_buckets(1.0)
+    with pytest.raises(WeightSyncError, match="call rq_begin_update first"):
+        receiver.rq_finish_update()
+    assert receiver.rq_abort_update() == "aborted"
+
+
+PEER = textwrap.dedent(
+    """
+    import json, sys, torch
+    from tasks import transport
+    from tasks.schemas import Manifest
+    host, port, manifest = sys.argv[1], int(sys.argv[2]), Manifest.model_validate_json(sys.argv[3])
+    store = transport.connect_store(host, port, 30.0)
+    group = transport.new_group(store, "g1", 1, 2, "gloo", 30.0)
+    sums = {}
+    for index, size in enumerate(manifest.bucket_sizes):
+        buf = torch.empty(size, dtype=torch.uint8)
+        transport.wait(transport.broadcast(group, buf), 30.0)
+        specs = [s for s in manifest.tensors if s.bucket == index]
+        for name, view in transport.bucket_views(buf, specs):
+            sums[name] = float(view.double().sum())
+    print(json.dumps(sums))
+    """
+)
+
+
+def test_two_processes_exchange_packed_buckets_over_gloo() -> None:
+    tensors = {f"layer{i}.weight": torch.randn(64, 64) for i in range(6)}
+    manifest = transport.plan_buckets(
+        ((n, "float32", list(t.shape)) for n, t in tensors.items()), bucket_bytes=40_000
+    )
+    assert len(manifest.bucket_sizes) > 2  # exercises both send buffers
+    port = free_port()
+    store = transport.connect_store("127.0.0.1", port, 30.0, is_master=True)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, "127.0.0.1", str(port), manifest.model_dump_json()],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT), text=True,
+    )
+    try:
+        group = transport.new_group(store, "g1", 0, 2, "gloo", 30.0)
+        buffers = [torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8) for _ in range(2)]
+        works = []
+        for index, size in enumerate(manifest.bucket_sizes):
+            if len(works) >= 2:
+                transport.wait(works[-2], 30.0)
+            buf = buffers[index % 2][:size]
+            transport.pack(buf, [s for s in manifest.tensors if s.bucket == index], tensors)
+            works.append(transport.broadcast(group, buf))
+        for work in works:
+            transport.wait(work, 30.0)
+        out, err = peer.communicate(timeout=60)
+    finally:
+        peer.kill()
+    assert peer.returncode == 0, err
+    received = json.loads(out)
+    for name, tensor in tensors.items():
+        assert received[name] == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-9)
