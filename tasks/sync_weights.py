@@ -143,11 +143,12 @@ class WeightSender:
             phases["rendezvous"] = time.monotonic() - t
 
             t = time.monotonic()
-            plan = self.trigger(members, manifest, version, pause, backend, deadline)
+            plan, silent = self.trigger(members, manifest, version, pause, backend, deadline)
             phases["trigger"] = time.monotonic() - t
 
             t = time.monotonic()
-            decision, silent = self.await_ready(plan, members, deadline)
+            decision, not_ready = self.await_ready(plan, set(plan.members) - set(silent), deadline)
+            silent.update(not_ready)
             phases["ready"] = time.monotonic() - t
 
             t = time.monotonic()
@@ -260,8 +261,11 @@ class WeightSender:
     def trigger(
         self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode,
         backend: str, deadline: float,
-    ) -> SyncPlan:
-        """3. One broadcast control message; every member answers accepted or refused."""
+    ) -> tuple[SyncPlan, dict[str, str]]:
+        """3. One broadcast control message; every member answers accepted or refused.
+
+        Returns the plan and the members that did not answer in time.
+        """
         epoch = int(self.client.incr(keys.SYNC_EPOCH))
         plan = SyncPlan(
             epoch=epoch, version=version, pause=pause,
@@ -298,15 +302,15 @@ class WeightSender:
                 f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))}",
                 phase="trigger", workers=missing,
             )
-        return plan
+        return plan, {node: "did not answer the trigger" for node in missing}
 
     def await_ready(
-        self, plan: SyncPlan, members: list[WorkerInfo], deadline: float
+        self, plan: SyncPlan, accepted: set[str], deadline: float
     ) -> tuple[SyncDecision, dict[str, str]]:
         """Wait for "ready" acks; write the decision (roster, ranks) to the store."""
-        acks = self._collect(plan, "ready", set(plan.members),
+        acks = self._collect(plan, "ready", accepted,
                              min(deadline, time.monotonic() + self.settings.timeouts.ready))
-        silent = {node: "did not pause in time" for node in set(plan.members) - set(acks)}
+        silent = {node: "did not pause in time" for node in accepted - set(acks)}
         for node, ack in acks.items():
             if not ack.ok:
                 silent[node] = ack.error or "failed to pause"
