@@ -3,12 +3,15 @@
     from tasks import generate, sync_weights
     out = generate.delay(["2+2="], {"temperature": 0.7, "max_tokens": 64}).get()
     report = sync_weights.broadcast(model, version=7)
+    for index, result in generate_many(prompts, params, chunk_size=64): ...
+    control.sleep(level=1); control.wake_up()    # also pause, resume, engine_stats...
 """
 
-from tasks import sync_weights
+from tasks import control, sync_weights
 from tasks.app import app, configure
 from tasks.errors import RolloutError, WeightSyncError
 from tasks.generate import generate
+from tasks.producer import generate_many
 from tasks.schemas import GenerationResult, SamplingParams, SyncReport, WorkerInfo
 from tasks.signature import signature
 
@@ -16,6 +19,8 @@ __all__ = [
     "app",
     "configure",
     "generate",
+    "generate_many",
+    "control",
     "sync_weights",
     "signature",
     "SamplingParams",

@@ -7,7 +7,10 @@
     ├── GenerationTimeout         a task ran past its time limit; its requests were aborted
     ├── Requeue                   not this worker's to serve now; back to the queue
     ├── BrokerUnavailable         Redis could not be reached before the deadline
-    ├── ControlTimeout            workers did not answer a control command in time
+    ├── ControlError              a control command (sleep, pause, stats...) failed
+    │   ├── ControlTimeout        workers did not answer in time
+    │   └── ControlFailed         workers answered with an error
+    ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
         ├── RendezvousTimeout     a worker did not join the process group in time
@@ -58,7 +61,11 @@ class BrokerUnavailable(RolloutError, ConnectionError):
     """Redis did not answer before the deadline."""
 
 
-class ControlTimeout(RolloutError, TimeoutError):
+class ControlError(RolloutError):
+    """A control command sent to workers failed (or found no worker to send to)."""
+
+
+class ControlTimeout(ControlError, TimeoutError):
     """Some workers did not answer a control command before the deadline."""
 
     def __init__(self, command: str, missing: Iterable[str]) -> None:
@@ -67,6 +74,42 @@ class ControlTimeout(RolloutError, TimeoutError):
         super().__init__(
             f"{command}: no reply from {', '.join(self.missing)} before the deadline; "
             "check that these workers are alive (`rollout-queue status`)"
+        )
+
+
+class ControlFailed(ControlError):
+    """Workers answered a control command with an error. ``errors``: node → message."""
+
+    def __init__(self, command: str, errors: dict[str, str], replies: dict[str, object]) -> None:
+        self.command = command
+        self.errors = dict(sorted(errors.items()))
+        self.replies = replies  # the workers that succeeded: node → result
+        detail = "; ".join(f"{node}: {error}" for node, error in self.errors.items())
+        super().__init__(f"{command} failed on {len(self.errors)} worker(s): {detail}")
+
+
+class BatchIncomplete(RolloutError):
+    """Tasks of a ``generate_many`` batch failed or did not finish in time.
+
+    ``failed``: task id → error; ``unfinished``: ids of tasks still pending at
+    the deadline; ``indices``: the prompt indices without a result.
+    """
+
+    def __init__(self, failed: dict[str, str], unfinished: Iterable[str], indices: Iterable[int]) -> None:
+        self.failed = dict(failed)
+        self.unfinished = sorted(unfinished)
+        self.indices = sorted(indices)
+        parts = []
+        if self.failed:
+            shown = "; ".join(f"{tid}: {err}" for tid, err in list(self.failed.items())[:5])
+            more = f" (and {len(self.failed) - 5} more)" if len(self.failed) > 5 else ""
+            parts.append(f"{len(self.failed)} task(s) failed: {shown}{more}")
+        if self.unfinished:
+            parts.append(f"{len(self.unfinished)} task(s) unfinished at the deadline: "
+                         f"{', '.join(self.unfinished[:5])}{' ...' if len(self.unfinished) > 5 else ''}")
+        super().__init__(
+            f"{'; '.join(parts)}; {len(self.indices)} prompt(s) have no result "
+            "(their indices are in .indices; resubmit those)"
         )
 
 

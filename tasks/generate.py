@@ -71,6 +71,9 @@ class GenerateTask(Task):
         headers.setdefault(SENT_AT_HEADER, time.time())
         headers[SIGNATURE_HEADER] = signature(request.params)
         headers[MIN_VERSION_HEADER] = request.params.min_weight_version
+        # Monitors (Flower, task events) show kwargsrepr where the kwargs go;
+        # this task's kwargs are always empty, so show the signature there.
+        options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))
         wire = request.model_dump(mode="json")
         try:
             return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)

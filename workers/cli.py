@@ -33,7 +33,7 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from workers.status import run_status
 
-    return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url)
+    return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url, node=args.node)
 
 
 def _api(args: argparse.Namespace) -> int:
@@ -81,6 +81,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--watch", action="store_true")
     s.add_argument("--interval", type=float, default=2.0)
     s.add_argument("--redis-url")
+    s.add_argument("--node", help="show one worker; exit 1 when it is not live (healthcheck)")
     s.set_defaults(func=_status)
 
     a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway")

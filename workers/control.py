@@ -17,6 +17,8 @@ from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
+OPERATOR_PAUSE = "paused by an operator"
+
 _runtime: WorkerRuntime | None = None
 
 
@@ -51,6 +53,7 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
             "tokens_per_s": info.tokens_per_s,
             "kv_cache_usage": info.kv_cache_usage,
             "waiting_requests": info.waiting_requests,
+            "running_requests": host.stats.snapshot().running_requests,
             "completed_tasks": runtime.service.completed_tasks,
             "failed_tasks": runtime.service.failed_tasks,
             "last_sync_error": runtime.sync.last_error,
@@ -60,13 +63,16 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
     if op == "reset_prefix_cache":
         return host.reset_prefix_cache()
     if op == "pause":
-        runtime.set_fenced("paused by an operator")
+        runtime.set_fenced(OPERATOR_PAUSE)
         runtime.set_state("paused")
-        return True
+        return runtime.state
     if op == "resume":
-        runtime.set_fenced(None)
-        runtime.set_state("serving")
-        return True
+        # Lift only the operator's pause: a worker fenced for stale weights
+        # or asleep stays out until a sync or a wake-up brings it back.
+        if runtime.service.fenced_reason in (OPERATOR_PAUSE, None):
+            runtime.set_fenced(None)
+            runtime.set_state("serving")
+        return runtime.state
     if op == "sleep":
         host.sleep(int(args.get("level", 1)))
         runtime.set_fenced("sleeping")

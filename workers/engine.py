@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
+from workers.engine_stats import EngineStats, stat_logger_factory
 from workers.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class EngineHost:
         self._keep_pause = False
         self.generated_tokens = 0
         self.finished_requests = 0
+        self.stats = EngineStats()  # fed by the engine's stat logger each step
 
     # ------------------------------------------------------------------ life
 
@@ -157,12 +159,18 @@ class EngineHost:
         """Load the engine (blocking). Raises ``EngineError`` with the reason."""
         from transformers import AutoTokenizer
 
+        if self.settings.enable_sleep_mode:
+            problem = self.sleep_mode_problem()
+            if problem is not None:
+                raise EngineError(problem)
         self._thread.start()
 
         async def create() -> Any:
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            return AsyncLLM.from_engine_args(self.engine_args())
+            return AsyncLLM.from_engine_args(
+                self.engine_args(), stat_loggers=[stat_logger_factory(self.stats)]
+            )
 
         try:
             self.engine = self.call(create())
@@ -382,18 +390,31 @@ class EngineHost:
     def reset_prefix_cache(self) -> bool:
         return bool(self.call(self.engine.reset_prefix_cache(), timeout=30))
 
-    def sleep(self, level: int) -> None:
-        if not self.settings.enable_sleep_mode:
-            raise EngineError(
-                "sleep mode is off on this worker; start it with --enable-sleep-mode "
-                "(CUDA only: vLLM's CPU backend has no sleep mode)"
+    def sleep_mode_problem(self) -> str | None:
+        """Why this engine cannot sleep, or None when it can."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            return (
+                f"sleep mode is not supported on this backend: vLLM's "
+                f"{current_platform.device_type} platform has no sleep mode (CUDA and ROCm "
+                "do); keep this worker awake, or run it on a GPU with --enable-sleep-mode"
             )
+        if not self.settings.enable_sleep_mode:
+            return "sleep mode is off on this worker; start it with --enable-sleep-mode"
+        return None
+
+    def sleep(self, level: int) -> None:
+        problem = self.sleep_mode_problem()
+        if problem is not None:
+            raise EngineError(problem)
         self._intake.clear()
         self.call(self.engine.sleep(level), timeout=120)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        if not self.settings.enable_sleep_mode:
-            raise EngineError("sleep mode is off on this worker; nothing to wake")
+        problem = self.sleep_mode_problem()
+        if problem is not None:
+            raise EngineError(f"{problem} (nothing to wake)")
         self.call(self.engine.wake_up(tags), timeout=120)
         if tags is None or "kv_cache" in tags:
             self._intake.set()

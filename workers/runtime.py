@@ -43,8 +43,6 @@ class WorkerRuntime:
         self._heartbeat = threading.Thread(target=self._beat, name="registry-heartbeat", daemon=True)
         self._last_tokens = (time.monotonic(), 0)
         self.tokens_per_s = 0.0
-        self.kv_cache_usage = 0.0
-        self.waiting_requests = 0
 
     # ----------------------------------------------------------------- state
 
@@ -76,6 +74,11 @@ class WorkerRuntime:
                 self.consumer.call_soon(self.consumer.cancel_task_queue, queue)
 
     def info(self) -> WorkerInfo:
+        inflight = self.host.inflight_requests()
+        engine = self.host.stats.snapshot()
+        # The engine reports only while it steps: once idle, its last figures
+        # are stale (they still count the requests that just finished).
+        busy = inflight > 0
         return WorkerInfo(
             node=self.node,
             pool=self.settings.pool,
@@ -86,12 +89,12 @@ class WorkerRuntime:
             tensor_parallel_size=self.settings.tensor_parallel_size,
             weight_version=self.host.weight_version,
             state=self.state,
-            inflight_requests=self.host.inflight_requests(),
-            waiting_requests=self.waiting_requests,
+            inflight_requests=inflight,
+            waiting_requests=engine.waiting_requests if busy else 0,
             inflight_tasks=self.service.inflight_tasks,
             tokens_per_s=round(self.tokens_per_s, 1),
             generated_tokens=self.host.generated_tokens,
-            kv_cache_usage=self.kv_cache_usage,
+            kv_cache_usage=round(engine.kv_cache_usage, 4) if busy else 0.0,
             max_model_len=self.host.max_model_len,
             metrics_port=self.settings.metrics_port,
             started_at=self.started_at,

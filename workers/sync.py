@@ -120,6 +120,8 @@ class SyncParticipant:
         paused = False
         try:
             self.set_state("syncing")
+            if self.host.is_sleeping():  # loading into sleeping weights crashes vLLM
+                self.host.wake_up(["weights"])
             t = time.monotonic()
             self.host.pause(plan.pause, timeout=120.0)
             paused = True
