@@ -25,7 +25,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _make_tiny_model(args: argparse.Namespace) -> int:
     from workers.tiny_model import make_tiny_model
 
-    path = make_tiny_model(args.path, seed=args.seed, kind=args.kind)
+    path = make_tiny_model(args.path, seed=args.seed, kind=args.kind, weights=not args.no_weights,
+                           dtype=args.dtype)
     print(path)
     return 0
 
@@ -64,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--enforce-eager", action="store_true", default=None)
     w.add_argument("--enable-sleep-mode", action="store_true", default=None)
     w.add_argument("--weight-load-mode", choices=["auto", "layerwise", "direct"])
+    w.add_argument("--load-format", help="vLLM load format, e.g. 'dummy' for random weights")
     w.add_argument("--metrics-port", type=int)
     w.add_argument("--pool", help="weight-sync pool (workers of one policy); default 'default'")
     w.add_argument("--queues", type=lambda s: s.split(","), help="queues to consume, comma-separated")
@@ -74,7 +76,10 @@ def parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-tiny-model", help="write a small random model for tests")
     m.add_argument("path")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--kind", default="llama", choices=["llama", "qwen2-0.5b"])
+    m.add_argument("--kind", default="llama", choices=["llama", "qwen2-0.5b", "qwen2-7b"])
+    m.add_argument("--dtype", help="weights dtype (qwen2 kinds; default bfloat16)")
+    m.add_argument("--no-weights", action="store_true",
+                   help="config and tokenizer only (engines with --load-format dummy)")
     m.set_defaults(func=_make_tiny_model)
 
     s = sub.add_parser("status", help="workers, versions and queue depths")

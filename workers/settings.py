@@ -21,6 +21,7 @@ class EngineSettings(ClientSettings):
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
     seed: int = 0
+    load_format: str = "auto"  # "dummy": random weights (benchmarks)
     # "auto": layerwise reload on CPU (a bare load_weights leaves the old
     # weights in use there), direct load_weights on CUDA.
     weight_load_mode: Literal["auto", "layerwise", "direct"] = "auto"
@@ -33,6 +34,9 @@ class WorkerSettings(EngineSettings):
     pool: str = "default"
     heartbeat_s: float = 2.0
     registry_ttl_s: float = 10.0
+    # A node whose registry key has been gone this long is dead: the reaper
+    # puts its unacknowledged tasks back in their queues (workers/reaper.py).
+    reap_grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None = off
     weight_sync_secret: SecretStr | None = None
     log_level: str = "INFO"

@@ -62,8 +62,36 @@ def _save_tokenizer(tok, path: Path) -> None:  # type: ignore[no-untyped-def]
     fast.save_pretrained(str(path))
 
 
-def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama") -> Path:
-    """Write a random model and its tokenizer to ``path``; returns the path."""
+QWEN2_SHAPES = {
+    # Qwen2-0.5B and Qwen2-7B layer shapes, with a 32,000-token WordLevel vocabulary
+    # for 0.5B (every sampled id decodes) and the real vocabulary size for 7B.
+    "qwen2-0.5b": dict(vocab_size=32000, hidden_size=896, intermediate_size=4864,
+                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       tie_word_embeddings=True),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     tie_word_embeddings=False),
+}
+
+
+def qwen2_config(kind: str, dtype: str = "bfloat16"):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **QWEN2_SHAPES[kind], max_position_embeddings=4096, initializer_range=0.02,
+        bos_token_id=31996, eos_token_id=31997, torch_dtype=dtype,
+    )
+
+
+def make_tiny_model(
+    path: str | Path, seed: int = 0, kind: str = "llama", *, weights: bool = True,
+    dtype: str | None = None, device: str = "cpu",
+) -> Path:
+    """Write a random model and its tokenizer to ``path``; returns the path.
+
+    ``weights=False`` writes only the config and tokenizer (for engines started
+    with ``load_format="dummy"``, which draw random weights themselves).
+    """
     import torch
 
     path = Path(path)
@@ -87,31 +115,22 @@ def make_tiny_model(path: str | Path, seed: int = 0, kind: str = "llama") -> Pat
             eos_token_id=tok.token_to_id("<|eos|>"),
             torch_dtype="float32",
         )
-        model_cls, dtype = LlamaForCausalLM, torch.float32
-    elif kind == "qwen2-0.5b":
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        model_cls, torch_dtype = LlamaForCausalLM, torch.float32
+    elif kind in QWEN2_SHAPES:
+        from transformers import Qwen2ForCausalLM
 
         tok = _word_level_tokenizer(32000)
-        config = Qwen2Config(
-            vocab_size=32000,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            initializer_range=0.02,
-            tie_word_embeddings=True,
-            bos_token_id=tok.token_to_id("<|bos|>"),
-            eos_token_id=tok.token_to_id("<|eos|>"),
-            torch_dtype="bfloat16",
-        )
-        model_cls, dtype = Qwen2ForCausalLM, torch.bfloat16
+        config = qwen2_config(kind, dtype or "bfloat16")
+        model_cls, torch_dtype = Qwen2ForCausalLM, getattr(torch, dtype or "bfloat16")
     else:
-        raise ValueError(f"unknown model kind {kind!r}; use 'llama' or 'qwen2-0.5b'")
-    torch.manual_seed(seed)
-    model = model_cls(config).to(dtype)
-    model.save_pretrained(str(path), safe_serialization=True)
+        raise ValueError(f"unknown model kind {kind!r}; use 'llama', {', '.join(QWEN2_SHAPES)}")
+    if weights:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = model_cls(config).to(torch_dtype)
+        model.save_pretrained(str(path), safe_serialization=True)
+    else:
+        config.save_pretrained(str(path))
     _save_tokenizer(tok, path)
     (path / "rollout_queue.json").write_text(json.dumps({"kind": kind, "seed": seed}))
     return path

