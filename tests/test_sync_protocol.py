@@ -159,3 +159,13 @@ def test_two_processes_exchange_packed_buckets_over_gloo() -> None:
     received = json.loads(out)
     for name, tensor in tensors.items():
         assert received[name] == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-9)
+
+
+def test_version_spans_drop_empty_spans_and_record_each_change() -> None:
+    from workers.engine import version_spans
+
+    assert version_spans(1, [], 5) == [(0, 1)]
+    assert version_spans(1, [(0, 2)], 5) == [(0, 2)]  # nothing generated before the sync
+    assert version_spans(1, [(3, 2)], 5) == [(0, 1), (3, 2)]
+    assert version_spans(1, [(5, 2)], 5) == [(0, 1)]  # nothing generated after it
+    assert version_spans(1, [(3, 2), (4, 3)], 6) == [(0, 1), (3, 2), (4, 3)]

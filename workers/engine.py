@@ -86,6 +86,61 @@ def to_vllm_params(params: SamplingParams) -> Any:
     return VllmSamplingParams(**kwargs)
 
 
+def _structured_outputs_config() -> Any:
+    from vllm.config import StructuredOutputsConfig
+
+    # vLLM refuses disable_any_whitespace with backend "auto" (it could pick a
+    # backend without the option), so name xgrammar: a schema xgrammar cannot
+    # compile fails the request instead of falling back to guidance.
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+
+
+def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
+    """The engine configuration of a worker, as ``EngineArgs`` keywords.
+
+    One place, so that baselines (``vllm.LLM(**engine_kwargs(s))`` in the
+    benchmarks and the tests' offline reference) run exactly the worker's config.
+    """
+    kwargs: dict[str, Any] = dict(
+        model=settings.model,
+        dtype=settings.dtype,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        seed=settings.seed,
+        load_format=settings.load_format,
+        worker_extension_cls=EXTENSION_CLS,
+        disable_log_stats=False,
+        # Compact JSON for json_schema / json_object: vLLM 0.32's xgrammar
+        # backend reads this engine-wide flag and ignores the per-request
+        # StructuredOutputsParams.disable_any_whitespace (seen: a random-weight
+        # model filled objects with whitespace until max_tokens).
+        structured_outputs_config=_structured_outputs_config(),
+    )
+    if settings.enable_sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+def version_spans(first: int, changes: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """``[[first_token_index, version], ...]`` with empty spans dropped.
+
+    A change at token ``k`` means tokens ``k…`` came from the new weights; a
+    change at 0 (the request had generated nothing yet) replaces the first span.
+    """
+    spans = [(0, first)]
+    for start, version in sorted(changes):
+        if start >= length and start > 0:
+            break  # nothing generated after the change
+        if start == spans[-1][0]:
+            spans[-1] = (start, version)
+        elif version != spans[-1][1]:
+            spans.append((start, version))
+    return spans
+
+
 def _logprob_of(position: Any, token_id: int) -> float | None:
     if position is None:
         return None
@@ -138,22 +193,7 @@ class EngineHost:
     def engine_args(self) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        s = self.settings
-        kwargs: dict[str, Any] = dict(
-            model=s.model,
-            dtype=s.dtype,
-            tensor_parallel_size=s.tensor_parallel_size,
-            max_model_len=s.max_model_len,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            enforce_eager=s.enforce_eager,
-            enable_prefix_caching=s.enable_prefix_caching,
-            seed=s.seed,
-            worker_extension_cls=EXTENSION_CLS,
-            disable_log_stats=False,
-        )
-        if s.enable_sleep_mode:
-            kwargs["enable_sleep_mode"] = True
-        return AsyncEngineArgs(**kwargs)
+        return AsyncEngineArgs(**engine_kwargs(self.settings))
 
     def start(self) -> None:
         """Load the engine (blocking). Raises ``EngineError`` with the reason."""
@@ -310,7 +350,7 @@ class EngineHost:
                 logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
                 if params.logprobs > 0:
                     top = [_top(p, params.logprobs) for p in positions]
-            spans = [(0, live.version)] + live.spans.get(comp.index, [])
+            spans = version_spans(live.version, live.spans.get(comp.index, []), len(token_ids))
             samples.append(
                 Sample(
                     text=comp.text,
@@ -319,7 +359,7 @@ class EngineHost:
                     top_logprobs=top,
                     finish_reason=comp.finish_reason,
                     stop_reason=comp.stop_reason,
-                    weight_versions=[s for s in spans if s[0] <= max(len(token_ids), 0)],
+                    weight_versions=spans,
                 )
             )
             self.generated_tokens += len(token_ids)
