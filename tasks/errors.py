@@ -11,6 +11,7 @@
     │   ├── ControlTimeout        workers did not answer in time
     │   └── ControlFailed         workers answered with an error
     ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
+    ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
         ├── RendezvousTimeout     a worker did not join the process group in time
@@ -111,6 +112,10 @@ class BatchIncomplete(RolloutError):
             f"{'; '.join(parts)}; {len(self.indices)} prompt(s) have no result "
             "(their indices are in .indices; resubmit those)"
         )
+
+
+class LocalStackError(RolloutError):
+    """A local Redis or worker started by the quickstart or a benchmark failed; names its log."""
 
 
 class WeightSyncError(RolloutError):

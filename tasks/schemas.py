@@ -6,6 +6,7 @@ every model forbids unknown keys, so a typo is an error, not a silent default.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -70,6 +71,16 @@ class SamplingParams(_Message):
     @classmethod
     def _top_k_disabled(cls, value: int | None) -> int | None:
         return None if value is not None and value <= 0 else value
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"json_schema must be plain JSON (dicts, lists, str, numbers): {exc}") from exc
+        return value
 
     @field_validator("choice")
     @classmethod

@@ -1,0 +1,144 @@
+"""What the benchmarks share: device presets, one engine config for both legs, the stack.
+
+Every benchmark compares the queue against vLLM's offline ``LLM`` built from
+the same ``EngineSettings`` (``workers.offline``), in the same run, with both
+engines loaded side by side and the legs alternated, so a noisy machine
+slows both alike. Each prints exactly one JSON line on stdout; logs go to
+stderr (vLLM's included) and to ``.run/bench/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# Before vLLM is imported anywhere in this process: keep stdout for the JSON line.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+from pydantic import SecretStr  # noqa: E402
+
+from tasks.app import configure  # noqa: E402
+from tasks.settings import ClientSettings  # noqa: E402
+from workers.localstack import LocalStack, WorkerSpec, default_tiny_model  # noqa: E402
+from workers.settings import EngineSettings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Per device: the engine config and the workload of DESIGN.md / issue 7.
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.1,
+                prompts=256, input_len=32, output_len=64, prompts_per_task=32, rounds=2),
+    # Two engines share the GPU (worker + offline baseline): 0.4 each.
+    "cuda": dict(dtype="auto", max_model_len=1024, gpu_memory_utilization=0.4,
+                 prompts=1024, input_len=128, output_len=256, prompts_per_task=64, rounds=3),
+}
+
+
+def parser(description: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--model", help="model path or id (default: the tiny model, built into .models/)")
+    p.add_argument("--dtype")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--redis-url", help="default: REDIS_URL if it answers, else an embedded valkey-server")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every option left unset from the device's preset."""
+    for key, value in PRESETS[args.device].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.model is None:
+        if args.device == "cuda":
+            from workers.tiny_model import make_tiny_model
+
+            path = ROOT / ".models" / "tiny-qwen2-0.5b-seed1"
+            if not (path / "model.safetensors").exists():
+                make_tiny_model(path, seed=1, kind="qwen2-0.5b")
+            args.model = str(path)
+        else:
+            args.model = str(default_tiny_model(ROOT / ".models").resolve())
+    return args
+
+
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """The one engine config both legs run."""
+    return EngineSettings(
+        model=args.model, device=args.device, dtype=args.dtype,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+
+
+def worker_spec(settings: EngineSettings, max_inflight: int = 64) -> WorkerSpec:
+    return WorkerSpec(
+        model=settings.model, device=settings.device, dtype=settings.dtype,
+        max_model_len=settings.max_model_len or 0, max_inflight=max_inflight,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+    )
+
+
+def token_prompts(model: str, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` random token-id prompts of ``length`` ids, no special tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+    rng = random.Random(seed)
+    return [[rng.choice(vocab) for _ in range(length)] for _ in range(count)]
+
+
+@contextmanager
+def queue_stack(args: argparse.Namespace, settings: EngineSettings, max_inflight: int = 64) -> Iterator[LocalStack]:
+    """Redis (found or started) and one worker on a queue of its own; producers configured."""
+    client = ClientSettings()
+    url = args.redis_url or client.redis_url.get_secret_value()
+    with LocalStack(ROOT / ".run" / "bench", prefix="bench") as stack:
+        stack.ensure_redis(url)
+        log(f"redis: {stack.redis_note}; starting worker {stack.worker_name()}")
+        t = time.monotonic()
+        stack.start_worker(worker_spec(settings, max_inflight))
+        log(f"worker serving after {time.monotonic() - t:.0f} s")
+        configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
+        yield stack
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+        return f"{name} x{torch.cuda.device_count()}, {os.cpu_count()} CPUs"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs ({socket.gethostname()})"
+
+
+def emit(record: dict[str, Any], args: argparse.Namespace) -> None:
+    """The benchmark's one JSON line."""
+    import vllm
+
+    record.update(
+        device=args.device,
+        model=Path(args.model).name,
+        vllm=vllm.__version__,
+        machine=machine(args.device),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    print(json.dumps(record), flush=True)

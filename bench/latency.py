@@ -1,0 +1,96 @@
+"""Latency the queue adds to a 1-prompt task, over a direct engine call.
+
+Each iteration sends one fresh token-id prompt both ways, back to back: as a
+``generate`` task through Redis to one worker (``.get()`` returns), and
+straight into vLLM's offline ``LLM.generate`` in this process, built from
+the same engine config. The difference of the percentiles is what the queue
+costs: Celery messaging, the result backend, validation and result building.
+
+    .venv/bin/python bench/latency.py                        # CPU: tiny model
+    python bench/latency.py --device cuda --model PATH       # GPU
+
+Prints one JSON line: p50/p99 of both legs, added_p50_ms / added_p99_ms, ratio_p50.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import benchlib
+
+from tasks.generate import generate
+from tasks.schemas import SamplingParams
+
+DEFAULTS = {"cpu": dict(iterations=100, input_len=16, max_tokens=8),
+            "cuda": dict(iterations=300, input_len=128, max_tokens=16)}
+
+
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def main() -> None:
+    p = benchlib.parser(__doc__)
+    p.add_argument("--iterations", type=int)
+    p.add_argument("--input-len", type=int)
+    p.add_argument("--max-tokens", type=int)
+    args = p.parse_args()
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args = benchlib.resolve(args)
+    settings = benchlib.engine_settings(args)
+    warmup = 5
+    prompts = benchlib.token_prompts(args.model, args.iterations + warmup, args.input_len, args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    from vllm.inputs import TokensPrompt
+
+    from workers.engine import to_vllm_params
+    from workers.offline import offline_llm, shutdown
+
+    direct_params = to_vllm_params(params)
+    queue_ms: list[float] = []
+    direct_ms: list[float] = []
+    with benchlib.queue_stack(args, settings, max_inflight=4) as stack:
+        llm = offline_llm(settings)
+        try:
+            for i, ids in enumerate(prompts):
+                started = time.perf_counter()
+                handle = generate.apply_async(([ids], params), queue=stack.queue)
+                result: dict[str, Any] = handle.get(timeout=300)
+                queued = (time.perf_counter() - started) * 1000
+                handle.forget()
+                started = time.perf_counter()
+                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids)], direct_params, use_tqdm=False)
+                direct = (time.perf_counter() - started) * 1000
+                same = result["outputs"][0]["samples"][0]["token_ids"] == list(outputs[0].outputs[0].token_ids)
+                if not same:
+                    benchlib.log(f"iteration {i}: the two legs generated different tokens")
+                if i >= warmup:
+                    queue_ms.append(queued)
+                    direct_ms.append(direct)
+        finally:
+            shutdown(llm)
+    q50, q99 = statistics.median(queue_ms), percentile(queue_ms, 99)
+    d50, d99 = statistics.median(direct_ms), percentile(direct_ms, 99)
+    record = {
+        "bench": "latency",
+        "queue_p50_ms": round(q50, 2),
+        "queue_p99_ms": round(q99, 2),
+        "direct_p50_ms": round(d50, 2),
+        "direct_p99_ms": round(d99, 2),
+        "added_p50_ms": round(q50 - d50, 2),
+        "added_p99_ms": round(q99 - d99, 2),
+        "ratio_p50": round(q50 / d50, 3),
+        "iterations": args.iterations,
+        "input_len": args.input_len,
+        "max_tokens": args.max_tokens,
+    }
+    benchlib.emit(record, args)
+
+
+if __name__ == "__main__":
+    main()

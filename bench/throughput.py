@@ -1,0 +1,109 @@
+"""Generation throughput through the queue vs vLLM's offline ``LLM.generate``.
+
+Same engine config (``EngineSettings`` → ``engine_kwargs``), same token-id
+prompts, same sampling params (``ignore_eos``: every prompt generates exactly
+``--output-len`` tokens), in one run: one worker serves the queue leg while an
+offline ``LLM`` in this process serves the baseline leg; the legs alternate
+for ``--rounds`` rounds and the best round of each counts.
+
+    .venv/bin/python bench/throughput.py                       # CPU: tiny model, 256 prompts x 64 tokens
+    python bench/throughput.py --device cuda --model PATH      # GPU: 1024 prompts x (128 in, 256 out)
+
+Prints one JSON line: queue_tok_s, offline_tok_s, ratio (queue / offline), ...
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import benchlib
+
+from tasks.generate import generate
+from tasks.schemas import SamplingParams
+
+
+def queue_leg(stack: Any, chunks: list[list[list[int]]], params: SamplingParams, timeout: float) -> tuple[float, int]:
+    """All tasks enqueued at once; seconds until the last result is back, and tokens."""
+    started = time.perf_counter()
+    handles = [generate.apply_async((chunk, params), queue=stack.queue) for chunk in chunks]
+    tokens = 0
+    for handle in handles:
+        result = handle.get(timeout=timeout)
+        handle.forget()
+        tokens += result["usage"]["completion_tokens"]
+    return time.perf_counter() - started, tokens
+
+
+def offline_leg(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    from vllm.inputs import TokensPrompt
+
+    from workers.engine import to_vllm_params
+
+    inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+    started = time.perf_counter()
+    outputs = llm.generate(inputs, to_vllm_params(params), use_tqdm=False)
+    seconds = time.perf_counter() - started
+    return seconds, sum(len(c.token_ids) for out in outputs for c in out.outputs)
+
+
+def main() -> None:
+    p = benchlib.parser(__doc__)
+    p.add_argument("--prompts", type=int)
+    p.add_argument("--input-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--prompts-per-task", type=int)
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--temperature", type=float, default=1.0)
+    args = benchlib.resolve(p.parse_args())
+    settings = benchlib.engine_settings(args)
+    # Fresh prompts each round (the same for both legs): no leg reuses its own prefix cache.
+    warm_prompts, *rounds = (
+        benchlib.token_prompts(args.model, args.prompts, args.input_len, args.seed + r)
+        for r in range(args.rounds + 1)
+    )
+    per_task = args.prompts_per_task
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True)
+    expected = args.prompts * args.output_len
+
+    from workers.offline import offline_llm, shutdown
+
+    runs: dict[str, list[float]] = {"queue": [], "offline": []}
+    tasks = -(-args.prompts // per_task)
+    with benchlib.queue_stack(args, settings, max_inflight=tasks) as stack:
+        llm = offline_llm(settings)
+        try:
+            queue_leg(stack, [warm_prompts[:8]], warm, timeout=600)
+            offline_leg(llm, warm_prompts[8:16], warm)
+            for round_, prompts in enumerate(rounds):
+                chunks = [prompts[i : i + per_task] for i in range(0, len(prompts), per_task)]
+                for leg in ("queue", "offline"):
+                    if leg == "queue":
+                        seconds, tokens = queue_leg(stack, chunks, params, timeout=3600)
+                    else:
+                        seconds, tokens = offline_leg(llm, prompts, params)
+                    if tokens != expected:
+                        raise SystemExit(f"{leg} leg generated {tokens} tokens, expected {expected}")
+                    runs[leg].append(tokens / seconds)
+                    benchlib.log(f"round {round_ + 1} {leg}: {tokens / seconds:.0f} tok/s ({seconds:.1f} s)")
+        finally:
+            shutdown(llm)
+    queue_best, offline_best = max(runs["queue"]), max(runs["offline"])
+    record: dict[str, Any] = {
+        "bench": "throughput",
+        "queue_tok_s": round(queue_best, 1),
+        "offline_tok_s": round(offline_best, 1),
+        "ratio": round(queue_best / offline_best, 3),
+        "runs_tok_s": {leg: [round(v, 1) for v in values] for leg, values in runs.items()},
+        "prompts": args.prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "tasks": tasks,
+        "temperature": args.temperature,
+    }
+    benchlib.emit(record, args)
+
+
+if __name__ == "__main__":
+    main()

