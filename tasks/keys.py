@@ -33,6 +33,38 @@ def fleet_version(pool: str) -> str:
     return f"{PREFIX}:fleet:{pool}:weight_version"
 
 
-def sync_acks(epoch: int, phase: str) -> str:
-    """List the trainer BLPOPs for one phase's acknowledgements of one epoch."""
-    return f"{PREFIX}:sync:{epoch}:{phase}"
+# Delivery tags of the messages a worker holds (received, not yet acked):
+# one set per node, read by the reaper when the node's registry key expires.
+INFLIGHT_KEY_PATTERN = f"{PREFIX}:inflight:*"
+# kombu's Redis transport keeps delivered-but-unacked messages here
+# (``Channel.unacked_key`` / ``unacked_index_key``; we keep kombu's defaults).
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
+
+
+def inflight_key(node: str) -> str:
+    return f"{PREFIX}:inflight:{node}"
+
+
+def node_of_inflight_key(key: str) -> str:
+    return key.removeprefix(f"{PREFIX}:inflight:")
+
+
+def reaper_lock(node: str) -> str:
+    """Held by the one reaper restoring a dead node's messages."""
+    return f"{PREFIX}:reaper:lock:{node}"
+
+
+def redeliveries(task_id: str) -> str:
+    """How many times the reaper put this task back in its queue."""
+    return f"{PREFIX}:redeliveries:{task_id}"
+
+
+def sync_acks(sync_id: str, phase: str) -> str:
+    """List the trainer BLPOPs for one phase's acknowledgements of one sync."""
+    return f"{PREFIX}:sync:{sync_id}:{phase}"
+
+
+def sync_decision(sync_id: str) -> str:
+    """Key of the trainer's decision in its rendezvous store."""
+    return f"rq/decision/{sync_id}"

@@ -270,6 +270,9 @@ class SyncPlan(_Message):
 
     protocol: int = PROTOCOL_VERSION
     epoch: int
+    # Unique per sync even if the epoch counter is ever reset (Redis flushed):
+    # names the decision in the store and the ack lists in Redis.
+    sync_id: str
     version: int
     pause: PauseMode
     store_host: str
@@ -304,6 +307,7 @@ class SyncAck(_Message):
 
     node: str
     epoch: int
+    sync_id: str
     version: int
     phase: Literal["ready", "done"]
     ok: bool

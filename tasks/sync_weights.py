@@ -268,7 +268,7 @@ class WeightSender:
         """
         epoch = int(self.client.incr(keys.SYNC_EPOCH))
         plan = SyncPlan(
-            epoch=epoch, version=version, pause=pause,
+            epoch=epoch, sync_id=uuid.uuid4().hex, version=version, pause=pause,
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
             manifest=manifest, issued_at=time.time(),
@@ -418,11 +418,11 @@ class WeightSender:
     # -------------------------------------------------------------- helpers
 
     def _decide(self, plan: SyncPlan, decision: SyncDecision) -> None:
-        self.store.set(f"rq/decision/{plan.epoch}", decision.model_dump_json())
+        self.store.set(keys.sync_decision(plan.sync_id), decision.model_dump_json())
 
     def _collect(self, plan: SyncPlan, phase: str, expected: set[str], deadline: float) -> dict[str, SyncAck]:
         acks: dict[str, SyncAck] = {}
-        name = keys.sync_acks(plan.epoch, phase)
+        name = keys.sync_acks(plan.sync_id, phase)
         while set(acks) < expected:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -431,7 +431,7 @@ class WeightSender:
             if item is None:
                 continue
             ack = SyncAck.model_validate_json(item[1])
-            if ack.epoch == plan.epoch and ack.node in expected:
+            if ack.sync_id == plan.sync_id and ack.node in expected:
                 acks[ack.node] = ack
         return acks
 

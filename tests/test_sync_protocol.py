@@ -77,7 +77,7 @@ def test_named_tensors_send_tied_weights_once_and_keep_checkpoint_names() -> Non
 
 def _plan(**updates: object) -> SyncPlan:
     plan = SyncPlan(
-        epoch=1, version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
+        epoch=1, sync_id="abc", version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
         members={"w@h": 1}, backend="gloo",
         manifest=Manifest(tensors=[], bucket_sizes=[]), issued_at=0.0,
     )

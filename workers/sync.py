@@ -177,15 +177,16 @@ class SyncParticipant:
 
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
         store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
-        key = f"rq/decision/{plan.epoch}"
+        key = keys.sync_decision(plan.sync_id)
         store.set_timeout(datetime.timedelta(seconds=180))
         return SyncDecision.model_validate_json(store.get(key))
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: str | None = None,
              seconds: dict[str, float] | None = None) -> None:
-        ack = SyncAck(node=self.node, epoch=plan.epoch, version=plan.version, phase=phase,  # type: ignore[arg-type]
+        ack = SyncAck(node=self.node, epoch=plan.epoch, sync_id=plan.sync_id, version=plan.version,
+                      phase=phase,  # type: ignore[arg-type]
                       ok=ok, error=error, seconds=seconds or {})
-        name = keys.sync_acks(plan.epoch, phase)
+        name = keys.sync_acks(plan.sync_id, phase)
         try:
             self.client.rpush(name, ack.model_dump_json())
             self.client.expire(name, 3600)
