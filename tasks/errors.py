@@ -12,6 +12,12 @@
     │   └── ControlFailed         workers answered with an error
     ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
     ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
+    ├── GatewayError              the HTTP gateway refused or gave up on a request
+    │   ├── BadRequest            an OpenAI request it cannot serve; names the param (400)
+    │   ├── Unauthorized          missing or wrong bearer token (401)
+    │   ├── ModelNotFound         the request names a model the gateway does not serve (404)
+    │   ├── GatewaySaturated      the gateway's bound on in-flight tasks is reached (429)
+    │   └── ResultTimeout         no result before the gateway's request timeout (504)
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
         ├── RendezvousTimeout     a worker did not join the process group in time
@@ -116,6 +122,34 @@ class BatchIncomplete(RolloutError):
 
 class LocalStackError(RolloutError):
     """A local Redis or worker started by the quickstart or a benchmark failed; names its log."""
+
+
+class GatewayError(RolloutError):
+    """The HTTP gateway (``api/``) refused or gave up on a request."""
+
+
+class BadRequest(GatewayError, InvalidRequest):
+    """An OpenAI request the gateway cannot serve as asked. ``param``: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class Unauthorized(GatewayError):
+    """The request carries no bearer token, or the wrong one."""
+
+
+class ModelNotFound(GatewayError, LookupError):
+    """The request names a model this gateway does not serve."""
+
+
+class GatewaySaturated(GatewayError):
+    """The gateway's bound on in-flight tasks is reached; the client should retry later."""
+
+
+class ResultTimeout(GatewayError, TimeoutError):
+    """No result arrived before the gateway's request timeout; the task expires unserved."""
 
 
 class WeightSyncError(RolloutError):

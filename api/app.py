@@ -1,0 +1,223 @@
+"""``create_app(settings)``: the FastAPI app of the OpenAI-compatible gateway.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream: true`` as server-sent events), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. ``/v1`` routes need ``Authorization: Bearer <API_TOKEN>``
+when a token is set; ``/health`` and ``/metrics`` are open (probes, scrapers).
+
+A request is translated (``api.translate``), handed to the signature
+batcher (``api.batcher``), which sends one ``generate`` task per batch and
+waits on the results (``api.results``) without blocking the loop. Streams
+are sent once the task is done: the whole text arrives in one content chunk
+per choice (the queue returns finished results, not tokens as they come).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kombu.exceptions import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api import errors, translate
+from api.batcher import SignatureBatcher
+from api.metrics import GatewayMetrics
+from api.results import ResultWatcher
+from api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from api.settings import ApiSettings
+from api.tokens import TokenNamer
+from tasks.app import app as celery_app
+from tasks.app import settings as client_settings_in_force
+from tasks.errors import BrokerUnavailable, ModelNotFound, RolloutError, Unauthorized
+from tasks.generate import generate
+from tasks.registry import connect, live_workers
+from tasks.schemas import SamplingParams
+from tasks.settings import ClientSettings
+
+log = logging.getLogger("rollout_queue.api")
+
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+class Gateway:
+    """What the routes share: settings, batcher, watcher, metrics, token namer."""
+
+    def __init__(self, settings: ApiSettings, client: ClientSettings) -> None:
+        self.settings = settings
+        self.client = client
+        self.metrics = GatewayMetrics()
+        self.started = int(time.time())
+        self.watcher = ResultWatcher(
+            client.redis_url.get_secret_value(), celery_app.backend, settings.result_poll_s
+        )
+        self.batcher = SignatureBatcher(
+            self.send,
+            self.watcher,
+            self.metrics,
+            window_s=settings.batch_window_ms / 1000.0,
+            max_batch_prompts=settings.max_batch_prompts,
+            max_inflight_tasks=settings.max_inflight_tasks,
+            timeout_s=settings.request_timeout_s,
+        )
+        self.namer = TokenNamer(None)
+        self._registry = connect(client)
+
+    def send(self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float) -> None:
+        """Enqueue one generate task (runs in a worker thread: kombu blocks)."""
+        generate.apply_async(
+            (prompts, params), task_id=task_id, queue=self.settings.queue, expires=expires_s
+        )
+
+    async def start(self) -> None:
+        await self.watcher.start()
+        self.namer = await asyncio.to_thread(TokenNamer.load, self.settings.tokenizer)
+        try:  # open the broker connection now, not on the first request
+            await asyncio.to_thread(self._warm_broker)
+        except (OperationalError, OSError) as exc:  # Redis may come up later; requests say so
+            log.warning("could not reach the broker at start-up: %s", exc)
+
+    def _warm_broker(self) -> None:
+        with celery_app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        await self.watcher.close()
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise ModelNotFound(
+                f"the model {model!r} does not exist here; this gateway serves "
+                f"{self.settings.model_name!r} (see GET /v1/models)"
+            )
+
+    def serving_workers(self) -> int:
+        workers = live_workers(self._registry)
+        return sum(1 for w in workers if self.settings.queue in w.queues and w.state == "serving")
+
+
+def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> FastAPI:
+    """The gateway app. ``client``: the queue settings (default: those in force)."""
+    gateway = Gateway(settings, client or client_settings_in_force())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="rollout-queue gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+    _install_error_handlers(app, settings)
+    _install_metrics_middleware(app, gateway.metrics)
+
+    token = settings.token.get_secret_value() if settings.token is not None else None
+
+    async def authorized(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <API_TOKEN>'")
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise Unauthorized("wrong API token")
+
+    auth = [Depends(authorized)]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest) -> Response:
+        gateway.check_model(body.model)
+        kind, prompts = translate.completion_prompts(body)
+        params = translate.completion_params(body)
+        share = await gateway.batcher.submit(kind, prompts, params)
+        result = translate.completion_response(
+            body, share, gateway.namer, translate.new_id("cmpl"), translate.now()
+        )
+        if body.stream:
+            return _sse(translate.completion_chunks(result, body))
+        return JSONResponse(translate.to_json(result))
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        gateway.check_model(body.model)
+        prompts = translate.chat_prompts(body)
+        params = translate.chat_params(body, settings.default_max_tokens)
+        share = await gateway.batcher.submit("chat", prompts, params)
+        result = translate.chat_response(
+            body, share, gateway.namer, translate.new_id("chatcmpl"), translate.now()
+        )
+        if body.stream:
+            return _sse(translate.chat_chunks(result, body))
+        return JSONResponse(translate.to_json(result))
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.model_name, created=gateway.started)])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body: dict[str, Any] = {
+            "queue": settings.queue,
+            "inflight_tasks": gateway.batcher.inflight_tasks,
+            "open_batches": gateway.batcher.open_batches,
+        }
+        try:
+            workers = await asyncio.to_thread(gateway.serving_workers)
+        except BrokerUnavailable as exc:
+            return JSONResponse({"status": "redis_unavailable", "error": str(exc), **body}, 503)
+        status = "ok" if workers else "no_workers"
+        return JSONResponse({"status": status, "workers": workers, **body})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=gateway.metrics.content_type)
+
+    return app
+
+
+def _sse(events: Any) -> StreamingResponse:
+    return StreamingResponse(
+        iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def _install_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return errors.from_validation(exc)
+
+    async def on_rollout_error(_: Request, exc: Exception) -> JSONResponse:
+        return errors.from_exception(exc, settings.saturated_status)
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return errors.error_response(exc.status_code, str(exc.detail), kind)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(RolloutError, on_rollout_error)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_rollout_error)
+
+
+def _install_metrics_middleware(app: FastAPI, metrics: GatewayMetrics) -> None:
+    @app.middleware("http")
+    async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.perf_counter()
+        path = request.url.path if request.url.path in _ENDPOINTS else "other"
+        response = await call_next(request)
+        metrics.requests.labels(endpoint=path, status=str(response.status_code)).inc()
+        metrics.request_seconds.labels(endpoint=path).observe(time.perf_counter() - started)
+        return response

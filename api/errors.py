@@ -1,0 +1,94 @@
+"""Errors → HTTP: the project's error tree mapped onto OpenAI's error shape.
+
+Every error the gateway answers with is ``{"error": {"message", "type",
+"param", "code"}}`` with the status an OpenAI client expects: 400 for a
+request it cannot serve, 401 without the right token, 404 for another
+model, 429 (or 503) when saturated, 503 without Redis, 504 on timeout.
+The error classes live in ``tasks.errors``; only the mapping is here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from api.schemas import ErrorDetail, ErrorResponse
+from tasks.errors import (
+    BadRequest,
+    BrokerUnavailable,
+    GatewaySaturated,
+    GenerationTimeout,
+    InvalidRequest,
+    ModelNotFound,
+    PromptTooLong,
+    ResultTimeout,
+    Unauthorized,
+)
+
+log = logging.getLogger("rollout_queue.api")
+
+# Errors a worker raised about the request itself, known here by class name
+# only (their modules, vLLM's, are not importable in the gateway).
+_CLIENT_ERRORS = {"VLLMValidationError"}
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def from_exception(exc: BaseException, saturated_status: int = 429) -> JSONResponse:
+    """The response for an error raised while serving a request (or by its task)."""
+    if isinstance(exc, BadRequest):
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, (InvalidRequest, PromptTooLong)) or type(exc).__name__ in _CLIENT_ERRORS:
+        return error_response(400, str(exc), "invalid_request_error")
+    if isinstance(exc, Unauthorized):
+        return error_response(
+            401, str(exc), "authentication_error", code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if isinstance(exc, ModelNotFound):
+        return error_response(404, str(exc), "not_found_error", "model", "model_not_found")
+    if isinstance(exc, GatewaySaturated):
+        type_ = "rate_limit_error" if saturated_status == 429 else "service_unavailable_error"
+        return error_response(
+            saturated_status, str(exc), type_, code="queue_full", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, (ResultTimeout, GenerationTimeout)):
+        return error_response(504, str(exc), "timeout_error", code="timeout")
+    if isinstance(exc, BrokerUnavailable):
+        return error_response(503, str(exc), "service_unavailable_error", code="broker_unavailable")
+    log.error("request failed: %s: %s", type(exc).__name__, exc)
+    return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+def from_validation(exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's body validation → one 400 naming the first field at fault."""
+    errors = exc.errors()
+    if not errors:
+        return error_response(400, "invalid request", "invalid_request_error")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {message}", "invalid_request_error")
+    extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    text = f"{param}: {message}{extra}" if param else f"{message}{extra}"
+    return error_response(400, text, "invalid_request_error", param)

@@ -1,0 +1,52 @@
+"""``ApiSettings``: what the HTTP gateway process reads from its environment.
+
+Every field reads the environment variable ``API_<FIELD>`` (``API_TOKEN``,
+``API_PORT``, ``API_BATCH_WINDOW_MS``...). The queue connection itself
+(``REDIS_URL``, time limits) is the shared ``tasks.settings.ClientSettings``.
+Built once, in ``run_api``, and passed down.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ApiSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="API_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    # Bearer token every /v1 request must carry; None: no auth.
+    token: SecretStr | None = None
+    # The model id reported by /v1/models; requests naming another get 404.
+    model_name: str = "rollout-queue"
+    # Celery queue the gateway's generate tasks go to (one pool of workers).
+    queue: str = "generate"
+    # Tokenizer (path or Hugging Face id) used only to show logprob tokens as
+    # text; None: tokens are shown as "token_id:N" (vLLM's
+    # --return-tokens-as-token-ids spelling), exact and cheap.
+    tokenizer: str | None = None
+
+    # Micro-batcher: requests with one sampling signature that arrive within
+    # this window share one generate task, up to max_batch_prompts prompts.
+    batch_window_ms: float = Field(5.0, ge=0.0, le=10_000.0)
+    max_batch_prompts: int = Field(256, ge=1)
+    # Bound on generate tasks in flight (enqueued or being collected, not yet
+    # answered); past it new requests are refused with saturated_status.
+    max_inflight_tasks: int = Field(256, ge=1)
+    saturated_status: Literal[429, 503] = 429
+    # Seconds a request waits for its task's result before a 504; the task
+    # message expires at the same moment, so no worker serves it afterwards.
+    request_timeout_s: float = Field(600.0, gt=0.0)
+    # Chat requests without max_tokens generate until a stop, the context end
+    # or this many tokens.
+    default_max_tokens: int = Field(4096, ge=1)
+    # Safety net under the result pub/sub: pending results are also read
+    # directly this often (seconds).
+    result_poll_s: float = Field(1.0, gt=0.0)
+    log_level: str = "info"
+    # One uvicorn log line per request (off: it costs throughput).
+    access_log: bool = False

