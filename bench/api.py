@@ -36,8 +36,10 @@ from workers.localstack import LocalProcess, free_port
 
 MODEL_NAME = "bench"
 DEFAULTS = {
-    "cpu": dict(iterations=60, input_len=16, latency_tokens=8, prompts=128, output_len=32, rounds=2),
-    "cuda": dict(iterations=300, input_len=128, latency_tokens=16, prompts=1024, output_len=256, rounds=3),
+    "cpu": {"iterations": 60, "input_len": 16, "latency_tokens": 8, "prompts": 128, "output_len": 32,
+            "rounds": 2},
+    "cuda": {"iterations": 300, "input_len": 128, "latency_tokens": 16, "prompts": 1024,
+             "output_len": 256, "rounds": 3},
 }
 
 

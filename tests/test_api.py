@@ -313,6 +313,25 @@ def test_requests_with_two_signatures_never_share_a_task(gateway: Gateway) -> No
     assert 2 <= len(signatures_by_task) < 64
 
 
+def test_chat_and_text_prompts_with_one_signature_never_share_a_task(gateway: Gateway) -> None:
+    async def both() -> tuple[list[Any], list[Any]]:
+        async with gateway.async_client() as client:
+            texts_ = [client.completions.create(model=MODEL, prompt=f"t{i}", max_tokens=3, temperature=0)
+                      for i in range(8)]
+            chats = [client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"c{i}"}], max_tokens=3, temperature=0)
+                for i in range(8)]
+            done = await asyncio.gather(*texts_, *chats)
+            return list(done[:8]), list(done[8:])
+
+    text_responses, chat_responses = asyncio.run(both())
+    text_tasks = {rollout(r)["task_id"] for r in text_responses}
+    chat_tasks = {rollout(r)["task_id"] for r in chat_responses}
+    assert not text_tasks & chat_tasks
+    signatures = {rollout(r)["signature"] for r in text_responses + chat_responses}
+    assert signatures == {signature({"temperature": 0, "max_tokens": 3})}
+
+
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------
