@@ -5,9 +5,9 @@ chosen shape) and one bare receiver process on the same device:
 
   a  ``sync_weights.broadcast`` end to end (first sync, then steady state)
   b  a raw broadcast of the same bucket sizes over the same transport
-  c  the seeds' style: for every tensor, one control round trip to the
-     worker, then that tensor alone over the wire (arbor's per-parameter
-     ``update_named_param``; the load itself is not even counted)
+  c  the seeds' style (arbor's ``update_named_param``): for every tensor, one
+     control round trip to the worker, which receives that tensor alone over
+     the sync group and loads it with a bare ``load_weights``
 
 Prints one JSON line with a/b and c/a. CPU (gloo): 0.5B-shaped float32.
 CUDA (NCCL): 7B-shaped bf16, trainer on GPU 1, worker and receiver on GPU 0:
@@ -108,12 +108,10 @@ def main() -> int:
         backend = report.backend
 
         # b and c need a bare receiver on the worker's device
-        port = transport.connect_store  # noqa: F841 (documented below)
         store_port = _free_port()
         store = transport.connect_store("127.0.0.1", store_port, 120.0, is_master=True)
         sizes_b = manifest.bucket_sizes
-        sizes_c = [spec.nbytes for spec in manifest.tensors]
-        rounds = [sizes_b] * args.iters + [sizes_c]
+        rounds = [sizes_b] * args.iters
         peer_env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if cuda:
             peer_env["CUDA_VISIBLE_DEVICES"] = str(args.worker_gpu)
@@ -136,20 +134,25 @@ def main() -> int:
                 torch.cuda.synchronize()
             raw_times.append(time.perf_counter() - t0)
 
-        # c: one control round trip per tensor, then the tensor
+        peer.communicate(timeout=120)
+
+        # c: per tensor, one control round trip; the worker receives and loads it
         t0 = time.perf_counter()
         for spec in manifest.tensors:
-            replies = app.control.broadcast(
-                keys.CONTROL_ENGINE, arguments={"op": "world_size", "args": {}},
-                destination=[worker], reply=True, timeout=10, limit=1,
-            )
-            assert replies, "worker did not answer a control round trip"
             flat = weights[spec.name].reshape(-1).view(torch.uint8)
-            transport.wait(transport.broadcast(group, flat), 300.0)
+            work = transport.broadcast(sender.group, flat)
+            replies = app.control.broadcast(
+                keys.CONTROL_ENGINE,
+                arguments={"op": "receive_one",
+                           "args": {"name": spec.name, "dtype": spec.dtype, "shape": spec.shape}},
+                destination=[worker], reply=True, timeout=120, limit=1,
+            )
+            transport.wait(work, 300.0)
+            if not replies or not all(body["ok"] for r in replies for body in r.values()):
+                raise RuntimeError(f"per-tensor update of {spec.name} failed: {replies}")
         if cuda:
             torch.cuda.synchronize()
         per_tensor = time.perf_counter() - t0
-        peer.communicate(timeout=120)
 
         first = sync_times[0]
         steady = statistics.median(sync_times[1:]) if len(sync_times) > 1 else first
@@ -172,6 +175,7 @@ def main() -> int:
             "sync_gb_per_s": round(total_bytes / steady / 1e9, 2),
             "raw_gb_per_s": round(total_bytes / raw / 1e9, 2),
             "last_sync_phases_s": {k: round(v, 4) for k, v in last_phases.items()},
+            "worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
         }
         print(json.dumps(line), flush=True)
         sync_weights.close()

@@ -156,7 +156,7 @@ class WeightSender:
             phases["transfer"] = time.monotonic() - t
 
             t = time.monotonic()
-            committed, failed = self.await_commit(plan, decision, deadline)
+            committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
             phases["commit"] = time.monotonic() - t
 
             seconds = time.monotonic() - started
@@ -171,6 +171,7 @@ class WeightSender:
                 backend=backend,
                 reused_group=decision.reuse_group,
                 phases=phases,
+                worker_phases=worker_phases,
             )
             lost = {**silent, **failed}
             if lost:
@@ -400,7 +401,7 @@ class WeightSender:
 
     def await_commit(
         self, plan: SyncPlan, decision: SyncDecision, deadline: float
-    ) -> tuple[list[str], dict[str, str]]:
+    ) -> tuple[list[str], dict[str, str], dict[str, float]]:
         """6. Wait for "done" acks; move the pool's fleet version forward."""
         acks = self._collect(plan, "done", set(decision.offsets),
                              min(deadline, time.monotonic() + self.settings.timeouts.commit))
@@ -413,7 +414,11 @@ class WeightSender:
         if failed:
             self.group = None
             self.roster = {}
-        return committed, failed
+        slowest: dict[str, float] = {}
+        for ack in acks.values():
+            for step, seconds in ack.seconds.items():
+                slowest[step] = max(slowest.get(step, 0.0), seconds)
+        return committed, failed, slowest
 
     # -------------------------------------------------------------- helpers
 

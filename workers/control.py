@@ -85,6 +85,10 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
             runtime.set_fenced(None)
             runtime.set_state("serving")
         return True
+    if op == "receive_one":  # the per-tensor baseline of bench/weight_sync.py
+        return host.collective_rpc(
+            "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0
+        )
     if op == "weight_checksum":
         return host.collective_rpc("rq_weight_checksum", 120.0)
     raise ValueError(f"unknown engine operation {op!r}")

@@ -129,10 +129,20 @@ class WeightReceiver:
 
                 initialize_layerwise_reload(model)
                 state.layerwise_open = True
-            for index, size in enumerate(manifest.bucket_sizes):
+            sizes = manifest.bucket_sizes
+
+            def post(index: int) -> tuple[Any, Any]:
+                buffer = torch.empty(sizes[index], dtype=torch.uint8, device=device)
+                return buffer, transport.broadcast(state.group, buffer)
+
+            # Bucket k+1 is already on its way while bucket k loads.
+            pending = post(0) if sizes else None
+            for index in range(len(sizes)):
                 t0 = time.monotonic()
-                buffer = torch.empty(size, dtype=torch.uint8, device=device)
-                transport.wait(transport.broadcast(state.group, buffer), deadline - time.monotonic())
+                assert pending is not None
+                buffer, work = pending
+                transport.wait(work, deadline - time.monotonic())
+                pending = post(index + 1) if index + 1 < len(sizes) else None
                 t1 = time.monotonic()
                 specs = by_bucket.get(index, [])
                 model.load_weights(weights=transport.bucket_views(buffer, specs))
@@ -181,6 +191,19 @@ class WeightReceiver:
                 state.layerwise_open = False
         state.phase = Phase.IDLE
         return "aborted"
+
+    def rq_receive_one(self, name: str, dtype: str, shape: list[int], timeout_s: float) -> int:
+        """One tensor over the current group, loaded at once: the seeds' per-parameter
+        style (one control round trip per tensor), kept for the benchmark's baseline."""
+        import torch
+
+        state = self._rq_expect(Phase.IDLE, "rq_receive_one")
+        if state.group is None:
+            raise WeightSyncError("no sync group: run a sync first", phase="transfer")
+        tensor = torch.empty(shape, dtype=transport.torch_dtype(dtype), device=self._rq_device())
+        transport.wait(transport.broadcast(state.group, tensor.view(-1).view(torch.uint8)), timeout_s)
+        self._rq_model().load_weights(weights=[(name, tensor)])
+        return tensor.numel()
 
     def rq_close_group(self) -> bool:
         state = self._rq_state()
