@@ -40,7 +40,8 @@ class SamplingParams(_Message):
     n: int = Field(1, ge=1, le=256)
     stop: list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    seed: int | None = None
+    # int64: what the engine can carry (a larger seed fails inside vLLM).
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -338,3 +339,5 @@ class SyncReport(_Message):
     backend: str
     reused_group: bool
     phases: dict[str, float]
+    # Slowest worker's own seconds per step (pause, join, receive, load, commit).
+    worker_phases: dict[str, float] = {}
