@@ -269,16 +269,25 @@ def test_pause_stops_intake_and_resume_serves_the_waiting_task(
     from tasks.app import app
 
     assert control.pause(workers=[OPS]) == {OPS: "paused"}
-    assert registry_info(redis_client, OPS).state == "paused"
+    try:
+        assert registry_info(redis_client, OPS).state == "paused"
 
-    def not_consuming() -> bool:
-        queues = app.control.inspect(destination=[OPS], timeout=2).active_queues() or {}
-        return OPS in queues and not queues[OPS]
+        def not_consuming() -> bool:
+            queues = app.control.inspect(destination=[OPS], timeout=2).active_queues() or {}
+            return OPS in queues and not queues[OPS]
 
-    wait_for(not_consuming, 30, f"{OPS} to stop consuming its queue")
-    pending = generate.apply_async((["held while paused"], GREEDY), queue=OPS_QUEUE)
-    assert redis_client.llen(OPS_QUEUE) == 1  # sits in Redis: nobody consumes it
-    assert control.resume(workers=[OPS]) == {OPS: "serving"}
+        wait_for(not_consuming, 30, f"{OPS} to stop consuming its queue")
+        pending = generate.apply_async((["held while paused"], GREEDY), queue=OPS_QUEUE)
+        sent_at = time.time()
+        # A fetch already in flight when the queue was cancelled may pop the
+        # message; kombu puts it back ("no consumers"). Either way it ends up
+        # waiting in Redis, and stays there while the worker lives on.
+        wait_for(lambda: redis_client.llen(OPS_QUEUE) == 1, 30, "the task to wait in the ops queue")
+        wait_for(lambda: registry_info(redis_client, OPS).heartbeat_at > sent_at + 2.5, 30,
+                 f"two more heartbeats of {OPS}")
+        assert redis_client.llen(OPS_QUEUE) == 1 and pending.state == "PENDING"
+    finally:
+        assert control.resume(workers=[OPS]) == {OPS: "serving"}
     result = pending.get(timeout=TIMEOUT)
     assert result["worker"] == OPS
     assert registry_info(redis_client, OPS).state == "serving"
@@ -381,9 +390,12 @@ def test_kv_cache_usage_and_requests_are_reported_while_generating(
 # --------------------------------------------------------- generate_many
 
 
-def test_generate_many_yields_every_prompt_once_with_the_single_task_result(gen_worker: Proc) -> None:
+def test_generate_many_yields_every_prompt_once_with_the_single_task_result(
+    gen_worker: Proc, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompts = [f"{i}+{i}=" for i in range(10)]
-    got = dict(generate_many(prompts, GREEDY, chunk_size=3, progress=False, timeout=TIMEOUT))
+    got = dict(generate_many(prompts, GREEDY, chunk_size=3, progress=True, timeout=TIMEOUT))
+    assert "10/10 prompts" in capsys.readouterr().out  # the progress bar's last frame
     assert sorted(got) == list(range(10))
     single = generate.delay(prompts[7:8], GREEDY).get(timeout=TIMEOUT)
     assert got[7]["outputs"] == single["outputs"]
