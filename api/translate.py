@@ -121,15 +121,17 @@ def chat_prompts(request: ChatCompletionRequest) -> list[Any]:
 
 
 def completion_params(request: CompletionRequest) -> SamplingParams:
-    if request.max_tokens is None:
-        raise BadRequest("max_tokens must be an integer >= 1", "max_tokens")
-    return _params(request, max_tokens=request.max_tokens, logprobs=request.logprobs)
+    max_tokens = 16 if request.max_tokens is None else request.max_tokens  # OpenAI's default
+    return _params(request, max_tokens=max_tokens, logprobs=request.logprobs)
 
 
 def chat_params(request: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
-    max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+    max_tokens = next(
+        (v for v in (request.max_completion_tokens, request.max_tokens) if v is not None),
+        default_max_tokens,
+    )
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return _params(request, max_tokens=max_tokens, logprobs=logprobs)
 

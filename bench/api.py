@@ -6,7 +6,7 @@ One worker on a queue of its own (``benchlib.queue_stack``) and one gateway
 - latency: one 1-prompt request at a time, alternating a ``generate`` task
   sent straight to the queue and an OpenAI completion through the gateway
   (HTTP, translation, batch window, result pub/sub); p50/p99 of both.
-- throughput: the same prompts, all at once, three ways, alternated per round:
+- throughput: the same prompts, all at once, three ways, in rotating order:
   one ``generate`` task per prompt (a naive producer), ``prompts_per_task``
   prompts per task (a producer batching by hand), and one concurrent HTTP
   request per prompt through the gateway (which groups them by signature).
@@ -36,8 +36,8 @@ from workers.localstack import LocalProcess, free_port
 
 MODEL_NAME = "bench"
 DEFAULTS = {
-    "cpu": {"iterations": 60, "input_len": 16, "latency_tokens": 8, "prompts": 128, "output_len": 32,
-            "rounds": 2},
+    "cpu": {"iterations": 100, "input_len": 16, "latency_tokens": 8, "prompts": 128, "output_len": 32,
+            "rounds": 3},
     "cuda": {"iterations": 300, "input_len": 128, "latency_tokens": 16, "prompts": 1024,
              "output_len": 256, "rounds": 3},
 }
@@ -160,16 +160,19 @@ def main() -> None:
         try:
             benchlib.log("latency legs")
             direct_ms, gateway_ms = latency_legs(stack, base, latency_prompts, args.latency_tokens, warmup)
+            order = list(legs)
             for round_ in range(args.rounds):
-                benchlib.log(f"throughput round {round_ + 1}/{args.rounds}")
-                seconds, tokens = direct_round(stack, load, params, 1)
-                legs["per_prompt_tasks"].append(tokens / seconds)
-                seconds, tokens = direct_round(stack, load, params, args.prompts_per_task)
-                legs["batched_tasks"].append(tokens / seconds)
-                before = tasks_sent(base)
-                seconds, tokens = asyncio.run(gateway_round(base, load, args.output_len))
-                gateway_tasks.append(int(tasks_sent(base) - before))
-                legs["gateway"].append(tokens / seconds)
+                benchlib.log(f"throughput round {round_ + 1}/{args.rounds}: {', '.join(order)}")
+                for leg in order:
+                    if leg == "gateway":
+                        before = tasks_sent(base)
+                        seconds, tokens = asyncio.run(gateway_round(base, load, args.output_len))
+                        gateway_tasks.append(int(tasks_sent(base) - before))
+                    else:
+                        per_task = 1 if leg == "per_prompt_tasks" else args.prompts_per_task
+                        seconds, tokens = direct_round(stack, load, params, per_task)
+                    legs[leg].append(tokens / seconds)
+                order = order[1:] + order[:1]  # each leg goes first in turn: load drift cancels
         finally:
             gateway.stop()
     d50, d99 = statistics.median(direct_ms), percentile(direct_ms, 99)
@@ -189,6 +192,7 @@ def main() -> None:
         "ratio_vs_per_prompt_tasks": round(tps["gateway"] / tps["per_prompt_tasks"], 3),
         "ratio_vs_batched_tasks": round(tps["gateway"] / tps["batched_tasks"], 3),
         "gateway_tasks_per_round": gateway_tasks,
+        "tok_s_per_round": {leg: [round(v, 1) for v in values] for leg, values in legs.items()},
         "window_ms": args.window_ms,
         "iterations": args.iterations,
         "prompts": args.prompts,
