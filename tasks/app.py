@@ -7,6 +7,8 @@ calls :func:`configure`), so importing ``tasks`` never reads the environment.
 
 from __future__ import annotations
 
+import math
+import ssl
 from typing import Any
 
 from celery import Celery
@@ -17,32 +19,72 @@ from tasks.settings import ClientSettings
 
 app = Celery("rollout_queue")
 
+_CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+
 _settings: ClientSettings | None = None
 
 
-def celery_config(settings: ClientSettings) -> dict[str, Any]:
-    url = settings.redis_url.get_secret_value()
-    transport = {
-        "visibility_timeout": settings.visibility_timeout,
-        # Producers: fail fast and clearly when Redis is down, never hang.
-        "max_retries": 3,
-        "interval_start": 0.2,
+def retry_policy(seconds: float) -> dict[str, float]:
+    """A kombu/Celery retry policy that gives up after about ``seconds``."""
+    return {
+        "max_retries": max(1, math.ceil(seconds)),
+        "interval_start": 0.0,
         "interval_step": 0.5,
-        "interval_max": 2.0,
-        "socket_connect_timeout": 5,
+        "interval_max": 1.0,
+    }
+
+
+def redis_tls_options(settings: ClientSettings) -> dict[str, Any] | None:
+    """redis-py SSL parameters for a ``rediss://`` URL (None for ``redis://``).
+
+    Celery and kombu take the same dict (``broker_use_ssl`` /
+    ``redis_backend_use_ssl``); the registry client takes it as keywords.
+    """
+    if not settings.redis_url.get_secret_value().startswith("rediss://"):
+        return None
+    options: dict[str, Any] = {"ssl_cert_reqs": _CERT_REQS[settings.redis_tls_cert_reqs]}
+    if settings.redis_tls_ca_file:
+        options["ssl_ca_certs"] = settings.redis_tls_ca_file
+    if settings.redis_tls_certfile:
+        options["ssl_certfile"] = settings.redis_tls_certfile
+    if settings.redis_tls_keyfile:
+        options["ssl_keyfile"] = settings.redis_tls_keyfile
+    return options
+
+
+def celery_config(settings: ClientSettings) -> dict[str, Any]:
+    """Configuration of a producer (trainer, API): fail fast when Redis is down."""
+    url = settings.redis_url.get_secret_value()
+    deadline = settings.broker_connect_timeout
+    connect_timeout = min(5.0, max(1.0, deadline / 2))
+    broker_transport = {
+        "visibility_timeout": settings.visibility_timeout,
+        # Connection set-up (kombu ``ensure_connection``): give up after
+        # about ``broker_connect_timeout`` seconds.
+        **retry_policy(deadline),
+        "socket_connect_timeout": connect_timeout,
         "socket_timeout": 30,
         "retry_on_timeout": True,
         "health_check_interval": 10,
     }
-    return {
+    backend_transport = {
+        # Subscribing to a result and reading it: same deadline.
+        "retry_policy": retry_policy(deadline),
+    }
+    tls = redis_tls_options(settings)
+    config: dict[str, Any] = {
         "broker_url": url,
         "result_backend": url,
-        "broker_transport_options": transport,
-        "result_backend_transport_options": transport,
-        "redis_socket_connect_timeout": 5,
+        "broker_transport_options": broker_transport,
+        "result_backend_transport_options": backend_transport,
+        "broker_connection_timeout": connect_timeout,
+        "redis_socket_connect_timeout": connect_timeout,
         "redis_socket_timeout": 30,
         "redis_retry_on_timeout": True,
         "redis_backend_health_check_interval": 10,
+        # Publishing: retried, then ``BrokerUnavailable`` (GenerateTask maps it).
+        "task_publish_retry": True,
+        "task_publish_retry_policy": retry_policy(deadline),
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,  # workers: reconnect for ever
         # JSON only: a pickle payload pushed into the queue is refused.
@@ -55,12 +97,17 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
         "result_expires": settings.result_expires,
         "result_extended": True,
         # Delivery: ack after the result is stored; one task prefetched at a
-        # time per thread; a task whose worker died goes back to the queue.
+        # time per thread. A worker that dies is handled by the reaper
+        # (workers/reaper.py): the threads pool has no child to lose, and
+        # kombu alone would only restore its messages after visibility_timeout.
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
         "task_track_started": True,
+        # Sent with every task (``timelimit`` header) unless apply_async
+        # overrides them; enforced by the worker's GenerationService (the
+        # threads pool has no time limits of its own).
         "task_soft_time_limit": settings.task_soft_time_limit,
         "task_time_limit": settings.task_time_limit,
         # Monitoring: Flower sees every task, from the producer on.
@@ -72,6 +119,25 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
         "task_routes": {keys.GENERATE_TASK: {"queue": keys.GENERATE_QUEUE}},
         "worker_hijack_root_logger": False,
         "broker_pool_limit": 32,
+    }
+    if tls is not None:
+        config["broker_use_ssl"] = tls
+        config["redis_backend_use_ssl"] = tls
+    return config
+
+
+def worker_config(settings: ClientSettings) -> dict[str, Any]:
+    """What a worker changes: ride out a Redis outage instead of failing fast.
+
+    A finished task's result is retried for ``result_store_timeout`` seconds
+    (a Redis restart must not turn a good result into a failure); the broker
+    connection is retried for ever (``broker_connection_max_retries``).
+    """
+    store = retry_policy(settings.result_store_timeout)
+    return {
+        "result_backend_transport_options": {"retry_policy": store},
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": store["max_retries"],
     }
 
 
@@ -90,9 +156,14 @@ def settings() -> ClientSettings:
     return _settings
 
 
-def configure(new: ClientSettings) -> Celery:
-    """Use these settings instead of the environment's (CLIs, tests)."""
+def configure(new: ClientSettings, *, worker: bool = False) -> Celery:
+    """Use these settings instead of the environment's (CLIs, tests).
+
+    ``worker=True``: a worker node's configuration (see :func:`worker_config`).
+    """
     global _settings
     _settings = new
     app.conf.update(celery_config(new))
+    if worker:
+        app.conf.update(worker_config(new))
     return app

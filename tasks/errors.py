@@ -7,6 +7,7 @@
     ├── GenerationTimeout         a task ran past its time limit; its requests were aborted
     ├── Requeue                   not this worker's to serve now; back to the queue
     ├── BrokerUnavailable         Redis could not be reached before the deadline
+    ├── RedeliveryLimitReached    the task's worker died too often while holding it
     ├── ControlError              a control command (sleep, pause, stats...) failed
     │   ├── ControlTimeout        workers did not answer in time
     │   └── ControlFailed         workers answered with an error
@@ -70,6 +71,15 @@ class BrokerUnavailable(RolloutError, ConnectionError):
 
 class ControlError(RolloutError):
     """A control command sent to workers failed (or found no worker to send to)."""
+
+
+class RedeliveryLimitReached(RolloutError):
+    """The reaper put this task back in its queue too often; it fails for good.
+
+    A task whose worker dies (``kill -9``, OOM killer, lost host) is redelivered
+    by another worker's reaper; one that keeps killing its workers is failed
+    with this error after ``task_max_redeliveries`` redeliveries.
+    """
 
 
 class ControlTimeout(ControlError, TimeoutError):

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from celery import Task
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
 
 from tasks import keys
 from tasks.app import app
@@ -30,6 +31,7 @@ from tasks.errors import (
     RolloutError,
 )
 from tasks.schemas import GenerateRequest, SamplingParams
+from tasks.settings import redact_url
 from tasks.signature import signature
 
 SIGNATURE_HEADER = "rq_signature"
@@ -66,6 +68,12 @@ class GenerateTask(Task):
         if arguments or len(positional) > 2:
             extra = sorted(arguments) or [f"{len(positional)} positional arguments"]
             raise TypeError(f"generate takes (prompts, params); got unexpected {', '.join(extra)}")
+        serializer = options.get("serializer")
+        if serializer not in (None, "json"):
+            raise InvalidRequest(
+                f"serializer {serializer!r} refused: tasks travel as JSON only "
+                "(workers accept nothing else; pickle would let a message run code)"
+            )
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
         headers.setdefault(SENT_AT_HEADER, time.time())
@@ -77,13 +85,25 @@ class GenerateTask(Task):
         wire = request.model_dump(mode="json")
         try:
             return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
-        except OperationalError as exc:
-            from tasks.app import settings
+        except (OperationalError, RedisError, RuntimeError) as exc:
+            # OperationalError: kombu gave up publishing. RuntimeError: Celery's
+            # result consumer gave up subscribing to the result (it wraps the
+            # redis error); any other RuntimeError is not ours to map.
+            if isinstance(exc, RuntimeError) and not isinstance(exc.__cause__, RedisError):
+                raise
+            raise self._unavailable(exc) from exc
 
-            raise BrokerUnavailable(
-                f"could not enqueue the task: Redis at {settings().redacted_url} did not answer "
-                f"({exc}); check REDIS_URL and that Redis is up"
-            ) from exc
+    def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
+        conf = self._get_app().conf
+        url = redact_url(str(conf.broker_url or ""))
+        # retry_policy(): about one retry per second of broker_connect_timeout.
+        waited = conf.task_publish_retry_policy.get("max_retries", "?")
+        if isinstance(exc, RuntimeError) and exc.__cause__ is not None:
+            exc = exc.__cause__
+        return BrokerUnavailable(
+            f"could not enqueue the task: Redis at {url} did not answer for about {waited} s "
+            f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
+        )
 
     def run(self, prompts: Any, params: Any) -> dict[str, Any]:
         if self.executor is None:

@@ -18,12 +18,15 @@ from tasks.settings import ClientSettings
 
 
 def connect(settings: ClientSettings) -> redis.Redis:
+    from tasks.app import redis_tls_options
+
     return redis.Redis.from_url(
         settings.redis_url.get_secret_value(),
         socket_connect_timeout=5,
         socket_timeout=30,
         health_check_interval=10,
         decode_responses=True,
+        **(redis_tls_options(settings) or {}),
     )
 
 

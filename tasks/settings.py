@@ -7,6 +7,8 @@ configured, and the CLIs do in ``main()``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -37,12 +39,26 @@ class ClientSettings(BaseSettings):
     task_time_limit: float = 3660.0
     # Redeliveries of a task whose worker died, before it fails for good.
     task_max_redeliveries: int = 3
-    # How long a producer retries an unreachable broker before giving up.
+    # How long a producer retries an unreachable broker before giving up
+    # (then ``BrokerUnavailable``).
     broker_connect_timeout: float = 10.0
+    # How long a worker retries storing a finished task's result while Redis
+    # is away (a restart), before the task fails.
+    result_store_timeout: float = 300.0
+    # ``rediss://`` URLs: certificate checks and files (see docs/RELIABILITY.md).
+    redis_tls_cert_reqs: Literal["required", "optional", "none"] = "required"
+    redis_tls_ca_file: str | None = None
+    redis_tls_certfile: str | None = None
+    redis_tls_keyfile: str | None = None
 
     @property
     def redacted_url(self) -> str:
         return redact_url(self.redis_url.get_secret_value())
+
+    def __repr_args__(self):  # type: ignore[no-untyped-def]
+        # SecretStr already hides the URL; show where it points, not "**********".
+        for name, value in super().__repr_args__():
+            yield (name, self.redacted_url) if name == "redis_url" else (name, value)
 
 
 class SyncTimeouts(BaseModel):

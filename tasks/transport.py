@@ -10,6 +10,7 @@ trainer's, or vLLM's own inside its worker processes).
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -92,11 +93,25 @@ def pack(buffer: torch.Tensor, specs: Iterable[TensorSpec], tensors: dict[str, t
 
 
 def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:
+    """A ``TCPStore`` client, or (``is_master``) the server, listening on ``host`` only.
+
+    torch's own server listens on every interface whatever ``host`` says; the
+    master gets a socket bound here to ``host`` instead (``master_listen_fd``).
+    """
     from torch.distributed import TCPStore
 
+    listen_fd = None
+    if is_master:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        listen_fd = sock.detach()  # the store owns the descriptor from here on
     return TCPStore(
         host, port, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False, use_libuv=True,
+        wait_for_workers=False, use_libuv=True, master_listen_fd=listen_fd,
     )
 
 

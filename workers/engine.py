@@ -324,7 +324,9 @@ class EngineHost:
     def _engine_error(exc: BaseException | None) -> Exception:
         if isinstance(exc, (InvalidRequest, PromptTooLong, EngineError)):
             return exc
-        return EngineError(f"the engine failed the request: {type(exc).__name__}: {exc}")
+        # Some vLLM errors carry no message of their own, only a cause.
+        detail = str(exc) or repr(getattr(exc, "__cause__", None) or getattr(exc, "__context__", None))
+        return EngineError(f"the engine failed the request: {type(exc).__name__}: {detail}")
 
     async def _run(self, rid: str, prompt_ids: list[int], sampling: Any) -> Any:
         from vllm.inputs import TokensPrompt

@@ -38,7 +38,7 @@ def run_worker(settings: WorkerSettings) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
     )
-    configure(settings)
+    configure(settings, worker=True)
     if settings.device == "cpu":
         cpu_environment()
     log.info("worker %s: loading %s on %s (broker %s)", settings.name, settings.model,
@@ -70,8 +70,16 @@ def run_worker(settings: WorkerSettings) -> int:
     def on_shutdown(**_: Any) -> None:
         runtime.set_state("stopping")
 
+    def on_received(request: Any = None, **_: Any) -> None:
+        # Consumer thread, before the task runs: kombu already holds the
+        # message in its unacked hash under this tag.
+        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+        if tag:
+            runtime.ledger.record(str(tag))
+
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
+    signals.task_received.connect(on_received, weak=False)
     runtime.start()
     worker = app.Worker(
         hostname=settings.name,

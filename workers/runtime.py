@@ -4,6 +4,8 @@ Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
 through, the ``SyncParticipant``, the registry heartbeat (a thread writing
 ``WorkerInfo`` with a TTL) and fencing: a worker whose weights are older than
 the fleet's stops consuming the generate queue until a sync catches it up.
+It also owns the in-flight ledger and the reaper (``workers.reaper``) that
+redeliver a dead worker's tasks.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any
 import redis
 
 from tasks import keys
+from tasks.app import app
 from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo, WorkerState
 from workers.engine import EngineHost
+from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
 from workers.settings import WorkerSettings
 from workers.sync import SyncParticipant
@@ -34,7 +38,18 @@ class WorkerRuntime:
         self.client: redis.Redis = connect(settings)
         self.state: WorkerState = "starting"
         self.started_at = time.time()
-        self.service = GenerationService(host, self.node, settings.task_soft_time_limit)
+        self.service = GenerationService(
+            host, self.node, settings.task_soft_time_limit, settings.task_time_limit
+        )
+        self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
+        self.reaper = Reaper(
+            app, self.client, self.node,
+            max_redeliveries=settings.task_max_redeliveries,
+            grace_s=settings.reap_grace_s,
+            interval_s=settings.heartbeat_s,
+            counter_ttl_s=settings.result_expires,
+            ledger=self.ledger,
+        )
         secret = settings.weight_sync_secret.get_secret_value() if settings.weight_sync_secret else None
         self.sync = SyncParticipant(host, self.node, self.client, secret, self.set_state, self.set_fenced)
         self.consumer: Any = None
@@ -113,11 +128,20 @@ class WorkerRuntime:
     # ------------------------------------------------------------- heartbeat
 
     def start(self) -> None:
+        """Before consuming: reclaim a previous incarnation's tasks, then beat and reap."""
+        try:
+            self.reaper.reclaim_own()
+        except redis.RedisError as exc:
+            log.warning("could not reclaim this node's previous tasks: %s", exc)
         self._heartbeat.start()
+        self.reaper.start()
 
     def stop(self) -> None:
+        """After Celery stopped (in-flight tasks finished or requeued)."""
         self._stop.set()
+        self.reaper.stop()
         self.state = "stopping"
+        self.ledger.close()
         try:
             self.client.delete(keys.worker_key(self.node))
         except redis.RedisError:

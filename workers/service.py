@@ -14,24 +14,53 @@ from typing import Any
 
 from celery import Task
 
-from tasks.errors import Requeue
+from tasks.errors import InvalidRequest, Requeue
 from tasks.generate import SENT_AT_HEADER, SIGNATURE_HEADER
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage
 from tasks.signature import signature
 from workers.engine import EngineHost
 
 
+def time_limit(timelimit: Any, soft_default: float, hard_default: float) -> float:
+    """Seconds a task may run: the tighter of its soft and hard limits.
+
+    ``timelimit`` is the task message's ``[hard, soft]`` header: Celery fills
+    it from ``apply_async(soft_time_limit=..., time_limit=...)``, else from the
+    producer's ``task_soft_time_limit`` / ``task_time_limit``. The threads pool
+    enforces neither, so the service does: at this limit the engine requests
+    are aborted and the task fails with ``GenerationTimeout``. (On this pool a
+    hard limit cannot kill anything more than the soft one does; the hard
+    value only matters when it is the smaller one or the only one given.)
+    """
+    hard, soft = (list(timelimit) + [None, None])[:2] if timelimit else (None, None)
+    given = [float(v) for v in (soft, hard) if v]
+    return min(given) if given else min(soft_default, hard_default)
+
+
 class GenerationService:
-    def __init__(self, host: EngineHost, node: str, soft_time_limit: float) -> None:
+    def __init__(
+        self, host: EngineHost, node: str, soft_time_limit: float, hard_time_limit: float | None = None
+    ) -> None:
         self.host = host
         self.node = node
         self.soft_time_limit = soft_time_limit
+        self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
         self.fenced_reason: str | None = None
         self.inflight_tasks = 0
         self.completed_tasks = 0
         self.failed_tasks = 0
         self._lock = threading.Lock()
         self.on_finished: list[Any] = []  # callbacks (metrics): (result | None, seconds)
+
+    def _check_vocabulary(self, request: GenerateRequest) -> None:
+        """Token ids in params must exist in this model (vLLM would refuse them later)."""
+        vocab = self.host.vocab_size
+        bad = [t for t in request.params.stop_token_ids or [] if vocab and t >= vocab]
+        if bad:
+            raise InvalidRequest(
+                f"stop_token_ids has {bad[0]}; this model's vocabulary has {vocab} tokens "
+                f"(ids 0..{vocab - 1})"
+            )
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
@@ -44,10 +73,12 @@ class GenerationService:
                 f"task needs weight_version >= {needed}; {self.node} has {self.host.weight_version}",
                 countdown=1.0,
             )
+        self._check_vocabulary(request)
         headers = task.request.headers or {}
         sent_at = float(headers.get(SENT_AT_HEADER) or getattr(task.request, SENT_AT_HEADER, None) or started)
-        limit = float(task.request.timelimit[1] or 0) if task.request.timelimit else 0.0
-        deadline = started + (limit or self.soft_time_limit)
+        deadline = started + time_limit(
+            task.request.timelimit, self.soft_time_limit, self.hard_time_limit
+        )
         with self._lock:
             self.inflight_tasks += 1
         ok = False

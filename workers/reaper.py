@@ -1,0 +1,286 @@
+"""Redelivery of a dead worker's tasks: the in-flight ledger and the reaper.
+
+With Redis as the broker and late acks, kombu keeps every delivered but not
+yet acknowledged message in its ``unacked`` hash and puts it back in its
+queue only after ``visibility_timeout`` (hours here: it must stay above the
+longest generation, or long tasks would be handed out twice). A worker killed
+with SIGKILL (OOM killer, lost host) would hold its tasks that long. So:
+
+* every worker records the delivery tag of each message it receives in
+  ``rq:inflight:<node>`` (:class:`InflightLedger`) and drops the tags that
+  left ``unacked`` (acknowledged, rejected or restored);
+* every worker runs a :class:`Reaper` thread: a node whose registry key
+  (``rq:worker:<node>``, refreshed by its heartbeat) has been gone for
+  ``grace_s`` seconds, as seen by this reaper with Redis reachable all along,
+  while its ledger still exists, is dead. Under a per-node lock the reaper
+  moves each of its still-unacked messages back to its queue, in one
+  WATCH/MULTI transaction per message (the same steps as kombu's
+  ``QoS.restore_by_tag``, plus the ledger and the redelivery count), so a
+  message is restored at most once whoever races for it;
+* a task redelivered ``max_redeliveries`` times is not restored again: the
+  reaper stores a ``RedeliveryLimitReached`` failure as its result and drops
+  the message. A poison task that kills its worker cannot go round for ever.
+
+A worker restarted under the same node name restores its previous
+incarnation's messages at start (:meth:`Reaper.reclaim_own`).
+
+Results are keyed by task id, so a task that runs twice (its worker was
+declared dead while it still ran) leaves one result, the last one written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+from kombu.utils.json import dumps, loads
+
+from tasks import keys
+from tasks.errors import RedeliveryLimitReached
+
+log = logging.getLogger(__name__)
+
+
+class InflightLedger:
+    """This worker's set of delivery tags it holds (received, not yet acked)."""
+
+    def __init__(self, client: redis.Redis, node: str, ttl_s: int) -> None:
+        self.client = client
+        self.node = node
+        self.key = keys.inflight_key(node)
+        # Past visibility_timeout kombu restores the messages itself.
+        self.ttl_s = ttl_s
+
+    def record(self, delivery_tag: str) -> None:
+        """Called from Celery's consumer thread when a message arrives."""
+        try:
+            self.client.pipeline().sadd(self.key, delivery_tag).expire(self.key, self.ttl_s).execute()
+        except redis.RedisError as exc:
+            log.warning("could not record delivery %s in %s: %s", delivery_tag, self.key, exc)
+
+    def prune(self) -> int:
+        """Drop the tags no longer in kombu's ``unacked`` hash; returns how many remain."""
+        tags = sorted(self.client.smembers(self.key))
+        if not tags:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for tag in tags:
+            pipe.hexists(keys.KOMBU_UNACKED, tag)
+        held = pipe.execute()
+        gone = [tag for tag, still in zip(tags, held) if not still]
+        pipe = self.client.pipeline()
+        if gone:
+            pipe.srem(self.key, *gone)
+        pipe.expire(self.key, self.ttl_s)
+        pipe.execute()
+        return len(tags) - len(gone)
+
+    def close(self) -> None:
+        """At a clean exit: drop the ledger if nothing is left in it."""
+        try:
+            if self.prune() == 0:
+                self.client.delete(self.key)
+        except redis.RedisError as exc:
+            log.warning("could not close the in-flight ledger %s: %s", self.key, exc)
+
+
+@dataclass
+class ReapReport:
+    """What one reap of one dead node did."""
+
+    node: str
+    restored: list[str] = field(default_factory=list)  # task ids put back in their queue
+    failed: list[str] = field(default_factory=list)  # task ids failed for good
+    gone: int = 0  # tags already acked or restored by someone else
+
+
+class Reaper:
+    """Finds dead worker nodes and puts their unacknowledged messages back."""
+
+    def __init__(
+        self,
+        app: Celery,
+        client: redis.Redis,
+        node: str,
+        *,
+        max_redeliveries: int,
+        grace_s: float,
+        interval_s: float,
+        counter_ttl_s: int,
+        ledger: InflightLedger,
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.node = node
+        self.max_redeliveries = max_redeliveries
+        self.grace_s = grace_s
+        self.interval_s = interval_s
+        self.counter_ttl_s = counter_ttl_s
+        self.ledger = ledger
+        self._missing_since: dict[str, float] = {}
+        self.reports: list[ReapReport] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="reaper", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.ledger.prune()
+                self.sweep()
+            except redis.RedisError as exc:
+                # Redis away: forget what we saw, a node that did not beat
+                # while Redis was down is not dead for that.
+                self._missing_since.clear()
+                log.warning("reaper: Redis unavailable (%s); retrying", exc)
+            except Exception:  # the thread must outlive any one bad pass
+                self._missing_since.clear()
+                log.exception("reaper pass failed")
+
+    # ------------------------------------------------------------ detection
+
+    def sweep(self) -> list[ReapReport]:
+        """One pass: reap every node dead for longer than ``grace_s``."""
+        ledgers = sorted(self.client.scan_iter(match=keys.INFLIGHT_KEY_PATTERN, count=500))
+        nodes = [keys.node_of_inflight_key(_text(k)) for k in ledgers]
+        others = [n for n in nodes if n != self.node]
+        alive = self.client.mget([keys.worker_key(n) for n in others]) if others else []
+        now = time.monotonic()
+        reports = []
+        for node, registered in zip(others, alive):
+            if registered is not None:
+                self._missing_since.pop(node, None)
+                continue
+            first_seen = self._missing_since.setdefault(node, now)
+            if now - first_seen >= self.grace_s:
+                report = self.reap(node)
+                self._missing_since.pop(node, None)
+                if report is not None:
+                    reports.append(report)
+        for node in set(self._missing_since) - set(others):
+            self._missing_since.pop(node, None)
+        return reports
+
+    def reclaim_own(self) -> ReapReport | None:
+        """At start: restore what a previous process with this node name left."""
+        return self.reap(self.node)
+
+    # -------------------------------------------------------------- restore
+
+    def reap(self, node: str) -> ReapReport | None:
+        """Restore (or fail) every still-unacked message of ``node``; None if another reaper holds it."""
+        lock = self.client.lock(keys.reaper_lock(node), timeout=120)
+        if not lock.acquire(blocking=False):
+            return None
+        try:
+            report = ReapReport(node=node)
+            ledger = keys.inflight_key(node)
+            with self.app.connection_for_write() as conn:
+                channel = conn.default_channel
+                for raw_tag in sorted(self.client.smembers(ledger)):
+                    tag = _text(raw_tag)
+                    outcome, task_id = self._restore_one(channel, ledger, tag)
+                    if outcome == "restored":
+                        report.restored.append(task_id)
+                    elif outcome == "failed":
+                        report.failed.append(task_id)
+                    else:
+                        report.gone += 1
+            self.client.delete(ledger)
+        finally:
+            try:
+                lock.release()
+            except redis.exceptions.LockError:
+                pass
+        if report.restored or report.failed:
+            log.warning(
+                "reaper: node %s is gone; redelivered %d task(s) %s, failed %d after %d "
+                "redeliveries %s", node, len(report.restored), report.restored,
+                len(report.failed), self.max_redeliveries, report.failed,
+            )
+        self.reports.append(report)
+        return report
+
+    def _restore_one(self, channel: Any, ledger: str, tag: str) -> tuple[str, str]:
+        """Move one message from ``unacked`` back to its queue, atomically."""
+        client = channel.client
+        with client.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(keys.KOMBU_UNACKED)
+                    raw = pipe.hget(keys.KOMBU_UNACKED, tag)
+                    if raw is None:  # acked, or already restored by another reaper
+                        pipe.multi()
+                        pipe.srem(ledger, tag)
+                        pipe.execute()
+                        return "gone", ""
+                    payload, exchange, routing_key = loads(_text(raw))
+                    task_id = str((payload.get("headers") or {}).get("id") or tag)
+                    counter = keys.redeliveries(task_id)
+                    pipe.watch(counter)
+                    count = int(pipe.get(counter) or 0)
+                    if count >= self.max_redeliveries:
+                        pipe.unwatch()
+                        self._fail(task_id, count)
+                        self._drop(client, ledger, tag)
+                        return "failed", task_id
+                    pipe.multi()
+                    pipe.zrem(keys.KOMBU_UNACKED_INDEX, tag)
+                    pipe.hdel(keys.KOMBU_UNACKED, tag)
+                    self._push(channel, pipe, payload, exchange, routing_key)
+                    pipe.srem(ledger, tag)
+                    pipe.incr(counter)
+                    pipe.expire(counter, self.counter_ttl_s)
+                    pipe.execute()
+                    return "restored", task_id
+                except redis.WatchError:
+                    continue
+
+    @staticmethod
+    def _push(channel: Any, pipe: Any, payload: dict[str, Any], exchange: str, routing_key: str) -> None:
+        """What kombu's ``Channel._do_restore_message`` does, inside our transaction.
+
+        The queue comes from kombu's binding table; if that is missing (a
+        Redis restarted without persistence) the routing key is the queue
+        name, as it is for every queue Celery declares for us.
+        """
+        payload.setdefault("headers", {})["redelivered"] = True
+        payload.setdefault("properties", {}).setdefault("delivery_info", {})["redelivered"] = True
+        queues = channel._lookup(exchange, routing_key) or [routing_key]
+        priority = channel._get_message_priority(payload, reverse=False)
+        for queue in queues:
+            # RPUSH: consumers BRPOP from the right, so it is served next.
+            pipe.rpush(channel._q_for_pri(queue, priority), dumps(payload))
+
+    def _fail(self, task_id: str, count: int) -> None:
+        error = RedeliveryLimitReached(
+            f"task {task_id} was redelivered {count} times because the worker running it died "
+            f"each time (max {self.max_redeliveries}, TASK_MAX_REDELIVERIES); it is not retried "
+            "again. Check the workers' logs and memory (a request that crashes or OOM-kills its "
+            "worker?)"
+        )
+        self.app.backend.mark_as_failure(task_id, error)
+
+    @staticmethod
+    def _drop(client: redis.Redis, ledger: str, tag: str) -> None:
+        with client.pipeline() as pipe:
+            pipe.zrem(keys.KOMBU_UNACKED_INDEX, tag)
+            pipe.hdel(keys.KOMBU_UNACKED, tag)
+            pipe.srem(ledger, tag)
+            pipe.execute()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
