@@ -22,11 +22,11 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA devices", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file
 
-from tasks import app, generate, keys, sync_weights  # noqa: E402
-from tasks.settings import SyncSettings  # noqa: E402
-from tests.conftest import MODELS, WorkerStarter, wait_for, worker_registered  # noqa: E402
+from tasks import app, generate, keys, sync_weights
+from tasks.settings import SyncSettings
+from tests.conftest import MODELS, WorkerStarter
 
 pytestmark = pytest.mark.gpu
 POOL = QUEUE = "gpu"
@@ -48,16 +48,17 @@ def qwen(seed: int) -> Path:
 def gpu_workers(start_worker: WorkerStarter, redis_client: Any) -> list[str]:
     model = qwen(1)
     names = []
+    # One after the other: an engine profiling GPU memory while another one
+    # starts on the same GPU finds no room for its KV cache.
     for mode in ("direct", "layerwise"):
         name = f"gpu-{mode}@tests"
         start_worker(
-            model, name, queue=QUEUE, pool=POOL, wait=False,
+            model, name, queue=QUEUE, pool=POOL, timeout=600,
             extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
                    "--max-model-len", "2048", "--weight-load-mode", mode],
             env={"CUDA_VISIBLE_DEVICES": "0"},
         )
         names.append(name)
-    wait_for(lambda: all(worker_registered(redis_client, n) for n in names), 900, "GPU workers")
     return names
 
 

@@ -168,6 +168,8 @@ class EngineHost:
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._intake = threading.Event()
         self._intake.set()
+        self._submit_lock = threading.Lock()
+        self._pending_counts: dict[tuple[str, int], int] = {}
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._keep_pause = False
@@ -277,18 +279,11 @@ class EngineHost:
     def generate(self, request: GenerateRequest, deadline: float) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version."""
         prompt_ids = self.prompt_token_ids(request)
-        self.wait_for_intake(deadline)
         sampling = to_vllm_params(request.params)
         batch = uuid.uuid4().hex[:12]
         rids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
-        with self._lock:
-            for rid in rids:
-                self._live[rid] = _Live(version=self.weight_version)
-        futures = [
-            asyncio.run_coroutine_threadsafe(self._run(rid, ids, sampling), self._loop)
-            for rid, ids in zip(rids, prompt_ids)
-        ]
         try:
+            futures = self._submit(rids, prompt_ids, sampling, deadline)
             done, pending = concurrent.futures.wait(
                 futures,
                 timeout=max(0.0, deadline - time.time()),
@@ -320,6 +315,38 @@ class EngineHost:
                 for rid in rids:
                     self._live.pop(rid, None)
 
+    def _submit(
+        self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float
+    ) -> list[concurrent.futures.Future[Any]]:
+        """Add every request to the engine while intake is open; returns result futures.
+
+        Adding happens under the submit lock, which a sync's pause also takes:
+        a request is either in the engine before the pause (and the pause mode
+        decides what happens to it) or waits for the sync to finish, so the
+        version stamped on it is always the one that generates it.
+        """
+        while True:
+            self.wait_for_intake(deadline)
+            with self._submit_lock:
+                if not self._intake.is_set():
+                    continue
+                with self._lock:
+                    for rid in rids:
+                        self._live[rid] = _Live(version=self.weight_version)
+                adds = [
+                    asyncio.run_coroutine_threadsafe(self._add(rid, ids, sampling), self._loop)
+                    for rid, ids in zip(rids, prompt_ids)
+                ]
+                queues = []
+                try:
+                    for add in adds:
+                        queues.append(add.result(timeout=max(1.0, deadline - time.time())))
+                except BaseException as exc:
+                    self._abort(rids)
+                    raise self._engine_error(exc) from exc
+                break
+        return [asyncio.run_coroutine_threadsafe(self._collect(q), self._loop) for q in queues]
+
     @staticmethod
     def _engine_error(exc: BaseException | None) -> Exception:
         if isinstance(exc, (InvalidRequest, PromptTooLong, EngineError)):
@@ -328,13 +355,18 @@ class EngineHost:
         detail = str(exc) or repr(getattr(exc, "__cause__", None) or getattr(exc, "__context__", None))
         return EngineError(f"the engine failed the request: {type(exc).__name__}: {detail}")
 
-    async def _run(self, rid: str, prompt_ids: list[int], sampling: Any) -> Any:
+    async def _add(self, rid: str, prompt_ids: list[int], sampling: Any) -> Any:
         from vllm.inputs import TokensPrompt
 
-        final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, rid):
-            final = out
-        return final
+        return await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
+
+    @staticmethod
+    async def _collect(queue: Any) -> Any:
+        """The request's final output (as ``AsyncLLM.generate`` drains its queue)."""
+        while True:
+            out = queue.get_nowait() or await queue.get()
+            if out.finished:
+                return out
 
     def _abort(self, rids: list[str]) -> None:
         try:
@@ -384,18 +416,26 @@ class EngineHost:
 
     def pause(self, mode: PauseMode, timeout: float) -> None:
         """Close intake and pause the engine the way ``mode`` says."""
-        self._intake.clear()
+        with self._submit_lock:
+            self._intake.clear()
         self._keep_pause = mode == "keep"
         if mode == "abort":
             with self._lock:
                 for live in self._live.values():
                     live.aborted_for_sync = True
         self.call(self.engine.pause_generation(mode=mode, clear_cache=False), timeout=timeout)
-        if mode == "keep":
-            self._mark_pending_spans()
+        if mode != "abort":
+            # "keep" freezes requests mid-generation; "wait" drains running
+            # requests but leaves never-scheduled ones queued: both finish on
+            # the new weights, from the token count they have now.
+            self._pending_counts = self.call(self._generated_counts(), timeout=timeout)
 
-    def _mark_pending_spans(self) -> None:
-        """Remember how many tokens each kept request had when the weights changed."""
+    async def _generated_counts(self) -> dict[tuple[str, int], int]:
+        """How many tokens each unfinished request has when the weights change.
+
+        Runs on the engine loop after outputs already produced were processed.
+        """
+        await asyncio.sleep(0.05)
         states = getattr(getattr(self.engine, "output_processor", None), "request_states", {})
         counts: dict[tuple[str, int], int] = {}
         for state in list(states.values()):
@@ -403,7 +443,7 @@ class EngineHost:
             generated = len(getattr(detok, "output_token_ids", []) or [])
             key = (getattr(state, "external_req_id", state.request_id), getattr(state, "request_index", 0))
             counts[key] = generated
-        self._pending_counts = counts
+        return counts
 
     def resume(self, new_version: int | None, timeout: float) -> None:
         """Reset the prefix cache, adopt ``new_version`` (if any), resume, open intake."""
@@ -414,9 +454,9 @@ class EngineHost:
                 self.engine.reset_prefix_cache(reset_running_requests=self._keep_pause),
                 timeout=timeout,
             )
-            if self._keep_pause:
+            if self._pending_counts:
                 with self._lock:
-                    for (rid, index), count in getattr(self, "_pending_counts", {}).items():
+                    for (rid, index), count in self._pending_counts.items():
                         live = self._live.get(rid)
                         if live is not None:
                             live.spans.setdefault(index, []).append((count, new_version))
