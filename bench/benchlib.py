@@ -25,22 +25,22 @@ from typing import Any
 # Before vLLM is imported anywhere in this process: keep stdout for the JSON line.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
-from pydantic import SecretStr  # noqa: E402
+from pydantic import SecretStr
 
-from tasks.app import configure  # noqa: E402
-from tasks.settings import ClientSettings  # noqa: E402
-from workers.localstack import LocalStack, WorkerSpec, default_tiny_model  # noqa: E402
-from workers.settings import EngineSettings  # noqa: E402
+from tasks.app import configure
+from tasks.settings import ClientSettings
+from workers.localstack import LocalStack, WorkerSpec, default_tiny_model
+from workers.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Per device: the engine config and the workload of DESIGN.md / issue 7.
 PRESETS: dict[str, dict[str, Any]] = {
-    "cpu": dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.1,
-                prompts=256, input_len=32, output_len=64, prompts_per_task=32, rounds=2),
+    "cpu": {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.1,
+            "prompts": 256, "input_len": 32, "output_len": 64, "prompts_per_task": 32, "rounds": 5},
     # Two engines share the GPU (worker + offline baseline): 0.4 each.
-    "cuda": dict(dtype="auto", max_model_len=1024, gpu_memory_utilization=0.4,
-                 prompts=1024, input_len=128, output_len=256, prompts_per_task=64, rounds=3),
+    "cuda": {"dtype": "auto", "max_model_len": 1024, "gpu_memory_utilization": 0.4,
+             "prompts": 1024, "input_len": 128, "output_len": 256, "prompts_per_task": 64, "rounds": 3},
 }
 
 
@@ -140,5 +140,7 @@ def emit(record: dict[str, Any], args: argparse.Namespace) -> None:
         vllm=vllm.__version__,
         machine=machine(args.device),
         date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        # Other work on the machine skews every figure; say how much there was.
+        load_1m=round(os.getloadavg()[0], 1),
     )
     print(json.dumps(record), flush=True)

@@ -23,8 +23,8 @@ import benchlib
 from tasks.generate import generate
 from tasks.schemas import SamplingParams
 
-DEFAULTS = {"cpu": dict(iterations=100, input_len=16, max_tokens=8),
-            "cuda": dict(iterations=300, input_len=128, max_tokens=16)}
+DEFAULTS = {"cpu": {"iterations": 100, "input_len": 16, "max_tokens": 8},
+            "cuda": {"iterations": 300, "input_len": 128, "max_tokens": 16}}
 
 
 def percentile(values: list[float], q: int) -> float:

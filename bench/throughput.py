@@ -4,7 +4,8 @@ Same engine config (``EngineSettings`` → ``engine_kwargs``), same token-id
 prompts, same sampling params (``ignore_eos``: every prompt generates exactly
 ``--output-len`` tokens), in one run: one worker serves the queue leg while an
 offline ``LLM`` in this process serves the baseline leg; the legs alternate
-for ``--rounds`` rounds and the best round of each counts.
+for ``--rounds`` rounds (which goes first alternates) and the best round of
+each counts.
 
     .venv/bin/python bench/throughput.py                       # CPU: tiny model, 256 prompts x 64 tokens
     python bench/throughput.py --device cuda --model PATH      # GPU: 1024 prompts x (128 in, 256 out)
@@ -64,7 +65,6 @@ def main() -> None:
     )
     per_task = args.prompts_per_task
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    warm = SamplingParams(temperature=args.temperature, max_tokens=8, ignore_eos=True)
     expected = args.prompts * args.output_len
 
     from workers.offline import offline_llm, shutdown
@@ -74,11 +74,14 @@ def main() -> None:
     with benchlib.queue_stack(args, settings, max_inflight=tasks) as stack:
         llm = offline_llm(settings)
         try:
-            queue_leg(stack, [warm_prompts[:8]], warm, timeout=600)
-            offline_leg(llm, warm_prompts[8:16], warm)
+            # Warm-up at full size: the first batches of a new shape are slow on both legs.
+            warm_chunks = [warm_prompts[i : i + per_task] for i in range(0, len(warm_prompts), per_task)]
+            queue_leg(stack, warm_chunks, params, timeout=3600)
+            offline_leg(llm, warm_prompts, params)
             for round_, prompts in enumerate(rounds):
                 chunks = [prompts[i : i + per_task] for i in range(0, len(prompts), per_task)]
-                for leg in ("queue", "offline"):
+                # Alternate which leg goes first: load that drifts hits both alike.
+                for leg in ("queue", "offline") if round_ % 2 == 0 else ("offline", "queue"):
                     if leg == "queue":
                         seconds, tokens = queue_leg(stack, chunks, params, timeout=3600)
                     else:

@@ -24,7 +24,8 @@ def main(request_path: str, out_path: str) -> None:
     from workers.offline import offline_llm, shutdown
     from workers.settings import EngineSettings
 
-    request = json.loads(open(request_path).read())
+    with open(request_path) as handle:
+        request = json.load(handle)
     settings = EngineSettings(
         model=request["model"], device="cpu", dtype="float32",
         max_model_len=request["max_model_len"], gpu_memory_utilization=0.1,

@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--max-model-len", type=int)
     w.add_argument("--dtype")
     w.add_argument("--gpu-memory-utilization", type=float)
+    w.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (vLLM)")
+    w.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step (vLLM)")
     w.add_argument("--enforce-eager", action="store_true", default=None)
     w.add_argument("--enable-sleep-mode", action="store_true", default=None)
     w.add_argument("--weight-load-mode", choices=["auto", "layerwise", "direct"])

@@ -121,6 +121,12 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
     )
     if settings.enable_sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    # None: vLLM's batch defaults (the worker's engine is created in the
+    # LLM_CLASS usage context, like vllm.LLM, so both get the same ones).
+    if settings.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     return kwargs
 
 
@@ -208,10 +214,16 @@ class EngineHost:
         self._thread.start()
 
         async def create() -> Any:
+            from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            # LLM_CLASS: the batch defaults of vLLM's offline ``LLM`` (larger
+            # max_num_seqs / max_num_batched_tokens). The default context here
+            # would cap the running batch at 128 sequences and 2048 tokens per
+            # step, on CPU and on an H200 alike; rollouts are batch work.
             return AsyncLLM.from_engine_args(
-                self.engine_args(), stat_loggers=[stat_logger_factory(self.stats)]
+                self.engine_args(), usage_context=UsageContext.LLM_CLASS,
+                stat_loggers=[stat_logger_factory(self.stats)],
             )
 
         try:

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from typing_extensions import Self
 
 from tasks.errors import BrokerUnavailable, LocalStackError
 from tasks.registry import live_workers
@@ -174,7 +175,7 @@ class LocalStack:
         self._workers: list[LocalProcess] = []
         self._queues: set[str] = set()
 
-    def __enter__(self) -> LocalStack:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

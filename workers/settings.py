@@ -21,6 +21,9 @@ class EngineSettings(ClientSettings):
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
     seed: int = 0
+    # Running-batch limits; None: vLLM's defaults for batch work (LLM_CLASS).
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
     # "auto": layerwise reload on CPU (a bare load_weights leaves the old
     # weights in use there), direct load_weights on CUDA.
