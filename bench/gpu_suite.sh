@@ -12,16 +12,20 @@ fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
 steps=${*:-tests sync throughput latency scaling}
+cleanup() { pkill -f -- "-m workers worker" 2>/dev/null; sleep 3; pkill -9 -f -- "-m workers worker" 2>/dev/null; pkill -9 -f "VLLM::" 2>/dev/null; true; }
 for step in $steps; do
+  cleanup
   start=$(date +%s)
   case $step in
-    tests)      python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py 2>&1 | tail -40 > "$OUT/gpu-tests.txt" ;;
-    sync)       python3 bench/weight_sync.py --device cuda --shape qwen2-7b >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log" ;;
+    tests)      timeout 300 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py > "$OUT/gpu-tests.txt" 2>&1 ;;
+    sync)       timeout 280 python3 bench/weight_sync.py --device cuda --shape qwen2-7b >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log" ;;
     throughput) python3 bench/throughput.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;
     latency)    python3 bench/latency.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/latency.log" ;;
     scaling)    python3 bench/scaling.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/scaling.log" ;;
     *) echo "unknown step $step" >&2 ;;
   esac
-  echo "$step: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/steps.txt"
+  rc=$?
+  cleanup
+  echo "$step: rc=$rc in $(( $(date +%s) - start ))s" | tee -a "$OUT/steps.txt"
 done
 cat "$OUT/bench-gpu.jsonl" 2>/dev/null
