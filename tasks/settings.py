@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -50,6 +50,16 @@ class ClientSettings(BaseSettings):
     redis_tls_ca_file: str | None = None
     redis_tls_certfile: str | None = None
     redis_tls_keyfile: str | None = None
+
+    @model_validator(mode="after")
+    def _visibility_above_time_limit(self) -> ClientSettings:
+        longest = max(self.task_soft_time_limit, self.task_time_limit)
+        if self.visibility_timeout <= longest:
+            raise ValueError(
+                f"visibility_timeout ({self.visibility_timeout} s) must exceed the task time limit "
+                f"({longest:.0f} s): Redis would hand a task still running to a second worker"
+            )
+        return self
 
     @property
     def redacted_url(self) -> str:
