@@ -150,7 +150,7 @@ def _supports_tls(binary: str) -> bool:
     try:
         out = subprocess.run(
             [binary, "--port", "0", "--tls-port", str(free_port())],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True, text=True, timeout=10, check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return False

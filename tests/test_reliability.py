@@ -26,7 +26,6 @@ from typing import Any
 
 import pydantic
 import pytest
-import redis as redis_lib
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kombu import Connection
@@ -336,7 +335,7 @@ def _strand(quiet: Any, queue: str, node: str) -> tuple[str, str]:
     """Send a task and take it off the queue the way a worker does, then
     'die' holding it: the message stays in kombu's unacked hash, its tag in
     the node's ledger, and the node has no registry key."""
-    srv, app, task = quiet
+    srv, _, task = quiet
     result = task.apply_async((["stranded"], {"max_tokens": 2}), queue=queue)
     with Connection(srv.url) as conn:
         channel = conn.channel()
@@ -486,10 +485,10 @@ def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
                               "rel-a to hold tasks")
         lost, connected = count("Connection to broker lost"), count("Connected to redis://")
         server.kill()
-        rel_worker.wait_until(lambda: count("Connection to broker lost") > lost, 60,
+        rel_worker.wait_until(lambda lost=lost: count("Connection to broker lost") > lost, 60,
                               "the worker to notice the broker is gone")
         server.start()
-        rel_worker.wait_until(lambda: count("Connected to redis://") > connected, 60,
+        rel_worker.wait_until(lambda seen=connected: count("Connected to redis://") > seen, 60,
                               "the worker to reconnect")
         figures["redis_restarts_survived"] += 1
     check_all_done(producer, ids, 4, 400, figures)

@@ -59,7 +59,10 @@ class InflightLedger:
     def record(self, delivery_tag: str) -> None:
         """Called from Celery's consumer thread when a message arrives."""
         try:
-            self.client.pipeline().sadd(self.key, delivery_tag).expire(self.key, self.ttl_s).execute()
+            with self.client.pipeline() as pipe:
+                pipe.sadd(self.key, delivery_tag)
+                pipe.expire(self.key, self.ttl_s)
+                pipe.execute()
         except redis.RedisError as exc:
             log.warning("could not record delivery %s in %s: %s", delivery_tag, self.key, exc)
 
