@@ -103,6 +103,7 @@ def main() -> int:
         for i in range(args.iters):
             report = sender.sync(weights, version=i + 1, timeout=600)
             sync_times.append(report.seconds)
+            benchlib_log(f"sync {i + 1}: {report.seconds:.4f}s phases {report.phases} worker {report.worker_phases}")
         last_phases = report.phases
         manifest, _ = sender.manifest(list(weights.items()), sender.membership(), report.backend)
         backend = report.backend
@@ -112,7 +113,9 @@ def main() -> int:
         store = transport.connect_store("127.0.0.1", store_port, 120.0, is_master=True)
         sizes_b = manifest.bucket_sizes
         rounds = [sizes_b] * args.iters
-        peer_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # Keep the caller's PYTHONPATH (the GPU machine's staged packages live there).
+        peer_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
         if cuda:
             peer_env["CUDA_VISIBLE_DEVICES"] = str(args.worker_gpu)
         peer = subprocess.Popen(
@@ -180,6 +183,10 @@ def main() -> int:
         print(json.dumps(line), flush=True)
         sync_weights.close()
     return 0
+
+
+def benchlib_log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
