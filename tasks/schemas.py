@@ -92,6 +92,11 @@ class SamplingParams(_Message):
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
+        if self.n > 1 and self.temperature == 0.0:
+            raise ValueError(
+                f"n={self.n} with temperature 0 would return {self.n} identical greedy samples; "
+                "vLLM refuses it: use n=1, or temperature > 0 for several samples"
+            )
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"

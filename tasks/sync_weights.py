@@ -77,6 +77,7 @@ def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with checkpoint names; tied tensors are sent once."""
     import torch
 
+    pairs: list[tuple[str, Any]]
     if isinstance(weights, torch.nn.Module):
         pairs = list(weights.named_parameters())
     elif isinstance(weights, Mapping):
@@ -85,11 +86,15 @@ def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
         pairs = list(weights)
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     unique: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in pairs:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
-        tensor = tensor.detach()
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+    for name, value in pairs:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(value).__name__}, not a tensor")
+        tensor: torch.Tensor = value.detach()
+        ident = (
+            int(tensor.untyped_storage().data_ptr()),
+            int(tensor.storage_offset()),
+            tuple(int(d) for d in tensor.shape),
+        )
         if tensor.numel() and ident in seen:
             continue  # tied weights (e.g. lm_head = embed_tokens): the checkpoint holds one
         seen.add(ident)

@@ -167,3 +167,13 @@ def test_signature_is_a_short_stable_hex_string() -> None:
     assert len(sig) == 16 and int(sig, 16) >= 0
     # Pinned: a change of the canonical form must be deliberate (results carry it).
     assert sig == "73ab57268078e485"
+
+
+def test_several_greedy_samples_are_refused_before_enqueueing() -> None:
+    from pydantic import ValidationError
+
+    from tasks.schemas import SamplingParams
+
+    with pytest.raises(ValidationError, match="identical greedy samples"):
+        SamplingParams(n=2, temperature=0.0)
+    assert SamplingParams(n=2, temperature=0.5).n == 2

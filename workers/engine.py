@@ -175,6 +175,9 @@ class EngineHost:
         self._intake = threading.Event()
         self._intake.set()
         self._submit_lock = threading.Lock()
+        # Set by sleep(), cleared when the KV cache wakes: no intake meanwhile,
+        # even after a sync woke the weights to load new ones.
+        self.kv_asleep = False
         self._pending_counts: dict[tuple[str, int], int] = {}
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
@@ -476,7 +479,8 @@ class EngineHost:
         self._pending_counts = {}
         self._keep_pause = False
         self.call(self.engine.resume_generation(), timeout=timeout)
-        self._intake.set()
+        if not self.kv_asleep:  # a sleeping engine's KV cache stays asleep: no intake
+            self._intake.set()
 
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         return self.call(self.engine.collective_rpc(method, args=args), timeout=timeout)
@@ -504,6 +508,7 @@ class EngineHost:
             raise EngineError(problem)
         self._intake.clear()
         self.call(self.engine.sleep(level), timeout=120)
+        self.kv_asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         problem = self.sleep_mode_problem()
@@ -511,6 +516,7 @@ class EngineHost:
             raise EngineError(f"{problem} (nothing to wake)")
         self.call(self.engine.wake_up(tags), timeout=120)
         if tags is None or "kv_cache" in tags:
+            self.kv_asleep = False
             self._intake.set()
 
     def is_sleeping(self) -> bool:

@@ -146,8 +146,12 @@ class SyncParticipant:
             self.host.resume(plan.version, timeout=60.0)
             paused = False
             seconds["commit"] = time.monotonic() - t
-            self.set_fenced(None)
-            self.set_state("serving")
+            if self.host.kv_asleep:  # weights woken for the sync; KV cache still asleep
+                self.set_fenced("sleeping")
+                self.set_state("sleeping")
+            else:
+                self.set_fenced(None)
+                self.set_state("serving")
             self.last_error = None
             self.sync_seconds.append(time.monotonic() - t_start)
             self._ack(plan, "done", True, seconds=seconds)
