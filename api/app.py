@@ -122,7 +122,9 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     _install_error_handlers(app, settings)
     _install_metrics_middleware(app, gateway.metrics)
 
+    # An empty API_TOKEN (compose passes one through unset) means no auth.
     token = settings.token.get_secret_value() if settings.token is not None else None
+    token = token or None
 
     async def authorized(request: Request) -> None:
         if token is None:
