@@ -34,6 +34,12 @@ from workers.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# vLLM's shared-memory readers busy-loop for 1 s after their last read
+# (shm_broadcast.SpinCondition): the engine of the leg that just ran keeps a
+# core spinning that long. Legs start after this pause, so the idle engine
+# does not slow the measured one (on 2 cores it does, by a lot).
+IDLE_S = 1.2
+
 # Per device: the engine config and the workload of DESIGN.md / issue 7.
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.1,

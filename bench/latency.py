@@ -1,9 +1,9 @@
 """Latency the queue adds to a 1-prompt task, over a direct engine call.
 
-Each iteration sends one fresh token-id prompt both ways, back to back: as a
-``generate`` task through Redis to one worker (``.get()`` returns), and
+Every prompt (a fresh token-id prompt each) goes both ways: as a 1-prompt
+``generate`` task through Redis to one worker (until ``.get()`` returns), and
 straight into vLLM's offline ``LLM.generate`` in this process, built from
-the same engine config. The difference of the percentiles is what the queue
+the same engine config; the legs alternate in blocks, the first block warms up. The difference of the percentiles is what the queue
 costs: Celery messaging, the result backend, validation and result building.
 
     .venv/bin/python bench/latency.py                        # CPU: tiny model
@@ -27,6 +27,9 @@ DEFAULTS = {"cpu": {"iterations": 100, "input_len": 16, "max_tokens": 8},
             "cuda": {"iterations": 300, "input_len": 128, "max_tokens": 16}}
 
 
+BLOCK = 10
+
+
 def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
@@ -42,7 +45,7 @@ def main() -> None:
             setattr(args, key, value)
     args = benchlib.resolve(args)
     settings = benchlib.engine_settings(args)
-    warmup = 5
+    warmup = BLOCK
     prompts = benchlib.token_prompts(args.model, args.iterations + warmup, args.input_len, args.seed)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
@@ -52,28 +55,39 @@ def main() -> None:
     from workers.offline import offline_llm, shutdown
 
     direct_params = to_vllm_params(params)
-    queue_ms: list[float] = []
-    direct_ms: list[float] = []
+    times: dict[str, list[float]] = {"queue": [], "direct": []}
+    tokens: dict[str, list[list[int]]] = {"queue": [], "direct": []}
+
+    def queue_call(ids: list[int]) -> list[int]:
+        handle = generate.apply_async(([ids], params), queue=stack.queue)
+        result: dict[str, Any] = handle.get(timeout=300)
+        handle.forget()
+        return list(result["outputs"][0]["samples"][0]["token_ids"])
+
+    def direct_call(ids: list[int]) -> list[int]:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids)], direct_params, use_tqdm=False)
+        return list(outputs[0].outputs[0].token_ids)
+
     with benchlib.queue_stack(args, settings, max_inflight=4) as stack:
         llm = offline_llm(settings)
         try:
-            for i, ids in enumerate(prompts):
-                started = time.perf_counter()
-                handle = generate.apply_async(([ids], params), queue=stack.queue)
-                result: dict[str, Any] = handle.get(timeout=300)
-                queued = (time.perf_counter() - started) * 1000
-                handle.forget()
-                started = time.perf_counter()
-                outputs = llm.generate([TokensPrompt(prompt_token_ids=ids)], direct_params, use_tqdm=False)
-                direct = (time.perf_counter() - started) * 1000
-                same = result["outputs"][0]["samples"][0]["token_ids"] == list(outputs[0].outputs[0].token_ids)
-                if not same:
-                    benchlib.log(f"iteration {i}: the two legs generated different tokens")
-                if i >= warmup:
-                    queue_ms.append(queued)
-                    direct_ms.append(direct)
+            # Blocks of BLOCK prompts per leg, alternating, each after the
+            # other engine has gone idle; both legs see the same prompts.
+            for start in range(0, len(prompts), BLOCK):
+                block = prompts[start : start + BLOCK]
+                for leg, call in (("queue", queue_call), ("direct", direct_call)):
+                    time.sleep(benchlib.IDLE_S)
+                    for i, ids in enumerate(block, start):
+                        began = time.perf_counter()
+                        out = call(ids)
+                        if i >= warmup:
+                            times[leg].append((time.perf_counter() - began) * 1000)
+                            tokens[leg].append(out)
         finally:
             shutdown(llm)
+    if tokens["queue"] != tokens["direct"]:
+        benchlib.log("warning: the two legs generated different greedy tokens for some prompts")
+    queue_ms, direct_ms = times["queue"], times["direct"]
     q50, q99 = statistics.median(queue_ms), percentile(queue_ms, 99)
     d50, d99 = statistics.median(direct_ms), percentile(direct_ms, 99)
     record = {

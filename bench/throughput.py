@@ -4,8 +4,8 @@ Same engine config (``EngineSettings`` → ``engine_kwargs``), same token-id
 prompts, same sampling params (``ignore_eos``: every prompt generates exactly
 ``--output-len`` tokens), in one run: one worker serves the queue leg while an
 offline ``LLM`` in this process serves the baseline leg; the legs alternate
-for ``--rounds`` rounds (which goes first alternates) and the best round of
-each counts.
+for ``--rounds`` rounds (which goes first alternates); the ratio is of the
+median rounds (``ratio_best``: of the best rounds).
 
     .venv/bin/python bench/throughput.py                       # CPU: tiny model, 256 prompts x 64 tokens
     python bench/throughput.py --device cuda --model PATH      # GPU: 1024 prompts x (128 in, 256 out)
@@ -15,6 +15,7 @@ Prints one JSON line: queue_tok_s, offline_tok_s, ratio (queue / offline), ...
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -82,6 +83,7 @@ def main() -> None:
                 chunks = [prompts[i : i + per_task] for i in range(0, len(prompts), per_task)]
                 # Alternate which leg goes first: load that drifts hits both alike.
                 for leg in ("queue", "offline") if round_ % 2 == 0 else ("offline", "queue"):
+                    time.sleep(benchlib.IDLE_S)
                     if leg == "queue":
                         seconds, tokens = queue_leg(stack, chunks, params, timeout=3600)
                     else:
@@ -92,12 +94,14 @@ def main() -> None:
                     benchlib.log(f"round {round_ + 1} {leg}: {tokens / seconds:.0f} tok/s ({seconds:.1f} s)")
         finally:
             shutdown(llm)
-    queue_best, offline_best = max(runs["queue"]), max(runs["offline"])
+    # Medians: robust to a round that other work on the machine slowed down.
+    queue_tok_s, offline_tok_s = statistics.median(runs["queue"]), statistics.median(runs["offline"])
     record: dict[str, Any] = {
         "bench": "throughput",
-        "queue_tok_s": round(queue_best, 1),
-        "offline_tok_s": round(offline_best, 1),
-        "ratio": round(queue_best / offline_best, 3),
+        "queue_tok_s": round(queue_tok_s, 1),
+        "offline_tok_s": round(offline_tok_s, 1),
+        "ratio": round(queue_tok_s / offline_tok_s, 3),
+        "ratio_best": round(max(runs["queue"]) / max(runs["offline"]), 3),
         "runs_tok_s": {leg: [round(v, 1) for v in values] for leg, values in runs.items()},
         "prompts": args.prompts,
         "input_len": args.input_len,
