@@ -202,7 +202,20 @@ class WeightReceiver:
             raise WeightSyncError("no sync group: run a sync first", phase="transfer")
         tensor = torch.empty(shape, dtype=transport.torch_dtype(dtype), device=self._rq_device())
         transport.wait(transport.broadcast(state.group, tensor.view(-1).view(torch.uint8)), timeout_s)
-        self._rq_model().load_weights(weights=[(name, tensor)])
+        model = self._rq_model()
+        if state.load_mode == "layerwise":
+            # After a layerwise reload the parameters carry no weight loaders:
+            # every load, even of one tensor, goes through the reload lifecycle.
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            initialize_layerwise_reload(model)
+            model.load_weights(weights=[(name, tensor)])
+            finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
+        else:
+            model.load_weights(weights=[(name, tensor)])
         return tensor.numel()
 
     def rq_close_group(self) -> bool:
