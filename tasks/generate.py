@@ -37,6 +37,8 @@ from tasks.signature import signature
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
 MIN_VERSION_HEADER = "rq_min_weight_version"
+# Requeues (weights too old, fenced, sync abort) are not failures: allow many.
+REQUEUE_LIMIT = 100_000
 
 
 class Executor(Protocol):
@@ -115,7 +117,7 @@ class GenerateTask(Task):
         except Requeue as exc:
             # Not this worker's to serve now (weights too old, sync abort):
             # back to the queue for any worker, without using up retries.
-            raise self.retry(exc=exc, countdown=exc.countdown, max_retries=None) from exc
+            raise self.retry(exc=exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
         except EngineError as exc:
             raise self.retry(exc=exc, countdown=1) from exc
 
