@@ -31,6 +31,7 @@ from typing_extensions import Self
 
 from tasks.errors import BrokerUnavailable, LocalStackError
 from tasks.registry import live_workers
+from tasks.settings import redact_url
 
 TINY_MODEL_SEED = 1
 
@@ -203,7 +204,7 @@ class LocalStack:
         started = f"redis://127.0.0.1:{port}/0"
         self._valkey.wait_until(lambda: redis_reachable(started), 20, "valkey-server to answer PING")
         self.redis_url = started
-        self.redis_note = f"started valkey-server on port {port} ({url} did not answer)"
+        self.redis_note = f"started valkey-server on port {port}: {redact_url(url)} did not answer"
         return started
 
     def client(self) -> redis.Redis:
