@@ -50,6 +50,19 @@ def node_of_inflight_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:inflight:")
 
 
+# Messages a worker has taken off a queue but not yet recorded in kombu's
+# unacked hash (the atomic fetch of workers/reliable_redis.py): a list per node.
+PROCESSING_KEY_PATTERN = f"{PREFIX}:processing:*"
+
+
+def processing_key(node: str) -> str:
+    return f"{PREFIX}:processing:{node}"
+
+
+def node_of_processing_key(key: str) -> str:
+    return key.removeprefix(f"{PREFIX}:processing:")
+
+
 def reaper_lock(node: str) -> str:
     """Held by the one reaper restoring a dead node's messages."""
     return f"{PREFIX}:reaper:lock:{node}"

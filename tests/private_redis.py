@@ -198,6 +198,10 @@ def wait_results(
                 if meta["status"] in ("SUCCESS", "FAILURE"):
                     done[task_id] = meta
                     pending.discard(task_id)
+                    # Unsubscribe now, while the server is up: a pending
+                    # AsyncResult collected after it stopped would retry for
+                    # broker_connect_timeout seconds in its __del__.
+                    app.backend.result_consumer.cancel_for(task_id)
         except (redis_lib.RedisError, OSError):
             pass  # Redis away (a restart): poll again
         if pending:

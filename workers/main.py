@@ -16,6 +16,7 @@ from typing import Any
 
 from celery import signals
 
+from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
@@ -33,12 +34,26 @@ def cpu_environment() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
+def use_reliable_fetch(node: str) -> None:
+    """Fetch through workers.reliable_redis: no message lost between queue and unacked."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.setdefault("rq-redis", "workers.reliable_redis:Transport")
+    app.conf.broker_transport = "rq-redis"  # logs show rq-redis://:**@host
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "rq_processing_key": keys.processing_key(node),
+        "rq_inflight_key": keys.inflight_key(node),
+    }
+
+
 def run_worker(settings: WorkerSettings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
     )
     configure(settings, worker=True)
+    use_reliable_fetch(settings.name)
     if settings.device == "cpu":
         cpu_environment()
     log.info("worker %s: loading %s on %s (broker %s)", settings.name, settings.model,
@@ -70,16 +85,8 @@ def run_worker(settings: WorkerSettings) -> int:
     def on_shutdown(**_: Any) -> None:
         runtime.set_state("stopping")
 
-    def on_received(request: Any = None, **_: Any) -> None:
-        # Consumer thread, before the task runs: kombu already holds the
-        # message in its unacked hash under this tag.
-        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
-        if tag:
-            runtime.ledger.record(str(tag))
-
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
-    signals.task_received.connect(on_received, weak=False)
     runtime.start()
     worker = app.Worker(
         hostname=settings.name,

@@ -6,23 +6,28 @@ queue only after ``visibility_timeout`` (hours here: it must stay above the
 longest generation, or long tasks would be handed out twice). A worker killed
 with SIGKILL (OOM killer, lost host) would hold its tasks that long. So:
 
-* every worker records the delivery tag of each message it receives in
-  ``rq:inflight:<node>`` (:class:`InflightLedger`) and drops the tags that
-  left ``unacked`` (acknowledged, rejected or restored);
+* a worker fetches through ``workers.reliable_redis``: a message moves
+  atomically from its queue to the node's processing list
+  ``rq:processing:<node>``, then, in one MULTI, into ``unacked`` with its
+  delivery tag in the node's in-flight set ``rq:inflight:<node>``
+  (:class:`InflightLedger` drops the tags that left ``unacked``: acked,
+  rejected or restored);
 * every worker runs a :class:`Reaper` thread: a node whose registry key
   (``rq:worker:<node>``, refreshed by its heartbeat) has been gone for
   ``grace_s`` seconds, as seen by this reaper with Redis reachable all along,
-  while its ledger still exists, is dead. Under a per-node lock the reaper
-  moves each of its still-unacked messages back to its queue, in one
-  WATCH/MULTI transaction per message (the same steps as kombu's
-  ``QoS.restore_by_tag``, plus the ledger and the redelivery count), so a
-  message is restored at most once whoever races for it;
+  while its processing list or in-flight set still exists, is dead. Under a
+  per-node lock the reaper moves each message it still holds back to its
+  queue, in one WATCH/MULTI transaction per message (the steps of kombu's
+  ``QoS.restore_by_tag``, plus the node's list or set and the redelivery
+  count), so a message is restored at most once whoever races for it;
 * a task redelivered ``max_redeliveries`` times is not restored again: the
   reaper stores a ``RedeliveryLimitReached`` failure as its result and drops
   the message. A poison task that kills its worker cannot go round for ever.
 
 A worker restarted under the same node name restores its previous
-incarnation's messages at start (:meth:`Reaper.reclaim_own`).
+incarnation's messages at start (:meth:`Reaper.reclaim_own`); a message left
+in a live worker's own processing list (a fetch whose reply was lost to a
+dropped connection) is restored after ``stale_fetch_s``.
 
 Results are keyed by task id, so a task that runs twice (its worker was
 declared dead while it still ran) leaves one result, the last one written.
@@ -47,7 +52,12 @@ log = logging.getLogger(__name__)
 
 
 class InflightLedger:
-    """This worker's set of delivery tags it holds (received, not yet acked)."""
+    """This worker's set of delivery tags it holds (received, not yet acked).
+
+    Tags are added by the fetch itself (``workers.reliable_redis.QoS.append``,
+    in the same MULTI as kombu's unacked record); this class keeps the set
+    tidy and alive.
+    """
 
     def __init__(self, client: redis.Redis, node: str, ttl_s: int) -> None:
         self.client = client
@@ -55,16 +65,6 @@ class InflightLedger:
         self.key = keys.inflight_key(node)
         # Past visibility_timeout kombu restores the messages itself.
         self.ttl_s = ttl_s
-
-    def record(self, delivery_tag: str) -> None:
-        """Called from Celery's consumer thread when a message arrives."""
-        try:
-            with self.client.pipeline() as pipe:
-                pipe.sadd(self.key, delivery_tag)
-                pipe.expire(self.key, self.ttl_s)
-                pipe.execute()
-        except redis.RedisError as exc:
-            log.warning("could not record delivery %s in %s: %s", delivery_tag, self.key, exc)
 
     def prune(self) -> int:
         """Drop the tags no longer in kombu's ``unacked`` hash; returns how many remain."""
@@ -116,6 +116,7 @@ class Reaper:
         interval_s: float,
         counter_ttl_s: int,
         ledger: InflightLedger,
+        stale_fetch_s: float = 30.0,
     ) -> None:
         self.app = app
         self.client = client
@@ -125,6 +126,8 @@ class Reaper:
         self.interval_s = interval_s
         self.counter_ttl_s = counter_ttl_s
         self.ledger = ledger
+        self.stale_fetch_s = stale_fetch_s
+        self._fetch_seen: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}
         self.reports: list[ReapReport] = []
         self._stop = threading.Event()
@@ -142,6 +145,7 @@ class Reaper:
         while not self._stop.wait(self.interval_s):
             try:
                 self.ledger.prune()
+                self.check_own_fetches()
                 self.sweep()
             except redis.RedisError as exc:
                 # Redis away: forget what we saw, a node that did not beat
@@ -156,9 +160,11 @@ class Reaper:
 
     def sweep(self) -> list[ReapReport]:
         """One pass: reap every node dead for longer than ``grace_s``."""
-        ledgers = sorted(self.client.scan_iter(match=keys.INFLIGHT_KEY_PATTERN, count=500))
-        nodes = [keys.node_of_inflight_key(_text(k)) for k in ledgers]
-        others = [n for n in nodes if n != self.node]
+        nodes = {keys.node_of_inflight_key(_text(k))
+                 for k in self.client.scan_iter(match=keys.INFLIGHT_KEY_PATTERN, count=500)}
+        nodes |= {keys.node_of_processing_key(_text(k))
+                  for k in self.client.scan_iter(match=keys.PROCESSING_KEY_PATTERN, count=500)}
+        others = sorted(n for n in nodes if n != self.node)
         alive = self.client.mget([keys.worker_key(n) for n in others]) if others else []
         now = time.monotonic()
         reports = []
@@ -190,8 +196,17 @@ class Reaper:
         try:
             report = ReapReport(node=node)
             ledger = keys.inflight_key(node)
+            processing = keys.processing_key(node)
             with self.app.connection_for_write() as conn:
                 channel = conn.default_channel
+                for item in channel.client.lrange(processing, 0, -1):
+                    outcome, task_id = self._restore_fetched(channel, processing, item)
+                    if outcome == "restored":
+                        report.restored.append(task_id)
+                    elif outcome == "failed":
+                        report.failed.append(task_id)
+                    else:
+                        report.gone += 1
                 for raw_tag in sorted(self.client.smembers(ledger)):
                     tag = _text(raw_tag)
                     outcome, task_id = self._restore_one(channel, ledger, tag)
@@ -201,7 +216,7 @@ class Reaper:
                         report.failed.append(task_id)
                     else:
                         report.gone += 1
-            self.client.delete(ledger)
+            self.client.delete(ledger)  # (an emptied processing list is gone by itself)
         finally:
             try:
                 lock.release()
@@ -215,6 +230,61 @@ class Reaper:
             )
         self.reports.append(report)
         return report
+
+    def check_own_fetches(self) -> int:
+        """Restore messages stuck in this node's processing list; returns how many.
+
+        A fetch moves a message there and the next step (``QoS.append``)
+        takes it out milliseconds later; one still there after
+        ``stale_fetch_s`` lost its reply to a dropped connection.
+        """
+        processing = keys.processing_key(self.node)
+        items = self.client.lrange(processing, 0, -1)
+        now = time.monotonic()
+        seen = {_text(item): self._fetch_seen.get(_text(item), now) for item in items}
+        self._fetch_seen = seen
+        stale = [item for item, first in seen.items() if now - first >= self.stale_fetch_s]
+        if not stale:
+            return 0
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            for item in stale:
+                outcome, task_id = self._restore_fetched(channel, processing, item.encode())
+                log.warning("reaper: a fetch of task %s by this node never completed; %s",
+                            task_id, outcome)
+                self._fetch_seen.pop(item, None)
+        return len(stale)
+
+    def _restore_fetched(self, channel: Any, processing: str, item: bytes) -> tuple[str, str]:
+        """Move one message from a processing list back to its queue, atomically."""
+        client = channel.client
+        payload = loads(_text(item))
+        task_id = str((payload.get("headers") or {}).get("id") or "")
+        delivery = (payload.get("properties") or {}).get("delivery_info") or {}
+        exchange, routing_key = delivery.get("exchange", ""), delivery.get("routing_key", "")
+        counter = keys.redeliveries(task_id)
+        with client.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(processing, counter)
+                    if pipe.lpos(processing, item) is None:  # restored by another reaper
+                        pipe.unwatch()
+                        return "gone", task_id
+                    count = int(pipe.get(counter) or 0)
+                    if count >= self.max_redeliveries:
+                        pipe.unwatch()
+                        self._fail(task_id, count)
+                        client.lrem(processing, 1, item)
+                        return "failed", task_id
+                    pipe.multi()
+                    pipe.lrem(processing, 1, item)
+                    self._push(channel, pipe, payload, exchange, routing_key)
+                    pipe.incr(counter)
+                    pipe.expire(counter, self.counter_ttl_s)
+                    pipe.execute()
+                    return "restored", task_id
+                except redis.WatchError:
+                    continue
 
     def _restore_one(self, channel: Any, ledger: str, tag: str) -> tuple[str, str]:
         """Move one message from ``unacked`` back to its queue, atomically."""

@@ -1,0 +1,161 @@
+"""A kombu Redis transport whose fetch cannot lose a message (workers only).
+
+kombu's Redis transport takes a message off its queue with ``BRPOP`` and
+records it in the ``unacked`` hash in a second round trip. A worker killed
+between the two loses the message for good: it is in no list and no hash,
+so neither ``visibility_timeout`` nor the reaper can bring it back. (Seen
+here: ``kill -9`` while a worker pulled a burst of tasks lost one of 30.)
+
+This transport closes that gap with the "processing list" pattern:
+
+* fetch moves the message atomically from its queue into the node's
+  processing list ``rq:processing:<node>``: ``BLMOVE`` (blocking, on the
+  first queue's main list) or, before blocking, a Lua script that pops the
+  first non-empty list of every consumed queue and priority, in kombu's
+  order, and pushes the item onto the processing list in the same step;
+* ``QoS.append`` then, in one ``MULTI``, records the message in ``unacked``
+  (as kombu does), adds its tag to the node's in-flight set
+  ``rq:inflight:<node>`` and removes it from the processing list.
+
+So at every instant a message is in its queue, in a processing list, or in
+``unacked`` with its tag in a node's in-flight set; the reaper
+(``workers.reaper``) restores what a dead node holds in either. Producers,
+acks, restores and everything else are kombu's own. Selected by the worker
+(``broker_transport``), with ``rq_processing_key`` / ``rq_inflight_key``
+in the transport options; ``global_keyprefix`` is not supported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+# KEYS[1..n-1]: queue lists in the order BRPOP would try them; KEYS[n]: the
+# processing list. Returns {list, item} or nil, atomically.
+FETCH_SCRIPT = """
+local processing = KEYS[#KEYS]
+for i = 1, #KEYS - 1 do
+  local item = redis.call('RPOP', KEYS[i])
+  if item then
+    redis.call('LPUSH', processing, item)
+    return {KEYS[i], item}
+  end
+end
+return false
+"""
+
+
+class QoS(kombu_redis.QoS):
+    def append(self, message: Any, delivery_tag: str) -> None:
+        """kombu's unacked record, the in-flight set and the processing list, in one MULTI."""
+        channel = self.channel
+        raw = channel.rq_fetched.pop(delivery_tag, None)
+        delivery = message.delivery_info
+        with self.pipe_or_acquire() as pipe:
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
+            pipe.hset(self.unacked_key, delivery_tag,
+                      dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))
+            if channel.rq_inflight_key:
+                pipe.sadd(channel.rq_inflight_key, delivery_tag)
+            if raw is not None:
+                pipe.lrem(channel.rq_processing_key, 1, raw)
+            pipe.execute()
+        virtual.QoS.append(self, message, delivery_tag)
+
+
+class Channel(kombu_redis.Channel):
+    QoS = QoS
+    from_transport_options = kombu_redis.Channel.from_transport_options + (  # type: ignore[assignment]
+        "rq_processing_key", "rq_inflight_key",
+    )
+    rq_processing_key: str = ""
+    rq_inflight_key: str = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.rq_processing_key:
+            raise ValueError("the reliable Redis transport needs the rq_processing_key option")
+        if self.global_keyprefix:
+            raise ValueError("the reliable Redis transport does not support global_keyprefix")
+        # delivery tag → the exact bytes in the processing list (for LREM).
+        self.rq_fetched: dict[str, bytes] = {}
+        self._rq_pending: tuple[str, str | None] = ("EVAL", None)
+        self._rq_block_next = False
+
+    def _fetch_keys(self, queues: list[str]) -> list[str]:
+        return [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+
+    # Asynchronous fetch (the worker's event loop): replaces BRPOP.
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys = self._fetch_keys(queues)
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+        if self._rq_block_next:
+            # Every list was empty a moment ago: wait on the main one.
+            self._rq_pending = ("BLMOVE", keys[0])
+            args: list[Any] = ["BLMOVE", keys[0], self.rq_processing_key, "RIGHT", "LEFT",
+                               timeout or 0]
+        else:
+            self._rq_pending = ("EVAL", None)
+            args = ["EVAL", FETCH_SCRIPT, len(keys) + 1, *keys, self.rq_processing_key]
+        self.client.connection.send_command(*args)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        command, key = self._rq_pending
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, command, **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if command == "BLMOVE":
+                source, item = key, reply
+            else:
+                source, item = reply if reply else (None, None)
+            if item is None:
+                # After an empty sweep, block; after a quiet wait, sweep again
+                # (priority lists and other queues get their turn).
+                self._rq_block_next = command == "EVAL"
+                raise virtual.Empty()
+            self._rq_block_next = False
+            self._deliver_fetched(bytes_to_str(source), item)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
+
+    # Synchronous fetch (basic_get, drain without an event loop).
+
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
+        with self.conn_or_acquire() as client:
+            reply = client.eval(FETCH_SCRIPT, len(self.priority_steps) + 1,
+                                *self._fetch_keys([queue]), self.rq_processing_key)
+        if not reply:
+            raise virtual.Empty()
+        payload = loads(bytes_to_str(reply[1]))
+        self.rq_fetched[payload["properties"]["delivery_tag"]] = reply[1]
+        return payload
+
+    def _deliver_fetched(self, source: str, item: bytes) -> None:
+        payload = loads(bytes_to_str(item))
+        self.rq_fetched[payload["properties"]["delivery_tag"]] = item
+        queue = source.rsplit(self.sep, 1)[0]
+        self._queue_cycle.rotate(queue)
+        self.connection._deliver(payload, queue)
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
