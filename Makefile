@@ -36,7 +36,7 @@ quickstart: $(STAMP)
 	$(PY) -m workers quickstart
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@set -e; for b in $(BENCH_CPU); do echo "# $$b" >&2; $(PY) $$b; done
