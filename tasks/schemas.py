@@ -9,7 +9,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -83,6 +90,17 @@ class SamplingParams(_Message):
                 raise ValueError(f"json_schema must be plain JSON (dicts, lists, str, numbers): {exc}") from exc
         return value
 
+    @field_validator("n")
+    @classmethod
+    def _n_needs_sampling(cls, value: int, info: ValidationInfo) -> int:
+        # A field validator (not a model one) so the error names "n".
+        if value > 1 and info.data.get("temperature") == 0.0:
+            raise ValueError(
+                f"n={value} with temperature 0 would return {value} identical greedy samples; "
+                "vLLM refuses it: use n=1, or temperature > 0 for several samples"
+            )
+        return value
+
     @field_validator("choice")
     @classmethod
     def _choice_not_empty(cls, value: list[str] | None) -> list[str] | None:
@@ -92,11 +110,6 @@ class SamplingParams(_Message):
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
-        if self.n > 1 and self.temperature == 0.0:
-            raise ValueError(
-                f"n={self.n} with temperature 0 would return {self.n} identical greedy samples; "
-                "vLLM refuses it: use n=1, or temperature > 0 for several samples"
-            )
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
