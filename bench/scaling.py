@@ -13,7 +13,6 @@ Prints one JSON line: one_worker_tok_s, two_workers_tok_s, ratio.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import benchlib
 from pydantic import SecretStr

@@ -16,17 +16,17 @@ from tasks.schemas import GenerationResult, SamplingParams, SyncReport, WorkerIn
 from tasks.signature import signature
 
 __all__ = [
+    "GenerationResult",
+    "RolloutError",
+    "SamplingParams",
+    "SyncReport",
+    "WeightSyncError",
+    "WorkerInfo",
     "app",
     "configure",
+    "control",
     "generate",
     "generate_many",
-    "control",
-    "sync_weights",
     "signature",
-    "SamplingParams",
-    "GenerationResult",
-    "SyncReport",
-    "WorkerInfo",
-    "RolloutError",
-    "WeightSyncError",
+    "sync_weights",
 ]

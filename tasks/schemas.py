@@ -7,7 +7,7 @@ every model forbids unknown keys, so a typo is an error, not a silent default.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -147,14 +147,16 @@ PromptKind = Literal["text", "chat", "tokens"]
 class GenerateRequest(_Message):
     """The arguments of one ``generate`` task, validated."""
 
-    prompts: Union[list[TextPrompt], list[TokenPrompt], list[ChatPrompt]]
+    prompts: list[TextPrompt] | list[TokenPrompt] | list[ChatPrompt]
     params: SamplingParams
 
     @field_validator("prompts", mode="before")
     @classmethod
     def _one_kind(cls, value: Any) -> Any:
         if not isinstance(value, (list, tuple)):
-            raise ValueError("prompts must be a list of strings, chat conversations or token-id lists")
+            raise ValueError(  # noqa: TRY004  pydantic turns ValueError, not TypeError, into a field error
+                "prompts must be a list of strings, chat conversations or token-id lists"
+            )
         if not value:
             raise ValueError("prompts must not be empty")
         kinds = {_kind_of(p) for p in value}

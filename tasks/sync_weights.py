@@ -37,12 +37,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tasks import keys, transport
-from tasks.app import app, settings as client_settings
+from tasks.app import app
+from tasks.app import settings as client_settings
 from tasks.auth import sign_plan
 from tasks.errors import (
     ManifestMismatch,
@@ -220,7 +221,6 @@ class WeightSender:
         self, tensors: list[tuple[str, torch.Tensor]], members: list[WorkerInfo], backend: str
     ) -> tuple[Manifest, dict[str, torch.Tensor]]:
         """Cast floating tensors to the workers' dtype; plan the buckets."""
-        import torch
 
         dtypes = {w.dtype for w in members}
         if len(dtypes) > 1:
@@ -345,7 +345,7 @@ class WeightSender:
     def transfer(self, plan: SyncPlan, decision: SyncDecision, tensors: dict[str, torch.Tensor],
                  deadline: float) -> None:
         """4. Join (or reuse) the group and broadcast the packed buckets."""
-        remaining = lambda: max(deadline - time.monotonic(), 0.001)  # noqa: E731
+        remaining = lambda: max(deadline - time.monotonic(), 0.001)
         if not decision.reuse_group:
             if plan.backend == "nccl":
                 import torch
@@ -491,4 +491,4 @@ def close(pool: str | None = None) -> None:
             _senders.pop(name).close()
 
 
-__all__ = ["broadcast", "status", "close", "sender", "WeightSender", "WeightSyncError"]
+__all__ = ["WeightSender", "WeightSyncError", "broadcast", "close", "sender", "status"]

@@ -67,7 +67,7 @@ class Proc:
             try:
                 if check():
                     return
-            except Exception:
+            except Exception:  # noqa: BLE001, S110  a probe that fails means "not yet"
                 pass
             time.sleep(0.25)
         raise AssertionError(f"{self.name}: {what} not within {timeout:.0f}s:\n{self.tail()}")

@@ -42,8 +42,9 @@ def sync_workers(start_worker: WorkerStarter, model_a: Path) -> list[Any]:
         start_worker(model_a, f"sync{i}@tests", queue=QUEUE, pool=POOL, env=env, wait=False)
         for i in range(2)
     ]
-    from tests.conftest import worker_registered
     import redis
+
+    from tests.conftest import worker_registered
 
     client = redis.Redis.from_url(app.conf.broker_url, decode_responses=True)
     for i, proc in enumerate(procs):

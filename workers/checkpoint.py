@@ -25,7 +25,7 @@ def model_dir(model: str) -> Path | None:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, local_files_only=True))
-    except Exception:  # not cached locally: nothing to check against
+    except Exception:  # noqa: BLE001  not cached locally: nothing to check against
         return None
 
 

@@ -99,6 +99,6 @@ def rq_engine(state: Any, op: str, args: dict[str, Any] | None = None) -> dict[s
     runtime = _rt()
     try:
         return {"ok": True, "node": runtime.node, "result": engine_op(runtime, op, args or {})}
-    except Exception as exc:  # answered to the caller, who raises naming this node
+    except Exception as exc:  # noqa: BLE001  answered to the caller, who raises naming this node
         log.warning("engine op %s failed: %s", op, exc)
         return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}

@@ -52,24 +52,24 @@ def to_vllm_params(params: SamplingParams) -> Any:
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    kwargs: dict[str, Any] = dict(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        max_tokens=params.max_tokens,
-        min_tokens=params.min_tokens,
-        n=params.n,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        seed=params.seed,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
-        ignore_eos=params.ignore_eos,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
+    kwargs: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "max_tokens": params.max_tokens,
+        "min_tokens": params.min_tokens,
+        "n": params.n,
+        "stop": params.stop,
+        "stop_token_ids": params.stop_token_ids,
+        "seed": params.seed,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logprobs": params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs,
+        "ignore_eos": params.ignore_eos,
+        "output_kind": RequestOutputKind.FINAL_ONLY,
+    }
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
     structured = None
@@ -101,24 +101,24 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
     One place, so that baselines (``vllm.LLM(**engine_kwargs(s))`` in the
     benchmarks and the tests' offline reference) run exactly the worker's config.
     """
-    kwargs: dict[str, Any] = dict(
-        model=settings.model,
-        dtype=settings.dtype,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        max_model_len=settings.max_model_len,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enforce_eager=settings.enforce_eager,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        seed=settings.seed,
-        load_format=settings.load_format,
-        worker_extension_cls=EXTENSION_CLS,
-        disable_log_stats=False,
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "max_model_len": settings.max_model_len,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "seed": settings.seed,
+        "load_format": settings.load_format,
+        "worker_extension_cls": EXTENSION_CLS,
+        "disable_log_stats": False,
         # Compact JSON for json_schema / json_object: vLLM 0.32's xgrammar
         # backend reads this engine-wide flag and ignores the per-request
         # StructuredOutputsParams.disable_any_whitespace (seen: a random-weight
         # model filled objects with whitespace until max_tokens).
-        structured_outputs_config=_structured_outputs_config(),
-    )
+        "structured_outputs_config": _structured_outputs_config(),
+    }
     if settings.enable_sleep_mode:
         kwargs["enable_sleep_mode"] = True
     # None: vLLM's batch defaults (the worker's engine is created in the

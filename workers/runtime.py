@@ -155,7 +155,7 @@ class WorkerRuntime:
             self._last_tokens = (now, tokens)
             try:
                 self._check_fleet_version()
-            except Exception as exc:  # Redis away: keep beating, reconnect later
+            except Exception as exc:  # noqa: BLE001  Redis away: keep beating, reconnect later
                 log.warning("fleet version check failed: %s", exc)
             self.publish()
 

@@ -33,7 +33,7 @@ class EngineSettings(ClientSettings):
 class WorkerSettings(EngineSettings):
     name: str = Field(default_factory=lambda: f"worker@{socket.gethostname()}")
     max_inflight: int = Field(64, ge=1, description="tasks in flight at once (threads)")
-    queues: list[str] = ["generate"]
+    queues: list[str] = ["generate"]  # noqa: RUF012  pydantic copies defaults
     pool: str = "default"
     heartbeat_s: float = 2.0
     registry_ttl_s: float = 10.0

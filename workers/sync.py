@@ -23,8 +23,9 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import redis
 
@@ -79,7 +80,7 @@ class SyncParticipant:
                 if self._current is not None and not self._current.done():
                     raise SyncRefused(f"{self.node} is already in a sync")
                 self._current = self._pool.submit(self.run, plan)
-        except Exception as exc:  # every refusal is answered, never raised into Celery
+        except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync epoch %s refused: %s", epoch, exc)
             return SyncAccepted(node=self.node, epoch=epoch, ok=False, error=f"{type(exc).__name__}: {exc}").model_dump()
         return SyncAccepted(node=self.node, epoch=plan.epoch, ok=True).model_dump()
@@ -156,7 +157,7 @@ class SyncParticipant:
             self.sync_seconds.append(time.monotonic() - t_start)
             self._ack(plan, "done", True, seconds=seconds)
             log.info("weight sync epoch %d: now at version %d", plan.epoch, plan.version)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("weight sync epoch %d failed: %s", plan.epoch, self.last_error)
             self._recover(changed, paused, plan)

@@ -65,12 +65,12 @@ def _save_tokenizer(tok, path: Path) -> None:  # type: ignore[no-untyped-def]
 QWEN2_SHAPES = {
     # Qwen2-0.5B and Qwen2-7B layer shapes, with a 32,000-token WordLevel vocabulary
     # for 0.5B (every sampled id decodes) and the real vocabulary size for 7B.
-    "qwen2-0.5b": dict(vocab_size=32000, hidden_size=896, intermediate_size=4864,
-                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                       tie_word_embeddings=True),
-    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                     tie_word_embeddings=False),
+    "qwen2-0.5b": {"vocab_size": 32000, "hidden_size": 896, "intermediate_size": 4864,
+                       "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                       "tie_word_embeddings": True},
+    "qwen2-7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                     "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                     "tie_word_embeddings": False},
 }
 
 
