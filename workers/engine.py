@@ -439,7 +439,9 @@ class EngineHost:
                 for live in self._live.values():
                     live.aborted_for_sync = True
         self.call(self.engine.pause_generation(mode=mode, clear_cache=False), timeout=timeout)
-        if mode != "abort":
+        # An idle engine (the usual case: the trainer syncs between rollouts) has
+        # nothing to re-stamp and skips the 50 ms settle of _generated_counts.
+        if mode != "abort" and self.inflight_requests():
             # "keep" freezes requests mid-generation; "wait" drains running
             # requests but leaves never-scheduled ones queued: both finish on
             # the new weights, from the token count they have now.
