@@ -63,6 +63,31 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The generation workload flags (unset ones come from the device preset)."""
+    p.add_argument("--prompts", type=int)
+    p.add_argument("--input-len", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--prompts-per-task", type=int)
+    p.add_argument("--rounds", type=int)
+
+
+def run_tasks(queue: str, chunks: list[list[list[int]]], params: Any, timeout: float) -> tuple[float, int, set[str]]:
+    """Enqueue every chunk as one task at once; seconds until the last result,
+    generated tokens, and the workers that served them."""
+    from tasks.generate import generate
+
+    started = time.perf_counter()
+    handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
+    tokens, workers = 0, set()
+    for handle in handles:
+        result = handle.get(timeout=timeout)
+        handle.forget()
+        tokens += result["usage"]["completion_tokens"]
+        workers.add(result["worker"])
+    return time.perf_counter() - started, tokens, workers
+
+
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every option left unset from the device's preset."""
     for key, value in PRESETS[args.device].items():

@@ -12,37 +12,18 @@ Prints one JSON line: one_worker_tok_s, two_workers_tok_s, ratio.
 
 from __future__ import annotations
 
-import time
-
 import benchlib
 from pydantic import SecretStr
 
 from tasks.app import configure
-from tasks.generate import generate
 from tasks.schemas import SamplingParams
 from tasks.settings import ClientSettings
 from workers.localstack import LocalStack, WorkerSpec
 
 
-def run_queue(queue: str, chunks: list[list[list[int]]], params: SamplingParams) -> tuple[float, int, set[str]]:
-    started = time.perf_counter()
-    handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
-    tokens, workers = 0, set()
-    for handle in handles:
-        result = handle.get(timeout=3600)
-        handle.forget()
-        tokens += result["usage"]["completion_tokens"]
-        workers.add(result["worker"])
-    return time.perf_counter() - started, tokens, workers
-
-
 def main() -> None:
     p = benchlib.parser(__doc__)
-    p.add_argument("--prompts", type=int)
-    p.add_argument("--input-len", type=int)
-    p.add_argument("--output-len", type=int)
-    p.add_argument("--prompts-per-task", type=int)
-    p.add_argument("--rounds", type=int)
+    benchlib.add_workload_args(p)
     args = benchlib.resolve(p.parse_args())
     settings = benchlib.engine_settings(args)
     cuda = args.device == "cuda"
@@ -68,11 +49,11 @@ def main() -> None:
         stack.ensure_redis(url)
         configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         stack.start_worker(spec(0), index=0, timeout=900)
-        run_queue(stack.queue, workload(99)[:2], params)  # warm-up
-        one = [run_queue(stack.queue, workload(r), params) for r in range(args.rounds)]
+        benchlib.run_tasks(stack.queue, workload(99)[:2], params, 3600)  # warm-up
+        one = [benchlib.run_tasks(stack.queue, workload(r), params, 3600) for r in range(args.rounds)]
         stack.start_worker(spec(1), index=1, timeout=900)
-        run_queue(stack.queue, workload(98)[:4], params)  # warm-up
-        two = [run_queue(stack.queue, workload(r), params) for r in range(args.rounds)]
+        benchlib.run_tasks(stack.queue, workload(98)[:4], params, 3600)  # warm-up
+        two = [benchlib.run_tasks(stack.queue, workload(r), params, 3600) for r in range(args.rounds)]
     best_one = max(tokens / seconds for seconds, tokens, _ in one)
     best_two = max(tokens / seconds for seconds, tokens, _ in two)
     benchlib.emit(

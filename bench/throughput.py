@@ -21,20 +21,13 @@ from typing import Any
 
 import benchlib
 
-from tasks.generate import generate
 from tasks.schemas import SamplingParams
 
 
 def queue_leg(stack: Any, chunks: list[list[list[int]]], params: SamplingParams, timeout: float) -> tuple[float, int]:
     """All tasks enqueued at once; seconds until the last result is back, and tokens."""
-    started = time.perf_counter()
-    handles = [generate.apply_async((chunk, params), queue=stack.queue) for chunk in chunks]
-    tokens = 0
-    for handle in handles:
-        result = handle.get(timeout=timeout)
-        handle.forget()
-        tokens += result["usage"]["completion_tokens"]
-    return time.perf_counter() - started, tokens
+    seconds, tokens, _ = benchlib.run_tasks(stack.queue, chunks, params, timeout)
+    return seconds, tokens
 
 
 def offline_leg(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
@@ -51,11 +44,7 @@ def offline_leg(llm: Any, prompts: list[list[int]], params: SamplingParams) -> t
 
 def main() -> None:
     p = benchlib.parser(__doc__)
-    p.add_argument("--prompts", type=int)
-    p.add_argument("--input-len", type=int)
-    p.add_argument("--output-len", type=int)
-    p.add_argument("--prompts-per-task", type=int)
-    p.add_argument("--rounds", type=int)
+    benchlib.add_workload_args(p)
     p.add_argument("--temperature", type=float, default=1.0)
     args = benchlib.resolve(p.parse_args())
     settings = benchlib.engine_settings(args)
