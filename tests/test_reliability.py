@@ -553,3 +553,36 @@ def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
     assert rel_worker.alive()
     # Back to normal afterwards.
     assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
+
+
+def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_event_loop() -> None:
+    # A worker whose prefetch is full sends nothing to the broker; the probe is
+    # what makes its consumer notice a Redis restart (seen: a minute unnoticed).
+    from kombu.asynchronous import Hub
+
+    srv = RedisServer("rel-probe").start()
+    conn = Connection(srv.url, transport=ReliableTransport,
+                      transport_options={"rq_processing_key": "rq:processing:probe",
+                                         "rq_probe_interval": 0.5})
+    try:
+        channel = conn.default_channel
+        hub = Hub()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        probe = channel.connection.cycle._rq_probe_tref
+        assert probe is not None
+        conn.transport._probe_broker()  # Redis up: no error
+        conn.transport.register_with_event_loop(conn.connection, hub)  # a reconnect
+        assert probe.canceled, "the old probe must not keep firing after a re-register"
+        srv.kill()
+        with pytest.raises(conn.connection_errors):
+            conn.transport._probe_broker()
+        # On the loop, the consumer's connection errors propagate out of the timers.
+        hub.propagate_errors = conn.connection_errors
+        with pytest.raises(conn.connection_errors):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                hub.fire_timers(propagate=hub.propagate_errors)
+                time.sleep(0.1)
+    finally:
+        conn.release()
+        srv.stop()

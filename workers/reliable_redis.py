@@ -23,10 +23,18 @@ So at every instant a message is in its queue, in a processing list, or in
 acks, restores and everything else are kombu's own. Selected by the worker
 (``broker_transport``), with ``rq_processing_key`` / ``rq_inflight_key``
 in the transport options; ``global_keyprefix`` is not supported.
+
+A worker whose prefetch is full sends nothing to the broker until a task
+ends, and a task that ends while Redis is down waits in the result
+backend's retries: such a worker would not notice a Redis restart for
+minutes. The event loop therefore also pings the broker every
+``rq_probe_interval`` seconds (default 5); a connection error there is the
+consumer's "connection lost", and Celery reconnects as usual.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -34,6 +42,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
+
+logger = logging.getLogger(__name__)
 
 # KEYS[1..n-1]: queue lists in the order BRPOP would try them; KEYS[n]: the
 # processing list. Returns {list, item} or nil, atomically.
@@ -159,3 +169,27 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        cycle = self.cycle
+        old = getattr(cycle, "_rq_probe_tref", None)
+        if old is not None:
+            old.cancel()  # a reconnect registers again
+        interval = connection.client.transport_options.get("rq_probe_interval", 5.0)
+        if interval > 0:
+            cycle._rq_probe_tref = loop.call_repeatedly(interval, self._probe_broker)
+
+    def _probe_broker(self) -> None:
+        """PING on a pooled connection (never the one a fetch is blocked on).
+
+        Connection errors propagate to the consumer (the hub re-raises them).
+        """
+        for channel in list(self.cycle._channels):
+            try:
+                with channel.conn_or_acquire() as client:
+                    client.ping()
+            except channel.connection_errors as exc:
+                logger.warning("broker probe failed: %s", exc)
+                raise
+            return
