@@ -1,4 +1,4 @@
-"""Rank 1 of the raw-broadcast baseline: receive buckets of the given sizes, repeatedly.
+"""Rank 1 of the raw-broadcast baseline: receive buckets of the given sizes, N rounds.
 
 Run by bench/weight_sync.py; prints "ready" once joined and "done" at the end.
 """
@@ -15,15 +15,17 @@ from tasks import transport
 
 def main() -> int:
     host, port, backend, device = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    rounds: list[list[int]] = json.loads(sys.argv[5])  # per round: the bucket sizes
+    sizes: list[int] = json.loads(sys.argv[5])  # the bucket sizes of one round
+    rounds = int(sys.argv[6])
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     store = transport.connect_store(host, port, 120.0)
     group = transport.new_group(store, "raw", 1, 2, backend, 120.0)
     print("ready", flush=True)
-    for sizes in rounds:
-        for size in sizes:
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    # Buffers kept across rounds, as the worker keeps its receive buffers.
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    for _ in range(rounds):
+        for buffer in buffers:
             transport.wait(transport.broadcast(group, buffer), 300.0)
     if device.startswith("cuda"):
         torch.cuda.synchronize()

@@ -54,7 +54,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", default=None, help="qwen2-0.5b (CPU default) or qwen2-7b (CUDA default)")
-    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--bucket-mib", type=int, default=1024)
     parser.add_argument("--trainer-gpu", type=int, default=1)
     parser.add_argument("--worker-gpu", type=int, default=0)
@@ -98,21 +98,13 @@ def main() -> int:
         total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         sender = sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=args.bucket_mib << 20))
 
-        # a: end to end
-        sync_times = []
-        for i in range(args.iters):
-            report = sender.sync(weights, version=i + 1, timeout=600)
-            sync_times.append(report.seconds)
-            benchlib_log(f"sync {i + 1}: {report.seconds:.4f}s phases {report.phases} worker {report.worker_phases}")
-        last_phases = report.phases
-        manifest, _ = sender.manifest(list(weights.items()), sender.membership(), report.backend)
-        backend = report.backend
+        backend = "nccl" if cuda else "gloo"
+        manifest, _ = sender.manifest(list(weights.items()), sender.membership(), backend)
+        sizes_b = manifest.bucket_sizes
 
-        # b and c need a bare receiver on the worker's device
+        # b needs a bare receiver on the worker's device, joined before the first leg
         store_port = _free_port()
         store = transport.connect_store("127.0.0.1", store_port, 120.0, is_master=True)
-        sizes_b = manifest.bucket_sizes
-        rounds = [sizes_b] * args.iters
         # Keep the caller's PYTHONPATH (the GPU machine's staged packages live there).
         peer_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
@@ -120,13 +112,13 @@ def main() -> int:
             peer_env["CUDA_VISIBLE_DEVICES"] = str(args.worker_gpu)
         peer = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "_raw_peer.py"), "127.0.0.1", str(store_port),
-             backend, peer_device, json.dumps(rounds)],
+             backend, peer_device, json.dumps(sizes_b), str(args.iters)],
             stdout=subprocess.PIPE, text=True, env=peer_env,
         )
         group = transport.new_group(store, "raw", 0, 2, backend, 120.0)
-        raw_times = []
         buffers = [torch.empty(size, dtype=torch.uint8, device=trainer_device) for size in sizes_b]
-        for _ in range(args.iters):
+
+        def raw_leg() -> float:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -135,7 +127,17 @@ def main() -> int:
                 transport.wait(work, 300.0)
             if cuda:
                 torch.cuda.synchronize()
-            raw_times.append(time.perf_counter() - t0)
+            return time.perf_counter() - t0
+
+        # a (end to end) and b (raw) alternate, so load on the machine hits both alike
+        sync_times, raw_times = [], []
+        for i in range(args.iters):
+            report = sender.sync(weights, version=i + 1, timeout=600)
+            sync_times.append(report.seconds)
+            raw_times.append(raw_leg())
+            benchlib_log(f"sync {i + 1}: {report.seconds:.4f}s raw {raw_times[-1]:.4f}s "
+                         f"phases {report.phases} worker {report.worker_phases}")
+        last_phases = report.phases
 
         peer.communicate(timeout=120)
 

@@ -169,3 +169,37 @@ def test_version_spans_drop_empty_spans_and_record_each_change() -> None:
     assert version_spans(1, [(3, 2)], 5) == [(0, 1), (3, 2)]
     assert version_spans(1, [(5, 2)], 5) == [(0, 1)]  # nothing generated after it
     assert version_spans(1, [(3, 2), (4, 3)], 6) == [(0, 1), (3, 2), (4, 3)]
+
+
+def test_receive_buffers_are_reused_only_once_no_pending_layer_holds_them() -> None:
+    import inspect
+
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    from workers.extension import _BufferPool
+
+    pool = _BufferPool(keep=2)
+    cpu = torch.device("cpu")
+    a = pool.take(1000, cpu)
+    b = pool.take(600, cpu)
+    assert a.data_ptr() != b.data_ptr()
+    # Layerwise: a layer that is not complete yet keeps a view of bucket a.
+    layer = torch.nn.Linear(2, 2)
+    info = get_layerwise_info(layer)
+    bound = inspect.signature(lambda param, loaded_weight: None).bind(layer.weight, a[8:16].view(torch.float32))
+    info.loaded_weights.append(("weight", bound))
+    pool.loaded_into_model(a, still_referenced=True)
+    c = pool.take(1000, cpu)
+    assert c.data_ptr() != a.data_ptr(), "a buffer a pending layer holds was handed out again"
+    # The layer completes (vLLM resets its info): bucket a can carry the next one.
+    info.loaded_weights.clear()
+    pool.loaded_into_model(b, still_referenced=True)
+    d = pool.take(900, cpu)
+    assert d.data_ptr() in {a.data_ptr(), b.data_ptr()}
+    # End of the sync: every buffer is free, the two largest are kept for the next.
+    pool.loaded_into_model(c, still_referenced=False)
+    pool.loaded_into_model(d, still_referenced=False)
+    pool.settle()
+    assert sorted(buf.numel() for buf in pool.free) == [1000, 1000]
+    again = pool.take(1000, cpu)
+    assert again.data_ptr() in {a.data_ptr(), c.data_ptr()}

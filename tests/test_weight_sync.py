@@ -61,6 +61,9 @@ def ref_b(start_worker: WorkerStarter, model_b: Path) -> Any:
 def sender(redis_url: str) -> Any:
     settings = SyncSettings(
         weight_sync_secret=SECRET,
+        # 1 MiB buckets: the 5 MB model travels in several, so receive buffers are
+        # reused within a sync while layers straddling a bucket edge still hold views.
+        bucket_bytes=1 << 20,
         timeouts=SyncTimeouts(trigger=5.0, ready=90.0, transfer=120.0, commit=60.0),
     )
     yield sync_weights.sender(POOL, settings)
@@ -117,6 +120,8 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
     assert report.version == 1 and report.backend == "gloo"
     assert report.tensors == len(weights["B"]) and report.bytes > 0
     assert set(report.phases) == {"membership", "rendezvous", "trigger", "ready", "transfer", "commit"}
+    manifest, _ = sender.manifest(list(weights["B"].items()), sender.membership(), "gloo")
+    assert len(manifest.bucket_sizes) > 2
 
     after = results_from_both_workers(GREEDY)
     assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}

@@ -32,6 +32,10 @@ def cpu_environment() -> None:
     """vLLM-on-CPU settings seen to work (DESIGN.md); explicit values win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # Transparent huge pages for torch's large CPU tensors: a weight sync's
+    # layerwise reload allocates every layer afresh, and 2 MiB pages halve the
+    # page-fault cost of that (measured: 0.36 s → 0.18 s to fill 1 GiB).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def use_reliable_fetch(node: str) -> None:
