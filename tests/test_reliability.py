@@ -161,7 +161,7 @@ def test_a_task_over_its_own_time_limit_fails_clearly_and_the_engine_aborts_its_
         return stats["running_requests"] == 0 and stats["inflight_requests"] == 0
     wait_for(idle, 15, "the engine to drop the aborted requests")
     # ... and the next task is served normally.
-    out = send(producer, ["after the timeout"], {"max_tokens": 4}).get(timeout=60)
+    out = send(producer, ["after the timeout"], {"max_tokens": 4, "ignore_eos": True}).get(timeout=60)
     assert out["outputs"][0]["samples"][0]["finish_reason"] == "length"
 
 
@@ -538,9 +538,13 @@ def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
     def count(text: str) -> int:
         return log.read_text(errors="replace").count(text)
 
+    received = 0
     for _ in range(2):
-        rel_worker.wait_until(lambda: bool(held_tags(server, "rel-a@tests")), 60,
-                              "rel-a to hold tasks")
+        # Kill only once the worker consumes again (a task received since it
+        # connected), not while Celery's consumer is still starting up.
+        rel_worker.wait_until(lambda seen=received: count(" received") > seen
+                              and bool(held_tags(server, "rel-a@tests")), 60,
+                              "rel-a to hold tasks it fetched")
         lost, connected = count("Connection to broker lost"), count("Connected to ")
         server.kill()
         rel_worker.wait_until(lambda lost=lost: count("Connection to broker lost") > lost, 60,
@@ -548,6 +552,7 @@ def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
         server.start()
         rel_worker.wait_until(lambda seen=connected: count("Connected to ") > seen, 60,
                               "the worker to reconnect")
+        received = count(" received")
         figures["redis_restarts_survived"] += 1
     check_all_done(producer, ids, 4, 400, figures)
     assert rel_worker.alive()
@@ -584,5 +589,5 @@ def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_even
                 hub.fire_timers(propagate=hub.propagate_errors)
                 time.sleep(0.1)
     finally:
-        conn.release()
+        conn.collect()  # no I/O: the server is gone
         srv.stop()
