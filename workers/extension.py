@@ -109,7 +109,8 @@ def refresh_tied_layers(model: Any, loaded: set[str] | None = None) -> list[str]
     the oneDNN handle packed from the *old* embedding: seen here, a tied model
     kept sampling the old model's tokens after a sync. Processing of unquantized
     embeddings and heads is idempotent (CPU: a new GEMM handle; CUDA: nothing).
-    ``loaded``: checkpoint names that arrived; a tie none of them touched is left.
+    ``loaded``: checkpoint names that arrived; a tie none of them touched is left,
+    and the owner that arrived (processed by the reload) is not processed twice.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -125,6 +126,8 @@ def refresh_tied_layers(model: Any, loaded: set[str] | None = None) -> list[str]
         if loaded is not None and not any(f"{name}.weight" in loaded for name, _ in sharing):
             continue
         for name, module in sharing:
+            if loaded is not None and f"{name}.weight" in loaded:
+                continue  # the reload processed this owner already
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
