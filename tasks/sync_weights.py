@@ -132,6 +132,8 @@ class WeightSender:
         version: int | None = None,
         timeout: float = 120.0,
         pause: PauseMode = "wait",
+        *,
+        stale_only: bool = False,
     ) -> SyncReport:
         with self._lock:
             started = time.monotonic()
@@ -141,6 +143,13 @@ class WeightSender:
 
             t = time.monotonic()
             members = self.membership()
+            if stale_only:
+                if version is None:
+                    raise ValueError("stale_only syncs need the version to bring workers to")
+                members = [w for w in members if w.weight_version < version]
+                if not members:
+                    raise NoWorkers(f"no worker of pool {self.pool!r} is behind version {version}",
+                                    phase="membership")
             phases["membership"] = time.monotonic() - t
 
             version = self.next_version() if version is None else int(version)
@@ -455,6 +464,15 @@ class WeightSender:
                 acks[ack.node] = ack
         return acks
 
+    def catch_up(self, weights: Weights, timeout: float = 120.0, pause: PauseMode = "wait") -> SyncReport | None:
+        """Bring the workers behind the fleet's version (they missed a sync, or joined
+        later, and are fenced) to it with ``weights``, which must be that version's;
+        the workers already there are not paused. ``None`` when none is behind."""
+        version = fleet_version(self.client, self.pool)
+        if not any(w.weight_version < version for w in self.membership()):
+            return None
+        return self.sync(weights, version=version, timeout=timeout, pause=pause, stale_only=True)
+
     def status(self) -> dict[str, int]:
         return {w.node: w.weight_version for w in live_workers(self.client, self.pool)}
 
@@ -490,6 +508,13 @@ def broadcast(
     return sender(pool).sync(weights, version=version, timeout=timeout, pause=pause)
 
 
+def catch_up(
+    weights: Weights, timeout: float = 120.0, pause: PauseMode = "wait", pool: str = keys.DEFAULT_POOL,
+) -> SyncReport | None:
+    """Sync only the workers of ``pool`` behind its current version (see ``WeightSender.catch_up``)."""
+    return sender(pool).catch_up(weights, timeout=timeout, pause=pause)
+
+
 def status(pool: str = keys.DEFAULT_POOL) -> dict[str, int]:
     """Weight version of every live worker of ``pool``."""
     return sender(pool).status()
@@ -502,4 +527,4 @@ def close(pool: str | None = None) -> None:
             _senders.pop(name).close()
 
 
-__all__ = ["WeightSender", "WeightSyncError", "broadcast", "close", "sender", "status"]
+__all__ = ["WeightSender", "WeightSyncError", "broadcast", "catch_up", "close", "sender", "status"]

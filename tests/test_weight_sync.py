@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from tasks import app, generate, keys, sync_weights
 from tasks.errors import ManifestMismatch, WorkerLost
-from tasks.registry import live_workers
+from tasks.registry import fleet_version, live_workers
 from tasks.settings import SyncSettings, SyncTimeouts
-from tests.conftest import WorkerStarter, wait_for
+from tests.conftest import WorkerStarter, wait_for, worker_registered
 
 POOL = QUEUE = "sync"
 SECRET = "sync-test-secret"
@@ -254,3 +254,26 @@ def test_sync_names_a_killed_worker_and_the_others_serve_the_new_weights(
     assert result["worker"] == "sync0@tests"
     assert result["weight_version"] == current + 1
     assert tokens(result) == references["B"]
+
+
+def test_a_worker_that_missed_syncs_serves_nothing_until_a_catch_up_sync(
+    start_worker: WorkerStarter, model_a: Path, sync_workers: Any, sender: Any, weights: Any,
+    references: Any, redis_client: Any,
+) -> None:
+    # The worker killed above comes back on model A at version 0; the fleet moved on.
+    fleet = fleet_version(redis_client, POOL)
+    assert fleet > 0 and MODEL_AT[fleet] == "B"
+    late = start_worker(model_a, "sync1@tests", queue=QUEUE, pool=POOL,
+                        env={"WEIGHT_SYNC_SECRET": SECRET}, wait=False)
+    late.wait_until(lambda: worker_registered(redis_client, "sync1@tests", state="fenced"), 300,
+                    "the late worker to come up fenced")
+    assert all(r["worker"] == "sync0@tests" for r in results_from_both_workers(GREEDY))
+
+    report = sender.catch_up(weights["B"], timeout=60)
+    assert report is not None and report.workers == ["sync1@tests"] and report.version == fleet
+    assert pool_versions(redis_client) == {"sync0@tests": fleet, "sync1@tests": fleet}
+    wait_for(lambda: worker_registered(redis_client, "sync1@tests"), 30, "sync1 to serve again")
+    after = results_from_both_workers(GREEDY)
+    assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}
+    assert all(r["weight_version"] == fleet and tokens(r) == references["B"] for r in after)
+    assert sender.catch_up(weights["B"]) is None, "nobody is behind any more"
