@@ -280,6 +280,9 @@ class Manifest(_Message):
 
     tensors: list[TensorSpec]
     bucket_sizes: list[int]  # bytes per bucket, in send order
+    # Each bucket travels in pieces of this many bytes (0: whole), so the
+    # receiver loads the tensors of one piece while the next is on the wire.
+    chunk_bytes: int = Field(default=0, ge=0)
 
     @property
     def total_bytes(self) -> int:

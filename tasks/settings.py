@@ -90,5 +90,9 @@ class SyncSettings(BaseSettings):
     rendezvous_host: str = "127.0.0.1"
     rendezvous_port: int = 0  # 0: pick a free port
     bucket_bytes: int = Field(default=1 << 30, ge=1 << 20)
+    # Pieces a bucket travels in, so loading overlaps the wire. None: 128 MiB
+    # over gloo (measured on CPU: same load cost in 8 or 32 calls as in one),
+    # the whole bucket over NCCL (not yet measured on the GPU in pieces).
+    chunk_bytes: int | None = Field(default=None, ge=1 << 20)
     weight_sync_secret: SecretStr | None = None
     timeouts: SyncTimeouts = SyncTimeouts()

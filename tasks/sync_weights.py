@@ -71,6 +71,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Gloo buckets travel in pieces of this size (SyncSettings.chunk_bytes = None).
+GLOO_CHUNK_BYTES = 128 << 20
+
 Weights = Any  # torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 
 
@@ -247,7 +250,10 @@ class WeightSender:
                 tensor = tensor.to(device, non_blocking=True)
             by_name[name] = tensor
         specs = ((name, transport.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
-        return transport.plan_buckets(specs, self.settings.bucket_bytes), by_name
+        chunk = self.settings.chunk_bytes
+        if chunk is None:
+            chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
+        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk), by_name
 
     @staticmethod
     def _device(backend: str) -> torch.device:
@@ -398,21 +404,29 @@ class WeightSender:
 
         deadline = time.monotonic() + timeout_s
         buffers = self._buffers(max(manifest.bucket_sizes), device)
-        in_flight: list[Any] = [None, None]
+        in_flight: list[list[Any]] = [[], []]
         by_bucket: dict[int, list[Any]] = {}
         for spec in manifest.tensors:
             by_bucket.setdefault(spec.bucket, []).append(spec)
         for index, size in enumerate(manifest.bucket_sizes):
             slot = index % 2
-            if in_flight[slot] is not None:  # the buffer's previous bucket must be out
-                transport.wait(in_flight[slot], deadline - time.monotonic())
+            for work in in_flight[slot]:  # the buffer's previous bucket must be out
+                transport.wait(work, deadline - time.monotonic())
             buffer = buffers[slot][:size]
-            transport.pack(buffer, by_bucket.get(index, []), tensors)
-            if device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            in_flight[slot] = transport.broadcast(self.group, buffer)
-        for work in in_flight:
-            if work is not None:
+            specs = by_bucket.get(index, [])  # in offset order
+            packed = 0
+            in_flight[slot] = []
+            for start, end in transport.chunk_ranges(size, manifest.chunk_bytes):
+                upto = packed
+                while upto < len(specs) and specs[upto].offset < end:
+                    upto += 1
+                transport.pack(buffer, specs[packed:upto], tensors)
+                packed = upto
+                if device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                in_flight[slot].append(transport.broadcast(self.group, buffer[start:end]))
+        for works in in_flight:
+            for work in works:
                 transport.wait(work, deadline - time.monotonic())
 
     def _buffers(self, largest: int, device: torch.device) -> list[torch.Tensor]:

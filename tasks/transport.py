@@ -31,10 +31,13 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_buckets(specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int) -> Manifest:
+def plan_buckets(
+    specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int, chunk_bytes: int = 0
+) -> Manifest:
     """Pack (name, dtype, shape) in order into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket travels alone in a bucket of its own size.
+    ``chunk_bytes``: the pieces each bucket travels in (0: the whole bucket).
     """
     tensors: list[TensorSpec] = []
     sizes: list[int] = []
@@ -60,7 +63,13 @@ def plan_buckets(specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: 
             TensorSpec(name=name, dtype=dtype, shape=list(shape), bucket=len(sizes) - 1,
                        offset=offset, nbytes=nbytes)
         )
-    return Manifest(tensors=tensors, bucket_sizes=sizes)
+    return Manifest(tensors=tensors, bucket_sizes=sizes, chunk_bytes=chunk_bytes)
+
+
+def chunk_ranges(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` byte ranges a bucket of ``size`` travels in."""
+    step = chunk_bytes or size
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
 def dtype_name(tensor: torch.Tensor) -> str:

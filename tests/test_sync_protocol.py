@@ -32,6 +32,14 @@ def test_buckets_pack_tensors_in_order_and_never_exceed_the_bucket_size() -> Non
     assert len(per_bucket) == len(manifest.bucket_sizes) == 5
 
 
+def test_buckets_travel_in_pieces_that_cover_them_exactly() -> None:
+    assert transport.chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert transport.chunk_ranges(10, 0) == [(0, 10)]
+    assert transport.chunk_ranges(8, 16) == [(0, 8)]
+    manifest = transport.plan_buckets([("w", "float32", [100])], bucket_bytes=1024, chunk_bytes=128)
+    assert manifest.chunk_bytes == 128
+
+
 def test_a_tensor_larger_than_a_bucket_travels_alone() -> None:
     manifest = transport.plan_buckets(
         [("small", "bfloat16", [4]), ("huge", "float32", [1000]), ("tail", "int64", [2])], 256

@@ -61,9 +61,11 @@ def ref_b(start_worker: WorkerStarter, model_b: Path) -> Any:
 def sender(redis_url: str) -> Any:
     settings = SyncSettings(
         weight_sync_secret=SECRET,
-        # 1 MiB buckets: the 5 MB model travels in several, so receive buffers are
-        # reused within a sync while layers straddling a bucket edge still hold views.
-        bucket_bytes=1 << 20,
+        # 2 MiB buckets in 1 MiB pieces: the 5 MB model travels in several buckets
+        # (receive buffers are reused within a sync while layers straddling a bucket
+        # edge still hold views), and tensors straddle piece edges.
+        bucket_bytes=2 << 20,
+        chunk_bytes=1 << 20,
         timeouts=SyncTimeouts(trigger=5.0, ready=90.0, transfer=120.0, commit=60.0),
     )
     yield sync_weights.sender(POOL, settings)
@@ -121,7 +123,8 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
     assert report.tensors == len(weights["B"]) and report.bytes > 0
     assert set(report.phases) == {"membership", "rendezvous", "trigger", "ready", "transfer", "commit"}
     manifest, _ = sender.manifest(list(weights["B"].items()), sender.membership(), "gloo")
-    assert len(manifest.bucket_sizes) > 2
+    assert len(manifest.bucket_sizes) > 2 and manifest.chunk_bytes == 1 << 20
+    assert any(t.offset < manifest.chunk_bytes < t.offset + t.nbytes for t in manifest.tensors)
 
     after = results_from_both_workers(GREEDY)
     assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}

@@ -226,25 +226,36 @@ class WeightReceiver:
                 state.layerwise_open = True
             sizes = manifest.bucket_sizes
 
-            def post(index: int) -> tuple[Any, Any]:
+            def post(index: int) -> tuple[Any, list[tuple[int, Any]]]:
                 buffer = state.buffers.take(sizes[index], device)
-                return buffer, transport.broadcast(state.group, buffer)
+                pieces = transport.chunk_ranges(sizes[index], manifest.chunk_bytes)
+                return buffer, [(end, transport.broadcast(state.group, buffer[start:end]))
+                                for start, end in pieces]
 
-            # Bucket k+1 is already on its way while bucket k loads.
+            # Bucket k+1 is already on its way while the last piece of bucket k
+            # loads; within a bucket, each piece loads while the next arrives.
             pending = post(0) if sizes else None
             for index in range(len(sizes)):
-                t0 = time.monotonic()
                 assert pending is not None
-                buffer, work = pending
-                transport.wait(work, deadline - time.monotonic())
-                pending = post(index + 1) if index + 1 < len(sizes) else None
-                t1 = time.monotonic()
-                specs = by_bucket.get(index, [])
-                model.load_weights(weights=transport.bucket_views(buffer, specs))
+                buffer, works = pending
+                specs = by_bucket.get(index, [])  # in offset order
+                loaded = 0
+                for piece, (end, work) in enumerate(works):
+                    t0 = time.monotonic()
+                    transport.wait(work, deadline - time.monotonic())
+                    if piece == len(works) - 1:
+                        pending = post(index + 1) if index + 1 < len(sizes) else None
+                    t1 = time.monotonic()
+                    ready = loaded
+                    while ready < len(specs) and specs[ready].offset + specs[ready].nbytes <= end:
+                        ready += 1
+                    if ready > loaded:
+                        model.load_weights(weights=transport.bucket_views(buffer, specs[loaded:ready]))
+                        state.received.update(spec.name for spec in specs[loaded:ready])
+                        loaded = ready
+                    load_s += time.monotonic() - t1
+                    recv_s += t1 - t0
                 state.buffers.loaded_into_model(buffer, still_referenced=state.layerwise_open)
-                state.received.update(spec.name for spec in specs)
-                load_s += time.monotonic() - t1
-                recv_s += t1 - t0
         except Exception:
             state.group = None  # a failed collective leaves the group unusable
             state.buffers = _BufferPool()  # a receive may still be writing into one
