@@ -80,8 +80,10 @@ class _BufferPool:
         held = _pending_layerwise_storages()
         if held is None:  # cannot tell on this vLLM: keep them until the sync ends
             return
-        self.free += [b for b in self.loaded if b.untyped_storage().data_ptr() not in held]
-        self.loaded = [b for b in self.loaded if b.untyped_storage().data_ptr() in held]
+        still_held = []
+        for buffer in self.loaded:
+            (still_held if buffer.untyped_storage().data_ptr() in held else self.free).append(buffer)
+        self.loaded = still_held
 
 
 def _pending_layerwise_storages() -> set[int] | None:

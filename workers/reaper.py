@@ -101,6 +101,14 @@ class ReapReport:
     failed: list[str] = field(default_factory=list)  # task ids failed for good
     gone: int = 0  # tags already acked or restored by someone else
 
+    def record(self, outcome: str, task_id: str) -> None:
+        if outcome == "restored":
+            self.restored.append(task_id)
+        elif outcome == "failed":
+            self.failed.append(task_id)
+        else:
+            self.gone += 1
+
 
 class Reaper:
     """Finds dead worker nodes and puts their unacknowledged messages back."""
@@ -200,22 +208,9 @@ class Reaper:
             with self.app.connection_for_write() as conn:
                 channel = conn.default_channel
                 for item in channel.client.lrange(processing, 0, -1):
-                    outcome, task_id = self._restore_fetched(channel, processing, item)
-                    if outcome == "restored":
-                        report.restored.append(task_id)
-                    elif outcome == "failed":
-                        report.failed.append(task_id)
-                    else:
-                        report.gone += 1
+                    report.record(*self._restore_fetched(channel, processing, item))
                 for raw_tag in sorted(self.client.smembers(ledger)):
-                    tag = _text(raw_tag)
-                    outcome, task_id = self._restore_one(channel, ledger, tag)
-                    if outcome == "restored":
-                        report.restored.append(task_id)
-                    elif outcome == "failed":
-                        report.failed.append(task_id)
-                    else:
-                        report.gone += 1
+                    report.record(*self._restore_one(channel, ledger, _text(raw_tag)))
             self.client.delete(ledger)  # (an emptied processing list is gone by itself)
         finally:
             try:
