@@ -400,8 +400,6 @@ class WeightSender:
         self, manifest: Manifest, tensors: dict[str, torch.Tensor], device: torch.device, timeout_s: float
     ) -> None:
         """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
-        import torch
-
         deadline = time.monotonic() + timeout_s
         buffers = self._buffers(max(manifest.bucket_sizes), device)
         in_flight: list[list[Any]] = [[], []]
@@ -422,8 +420,8 @@ class WeightSender:
                     upto += 1
                 transport.pack(buffer, specs[packed:upto], tensors)
                 packed = upto
-                if device.type == "cuda":
-                    torch.cuda.current_stream().synchronize()
+                # On CUDA the broadcast's stream waits for the packing copies
+                # (ProcessGroupNCCL orders it after the current stream): no host sync.
                 in_flight[slot].append(transport.broadcast(self.group, buffer[start:end]))
         for works in in_flight:
             for work in works:

@@ -113,7 +113,7 @@ def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> N
         receiver.rq_receive_buckets(1.0)
     with pytest.raises(WeightSyncError, match="call rq_begin_update first"):
         receiver.rq_finish_update()
-    assert receiver.rq_abort_update() == "aborted"
+    assert receiver.rq_abort_update() is False  # nothing had arrived
 
 
 PEER = textwrap.dedent(

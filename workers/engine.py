@@ -182,6 +182,7 @@ class EngineHost:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._keep_pause = False
+        self._engine_paused = False
         self.generated_tokens = 0
         self.finished_requests = 0
         self.stats = EngineStats()  # fed by the engine's stat logger each step
@@ -434,13 +435,18 @@ class EngineHost:
         with self._submit_lock:
             self._intake.clear()
         self._keep_pause = mode == "keep"
+        if not self.inflight_requests():
+            # Intake is closed and no request is in the engine: nothing can run,
+            # so the engine needs no pause (vLLM's costs a scheduler round trip
+            # and a fixed 20 ms settle). The usual case: syncs between rollouts.
+            self._engine_paused = False
+            return
         if mode == "abort":
             with self._lock:
                 for live in self._live.values():
                     live.aborted_for_sync = True
+        self._engine_paused = True  # even if the call fails: resume must undo a late pause
         self.call(self.engine.pause_generation(mode=mode, clear_cache=False), timeout=timeout)
-        # An idle engine (the usual case: the trainer syncs between rollouts) has
-        # nothing to re-stamp and skips the 50 ms settle of _generated_counts.
         if mode != "abort" and self.inflight_requests():
             # "keep" freezes requests mid-generation; "wait" drains running
             # requests but leaves never-scheduled ones queued: both finish on
@@ -480,7 +486,9 @@ class EngineHost:
             self.weight_version = new_version
         self._pending_counts = {}
         self._keep_pause = False
-        self.call(self.engine.resume_generation(), timeout=timeout)
+        if self._engine_paused:
+            self.call(self.engine.resume_generation(), timeout=timeout)
+            self._engine_paused = False
         if not self.kv_asleep:  # a sleeping engine's KV cache stays asleep: no intake
             self._intake.set()
 

@@ -11,6 +11,9 @@ sender's and are called in this order, each refusing to run out of turn::
     rq_finish_update()                     verify, finalize           RECEIVED → IDLE
     rq_abort_update()                      from any phase             → IDLE
 
+``rq_update`` runs the three middle steps in one call (one engine round trip
+instead of three); the host uses it.
+
 Receive buffers come from a small pool that lives on between syncs: on CPU
 there is no caching allocator, and a fresh 1 GiB buffer costs a page fault per
 4 KiB (measured here: 0.36 s vs 0.10 s to fill one). Under layerwise reload
@@ -20,6 +23,7 @@ loaded buffer goes back to the pool only once no pending layer refers to it.
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 from typing import Any
@@ -154,6 +158,7 @@ class WeightReceiver:
     """Mixed into vLLM's worker: ``self`` is the worker (model_runner, device...)."""
 
     _rq: _ReceiverState
+    RECEIVE_AHEAD = 2  # buckets posted to the wire beyond the one being loaded
 
     # ---------------------------------------------------------------- helpers
 
@@ -180,6 +185,18 @@ class WeightReceiver:
     def rq_attach(self, load_mode: str) -> str:
         self._rq = _ReceiverState(load_mode)
         return load_mode
+
+    def rq_update(
+        self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str, timeout_s: float
+    ) -> dict[str, float]:
+        """Join, receive and load, verify and finalize; seconds of each step."""
+        t0 = time.monotonic()
+        self.rq_begin_update(plan_json, decision_json, node)
+        t1 = time.monotonic()
+        stats = self.rq_receive_buckets(timeout_s)
+        t2 = time.monotonic()
+        self.rq_finish_update()
+        return {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": time.monotonic() - t2}
 
     def rq_begin_update(self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str) -> int:
         """Join (or reuse) the sync group; returns this rank's global rank."""
@@ -234,19 +251,30 @@ class WeightReceiver:
                 return buffer, [(end, transport.broadcast(state.group, buffer[start:end]))
                                 for start, end in pieces]
 
-            # Bucket k+1 is already on its way while the last piece of bucket k
-            # loads; within a bucket, each piece loads while the next arrives.
-            pending = post(0) if sizes else None
+            # The next bucket is posted before this one is waited for, and the one
+            # after it as this one arrives: the wire never waits for a load or
+            # for this process to post. Within a bucket, each piece loads while
+            # the next arrives.
+            posted: collections.deque[tuple[Any, list[tuple[int, Any]]]] = collections.deque()
+            upcoming = iter(range(len(sizes)))
+
+            def top_up() -> None:
+                while len(posted) < self.RECEIVE_AHEAD:
+                    index = next(upcoming, None)
+                    if index is None:
+                        return
+                    posted.append(post(index))
+
+            top_up()
             for index in range(len(sizes)):
-                assert pending is not None
-                buffer, works = pending
+                buffer, works = posted.popleft()
                 specs = by_bucket.get(index, [])  # in offset order
                 loaded = 0
                 for piece, (end, work) in enumerate(works):
                     t0 = time.monotonic()
                     transport.wait(work, deadline - time.monotonic())
                     if piece == len(works) - 1:
-                        pending = post(index + 1) if index + 1 < len(sizes) else None
+                        top_up()
                     t1 = time.monotonic()
                     ready = loaded
                     while ready < len(specs) and specs[ready].offset + specs[ready].nbytes <= end:
@@ -263,7 +291,7 @@ class WeightReceiver:
             state.buffers = _BufferPool()  # a receive may still be writing into one
             raise
         state.phase = Phase.RECEIVED
-        return {"receive_s": recv_s, "load_s": load_s}
+        return {"wire_s": recv_s, "load_s": load_s}
 
     def rq_finish_update(self) -> int:
         """Check that every manifest entry arrived; finish layerwise processing."""
@@ -290,8 +318,10 @@ class WeightReceiver:
         state.phase = Phase.IDLE
         return len(state.received)
 
-    def rq_abort_update(self) -> str:
+    def rq_abort_update(self) -> bool:
+        """Back to IDLE from any phase; True when some weight had already changed."""
         state = self._rq_state()
+        changed = bool(state.received) or state.layerwise_open
         if state.layerwise_open:
             # Leave no half-processed layer behind: whatever arrived is
             # finalized; the host fences this worker until the next sync.
@@ -302,8 +332,9 @@ class WeightReceiver:
             finally:
                 state.layerwise_open = False
         state.buffers.settle()
+        state.received = set()
         state.phase = Phase.IDLE
-        return "aborted"
+        return changed
 
     def rq_receive_one(self, name: str, dtype: str, shape: list[int], timeout_s: float) -> int:
         """One tensor over the current group, loaded at once: the seeds' per-parameter

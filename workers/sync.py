@@ -8,10 +8,10 @@ signature and the manifest, answers at once, and hands the rest to a thread
     accept   HMAC, membership, manifest names/shapes/dtype     → reply to trigger
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
     decide   wait for the trainer's decision in its TCPStore
-    join     rq_begin_update on every engine rank
-    receive  rq_receive_buckets (buckets over gloo / NCCL, load)
-    commit   rq_finish_update, reset prefix cache, new version,
-             resume, open intake                                → push "done" ack
+    update   rq_update on every engine rank, one call: join (or reuse)
+             the group, receive the buckets over gloo / NCCL and load
+             them, check every entry arrived, finalize
+    commit   reset prefix cache, new version, resume, open intake → push "done" ack
 
 A worker left out of a sync, or whose sync failed, is fenced (takes no
 tasks) until a later sync brings it to the fleet's version.
@@ -60,6 +60,8 @@ class SyncParticipant:
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
         self._shapes_loaded = False
+        self._store: Any = None
+        self._store_address: tuple[str, int] | None = None
         self.last_error: str | None = None
         self.sync_seconds: list[float] = []
 
@@ -133,17 +135,15 @@ class SyncParticipant:
                 reason = decision.reason or "left out of the roster"
                 raise SyncRefused(f"trainer called off epoch {plan.epoch} for {self.node}: {reason}")
             t = time.monotonic()
-            self.host.collective_rpc(
-                "rq_begin_update", 120.0, plan.model_dump(mode="json"), decision.model_dump(mode="json"), self.node
+            changed = True  # until the engine says no weight changed
+            stats = self.host.collective_rpc(
+                "rq_update", 900.0, plan.model_dump(mode="json"), decision.model_dump(mode="json"),
+                self.node, 600.0,
             )
-            seconds["join"] = time.monotonic() - t
-            changed = True
+            seconds["update"] = time.monotonic() - t
+            for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
+                seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
             t = time.monotonic()
-            stats = self.host.collective_rpc("rq_receive_buckets", 600.0, 300.0)
-            seconds["receive"] = time.monotonic() - t
-            seconds["load"] = max(s.get("load_s", 0.0) for s in stats)
-            t = time.monotonic()
-            self.host.collective_rpc("rq_finish_update", 120.0)
             self.host.resume(plan.version, timeout=60.0)
             paused = False
             seconds["commit"] = time.monotonic() - t
@@ -166,7 +166,7 @@ class SyncParticipant:
     def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
         if changed:
             try:
-                self.host.collective_rpc("rq_abort_update", 120.0)
+                changed = any(self.host.collective_rpc("rq_abort_update", 120.0))
             except Exception:
                 log.exception("rq_abort_update failed")
         if paused:
@@ -181,10 +181,23 @@ class SyncParticipant:
         self.set_state("fenced" if changed or plan.version > self.host.weight_version else "serving")
 
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
-        store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
+        """Read the trainer's decision from its store (the client is kept between syncs)."""
+        address = (plan.store_host, plan.store_port)
         key = keys.sync_decision(plan.sync_id)
-        store.set_timeout(datetime.timedelta(seconds=180))
-        return SyncDecision.model_validate_json(store.get(key))
+        from torch.distributed import DistNetworkError
+
+        for attempt in (1, 2):
+            if self._store is None or self._store_address != address:
+                self._store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
+                self._store.set_timeout(datetime.timedelta(seconds=180))
+                self._store_address = address
+            try:
+                return SyncDecision.model_validate_json(self._store.get(key))
+            except DistNetworkError:
+                self._store = None  # the trainer's store restarted: reconnect once
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: str | None = None,
              seconds: dict[str, float] | None = None) -> None:

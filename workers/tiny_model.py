@@ -68,6 +68,10 @@ QWEN2_SHAPES = {
     "qwen2-0.5b": {"vocab_size": 32000, "hidden_size": 896, "intermediate_size": 4864,
                        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
                        "tie_word_embeddings": True},
+    # A small Qwen2 for measuring what a sync costs beyond its bytes (8.4 M parameters).
+    "qwen2-tiny": {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "tie_word_embeddings": True},
     "qwen2-7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                      "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                      "tie_word_embeddings": False},
