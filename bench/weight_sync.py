@@ -4,7 +4,9 @@ In one run, against one real worker (vLLM engine with dummy weights of the
 chosen shape) and one bare receiver process on the same device:
 
   a  ``sync_weights.broadcast`` end to end (first sync, then steady state)
-  b  a raw broadcast of the same bucket sizes over the same transport
+  b  a raw broadcast of the same bucket sizes over the same transport, to a
+     bare receiver process (and, as ``raw_into_worker_s``, into the worker's
+     engine process over the sync group: all buckets posted at once, no loads)
   c  the seeds' style (arbor's ``update_named_param``): for every tensor, one
      control round trip to the worker, which receives that tensor alone over
      the sync group and loads it with a bare ``load_weights``
@@ -141,6 +143,29 @@ def main() -> int:
 
         peer.communicate(timeout=120)
 
+        # b': the same raw broadcast into the worker's engine process, over the
+        # sync group (all buckets posted at once, nothing loaded): tells the
+        # receiving process's own cost apart from the sync pipeline's.
+        raw_worker_times = []
+        for _ in range(args.iters):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            works = [transport.broadcast(sender.group, buf) for buf in buffers]
+            replies = app.control.broadcast(
+                keys.CONTROL_ENGINE, arguments={"op": "receive_raw", "args": {"sizes": sizes_b}},
+                destination=[worker], reply=True, timeout=300, limit=1,
+            )
+            for work in works:
+                transport.wait(work, 300.0)
+            if cuda:
+                torch.cuda.synchronize()
+            if not replies or not all(body["ok"] for r in replies for body in r.values()):
+                raise RuntimeError(f"raw receive in the worker failed: {replies}")
+            raw_worker_times.append(time.perf_counter() - t0)
+            benchlib_log(f"raw into worker: {raw_worker_times[-1]:.4f}s (worker side "
+                         f"{[body['result'] for r in replies for body in r.values()]})")
+
         # c: per tensor, one control round trip; the worker receives and loads it
         t0 = time.perf_counter()
         for spec in manifest.tensors:
@@ -174,6 +199,7 @@ def main() -> int:
             "first_sync_s": round(first, 4),
             "sync_s": round(steady, 4),
             "raw_broadcast_s": round(raw, 4),
+            "raw_into_worker_s": round(statistics.median(raw_worker_times[1:] or raw_worker_times), 4),
             "per_tensor_rpc_s": round(per_tensor, 4),
             "a_over_b": round(steady / raw, 3),
             "c_over_a": round(per_tensor / steady, 2),

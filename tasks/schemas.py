@@ -333,7 +333,7 @@ class SyncAck(_Message):
     epoch: int
     sync_id: str
     version: int
-    phase: Literal["ready", "done"]
+    phase: Literal["accepted", "ready", "done"]  # "accepted" answers the trigger (ok=False: refused)
     ok: bool
     error: str | None = None
     seconds: dict[str, float] = {}

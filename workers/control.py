@@ -89,6 +89,8 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
         return host.collective_rpc(
             "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0
         )
+    if op == "receive_raw":  # bench/weight_sync.py: raw broadcast into the engine's process
+        return host.collective_rpc("rq_receive_raw", 300.0, args["sizes"], 120.0)
     if op == "weight_checksum":
         return host.collective_rpc("rq_weight_checksum", 120.0)
     raise ValueError(f"unknown engine operation {op!r}")

@@ -183,6 +183,7 @@ class EngineHost:
         self._lock = threading.Lock()
         self._keep_pause = False
         self._engine_paused = False
+        self._early_reset: concurrent.futures.Future[Any] | None = None
         self.generated_tokens = 0
         self.finished_requests = 0
         self.stats = EngineStats()  # fed by the engine's stat logger each step
@@ -439,7 +440,10 @@ class EngineHost:
             # Intake is closed and no request is in the engine: nothing can run,
             # so the engine needs no pause (vLLM's costs a scheduler round trip
             # and a fixed 20 ms settle). The usual case: syncs between rollouts.
+            # Nothing can fill the prefix cache until resume either, so its reset
+            # starts now and overlaps the update instead of following it.
             self._engine_paused = False
+            self._early_reset = asyncio.run_coroutine_threadsafe(self.engine.reset_prefix_cache(), self._loop)
             return
         if mode == "abort":
             with self._lock:
@@ -470,13 +474,17 @@ class EngineHost:
 
     def resume(self, new_version: int | None, timeout: float) -> None:
         """Reset the prefix cache, adopt ``new_version`` (if any), resume, open intake."""
+        early, self._early_reset = self._early_reset, None
+        if early is not None:
+            early.result(timeout)
         if new_version is not None:
             # Cached blocks were computed with the old weights: never reuse
             # them. Kept requests are recomputed with the new weights.
-            self.call(
-                self.engine.reset_prefix_cache(reset_running_requests=self._keep_pause),
-                timeout=timeout,
-            )
+            if early is None:
+                self.call(
+                    self.engine.reset_prefix_cache(reset_running_requests=self._keep_pause),
+                    timeout=timeout,
+                )
             if self._pending_counts:
                 with self._lock:
                     for (rid, index), count in self._pending_counts.items():

@@ -363,6 +363,27 @@ class WeightReceiver:
             model.load_weights(weights=[(name, tensor)])
         return tensor.numel()
 
+    def rq_receive_raw(self, sizes: list[int], timeout_s: float) -> float:
+        """Buckets of ``sizes`` over the current group into buffers kept for this
+        (all posted at once, nothing loaded): the benchmark's raw broadcast into
+        this process. Returns the seconds from posting to the last byte."""
+        import torch
+
+        state = self._rq_expect(Phase.IDLE, "rq_receive_raw")
+        if state.group is None:
+            raise WeightSyncError("no sync group: run a sync first", phase="transfer")
+        device = self._rq_device()
+        raw = getattr(self, "_rq_raw", None)
+        if raw is None or [b.numel() for b in raw] != sizes:
+            self._rq_raw = raw = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        t0 = time.monotonic()
+        works = [transport.broadcast(state.group, buffer) for buffer in raw]
+        for work in works:
+            transport.wait(work, timeout_s)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.monotonic() - t0
+
     def rq_close_group(self) -> bool:
         state = self._rq_state()
         had = state.group is not None

@@ -68,8 +68,13 @@ class SyncParticipant:
     # ---------------------------------------------------------------- accept
 
     def accept(self, raw_plan: Any) -> dict[str, Any]:
-        """Validate the trigger and start the sync thread; the reply is immediate."""
+        """Validate the trigger and start the sync thread; the answer is immediate.
+
+        The answer goes to the trainer as an "accepted" ack (ok=False: refused),
+        in the list its "ready" acks follow on; it is also the control reply.
+        """
         epoch = int(raw_plan.get("epoch", -1)) if isinstance(raw_plan, dict) else -1
+        plan: SyncPlan | None = None
         try:
             plan = SyncPlan.model_validate(raw_plan)
             self._check_signature(plan)
@@ -81,10 +86,14 @@ class SyncParticipant:
             with self._lock:
                 if self._current is not None and not self._current.done():
                     raise SyncRefused(f"{self.node} is already in a sync")
+                self._ack(plan, "accepted", True)
                 self._current = self._pool.submit(self.run, plan)
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync epoch %s refused: %s", epoch, exc)
-            return SyncAccepted(node=self.node, epoch=epoch, ok=False, error=f"{type(exc).__name__}: {exc}").model_dump()
+            error = f"{type(exc).__name__}: {exc}"
+            if plan is not None and (self.secret is None or plan_signature_ok(plan, self.secret)):
+                self._ack(plan, "accepted", False, error=error)  # a forged plan gets no ack
+            return SyncAccepted(node=self.node, epoch=epoch, ok=False, error=error).model_dump()
         return SyncAccepted(node=self.node, epoch=plan.epoch, ok=True).model_dump()
 
     def _check_signature(self, plan: SyncPlan) -> None:
@@ -204,7 +213,8 @@ class SyncParticipant:
         ack = SyncAck(node=self.node, epoch=plan.epoch, sync_id=plan.sync_id, version=plan.version,
                       phase=phase,  # type: ignore[arg-type]
                       ok=ok, error=error, seconds=seconds or {})
-        name = keys.sync_acks(plan.sync_id, phase)
+        # "accepted" and "ready" share one list: the trainer reads both in one wait.
+        name = keys.sync_acks(plan.sync_id, "done" if phase == "done" else "ready")
         try:
             self.client.rpush(name, ack.model_dump_json())
             self.client.expire(name, 3600)
