@@ -34,6 +34,7 @@ process group is kept between syncs while the roster is unchanged.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -423,10 +424,14 @@ class WeightSender:
         by_bucket: dict[int, list[Any]] = {}
         for spec in manifest.tensors:
             by_bucket.setdefault(spec.bucket, []).append(spec)
+        began = time.monotonic()
+        trace: list[str] | None = [] if os.environ.get("RQ_SYNC_TRACE") else None
         for index, size in enumerate(manifest.bucket_sizes):
             slot = index % 2
             for work in in_flight[slot]:  # the buffer's previous bucket must be out
                 transport.wait(work, deadline - time.monotonic())
+            if trace is not None:
+                trace.append(f"b{index} slot free {time.monotonic() - began:.4f}")
             buffer = buffers[slot][:size]
             specs = by_bucket.get(index, [])  # in offset order
             packed = 0
@@ -443,6 +448,8 @@ class WeightSender:
         for works in in_flight:
             for work in works:
                 transport.wait(work, deadline - time.monotonic())
+        if trace is not None:
+            log.warning("[rq-sync-trace] sender %s; all out %.4f", "; ".join(trace), time.monotonic() - began)
 
     def _buffers(self, largest: int, device: torch.device) -> list[torch.Tensor]:
         import torch

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import collections
 import enum
+import os
+import sys
 import time
 from typing import Any
 
@@ -237,6 +239,8 @@ class WeightReceiver:
         for spec in manifest.tensors:
             by_bucket.setdefault(spec.bucket, []).append(spec)
         recv_s = load_s = 0.0
+        start = time.monotonic()
+        trace: list[str] | None = [] if os.environ.get("RQ_SYNC_TRACE") else None
         try:
             if state.load_mode == "layerwise":
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -285,12 +289,17 @@ class WeightReceiver:
                         loaded = ready
                     load_s += time.monotonic() - t1
                     recv_s += t1 - t0
+                    if trace is not None:
+                        trace.append(f"b{index}.{piece} wait {t0 - start:.4f}-{t1 - start:.4f} "
+                                     f"load -{time.monotonic() - start:.4f}")
                 state.buffers.loaded_into_model(buffer, still_referenced=state.layerwise_open)
         except Exception:
             state.group = None  # a failed collective leaves the group unusable
             state.buffers = _BufferPool()  # a receive may still be writing into one
             raise
         state.phase = Phase.RECEIVED
+        if trace is not None:
+            print("[rq-sync-trace] receiver " + "; ".join(trace), file=sys.stderr, flush=True)
         return {"wire_s": recv_s, "load_s": load_s}
 
     def rq_finish_update(self) -> int:
