@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 PauseMode = Literal["wait", "keep", "abort"]
 WorkerState = Literal["starting", "serving", "paused", "syncing", "fenced", "sleeping", "stopping"]
@@ -283,6 +283,9 @@ class Manifest(_Message):
     # Each bucket travels in pieces of this many bytes (0: whole), so the
     # receiver loads the tensors of one piece while the next is on the wire.
     chunk_bytes: int = Field(default=0, ge=0)
+    # A tensor of at least this many bytes travels as a piece of its own, sent
+    # straight from the trainer's tensor (no packing copy); 0: every tensor is packed.
+    direct_bytes: int = Field(default=0, ge=0)
 
     @property
     def total_bytes(self) -> int:

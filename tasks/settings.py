@@ -94,5 +94,8 @@ class SyncSettings(BaseSettings):
     # over gloo (measured on CPU: same load cost in 8 or 32 calls as in one),
     # the whole bucket over NCCL (not yet measured on the GPU in pieces).
     chunk_bytes: int | None = Field(default=None, ge=1 << 20)
+    # Tensors this large go out straight from the trainer's memory, as pieces
+    # of their own, instead of being copied into a bucket buffer first (0: never).
+    direct_bytes: int = Field(default=16 << 20, ge=0)
     weight_sync_secret: SecretStr | None = None
     timeouts: SyncTimeouts = SyncTimeouts()

@@ -254,7 +254,7 @@ class WeightSender:
         chunk = self.settings.chunk_bytes
         if chunk is None:
             chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
-        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk), by_name
+        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes), by_name
 
     @staticmethod
     def _device(backend: str) -> torch.device:
@@ -436,10 +436,17 @@ class WeightSender:
             specs = by_bucket.get(index, [])  # in offset order
             packed = 0
             in_flight[slot] = []
-            for start, end in transport.chunk_ranges(size, manifest.chunk_bytes):
+            for start, end, direct in transport.piece_ranges(manifest, size, specs):
                 upto = packed
                 while upto < len(specs) and specs[upto].offset < end:
                     upto += 1
+                if direct is not None:  # straight from the trainer's tensor
+                    packed = upto
+                    source = tensors[direct]
+                    if source.device != device:
+                        source = source.to(device)
+                    in_flight[slot].append(transport.broadcast(self.group, transport.flat_bytes(source)))
+                    continue
                 transport.pack(buffer, specs[packed:upto], tensors)
                 packed = upto
                 # On CUDA the broadcast's stream waits for the packing copies

@@ -32,12 +32,15 @@ def _align(n: int) -> int:
 
 
 def plan_buckets(
-    specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int, chunk_bytes: int = 0
+    specs: Iterable[tuple[str, str, Sequence[int]]], bucket_bytes: int, chunk_bytes: int = 0,
+    direct_bytes: int = 0,
 ) -> Manifest:
     """Pack (name, dtype, shape) in order into buckets of at most ``bucket_bytes``.
 
     A tensor larger than a bucket travels alone in a bucket of its own size.
-    ``chunk_bytes``: the pieces each bucket travels in (0: the whole bucket).
+    ``chunk_bytes``: the pieces each bucket travels in (0: the whole bucket);
+    ``direct_bytes``: tensors this large travel as pieces of their own (see
+    ``piece_ranges``).
     """
     tensors: list[TensorSpec] = []
     sizes: list[int] = []
@@ -63,13 +66,46 @@ def plan_buckets(
             TensorSpec(name=name, dtype=dtype, shape=list(shape), bucket=len(sizes) - 1,
                        offset=offset, nbytes=nbytes)
         )
-    return Manifest(tensors=tensors, bucket_sizes=sizes, chunk_bytes=chunk_bytes)
+    return Manifest(tensors=tensors, bucket_sizes=sizes, chunk_bytes=chunk_bytes, direct_bytes=direct_bytes)
 
 
 def chunk_ranges(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """The ``[start, end)`` byte ranges a bucket of ``size`` travels in."""
     step = chunk_bytes or size
     return [(start, min(start + step, size)) for start in range(0, size, step)]
+
+
+def piece_ranges(manifest: Manifest, size: int, specs: Sequence[TensorSpec]) -> list[tuple[int, int, str | None]]:
+    """The pieces one bucket travels in, in order: ``(start, end, direct)``.
+
+    ``direct`` names the tensor a piece is sent straight from (a tensor of at
+    least ``manifest.direct_bytes``); the tensors between such pieces are packed
+    and travel in ``chunk_bytes`` pieces. Both ends compute the same list from
+    the manifest. ``specs``: the bucket's tensors in offset order. Bytes that
+    hold no tensor (alignment between two direct pieces) do not travel.
+    """
+    pieces: list[tuple[int, int, str | None]] = []
+    cursor = 0
+    following = 0  # index of the first tensor at or after the cursor
+
+    def packed(upto: int) -> None:
+        if following < len(specs) and specs[following].offset < upto:
+            pieces.extend((cursor + a, cursor + b, None) for a, b in chunk_ranges(upto - cursor, manifest.chunk_bytes))
+
+    for index, spec in enumerate(specs):
+        if manifest.direct_bytes and spec.nbytes >= manifest.direct_bytes:
+            packed(spec.offset)
+            pieces.append((spec.offset, spec.offset + spec.nbytes, spec.name))
+            cursor, following = spec.offset + spec.nbytes, index + 1
+    packed(size)
+    return pieces
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as one flat uint8 tensor (a view when contiguous)."""
+    import torch
+
+    return tensor.contiguous().view(-1).view(torch.uint8)
 
 
 def dtype_name(tensor: torch.Tensor) -> str:

@@ -3,6 +3,7 @@ signing, and the gloo transport between two real processes (no engine)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -38,6 +39,30 @@ def test_buckets_travel_in_pieces_that_cover_them_exactly() -> None:
     assert transport.chunk_ranges(8, 16) == [(0, 8)]
     manifest = transport.plan_buckets([("w", "float32", [100])], bucket_bytes=1024, chunk_bytes=128)
     assert manifest.chunk_bytes == 128
+
+
+def test_large_tensors_travel_as_pieces_of_their_own_and_the_rest_packed() -> None:
+    specs = [("a", "float32", [10]), ("big1", "float32", [60]), ("big2", "float32", [64]),
+             ("b", "float32", [20]), ("c", "float32", [20]), ("big3", "float32", [100])]
+    manifest = transport.plan_buckets(specs, bucket_bytes=4096, chunk_bytes=64, direct_bytes=240)
+    assert manifest.direct_bytes == 240
+    at = {t.name: t for t in manifest.tensors}
+    pieces = transport.piece_ranges(manifest, manifest.bucket_sizes[0], manifest.tensors)
+    direct = {name: (start, end) for start, end, name in pieces if name is not None}
+    assert direct == {n: (at[n].offset, at[n].offset + at[n].nbytes) for n in ("big1", "big2", "big3")}
+    # In order, never overlapping, every tensor byte covered once.
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(pieces))
+    for t in manifest.tensors:
+        assert sum(max(0, min(end, t.offset + t.nbytes) - max(start, t.offset)) for start, end, _ in pieces) == t.nbytes
+    packed = [(start, end) for start, end, name in pieces if name is None]
+    assert packed[0] == (0, 64)  # "a" and the alignment up to big1
+    assert all(end - start <= 64 for start, end in packed)  # b and c: in 64-byte pieces
+    assert sum(end - start for start, end in packed) == 64 + (at["big3"].offset - at["b"].offset)
+    assert at["big2"].offset > at["big1"].offset + at["big1"].nbytes  # the gap that does not travel
+    # direct_bytes 0: every byte packed, in chunk_bytes pieces
+    plain = transport.plan_buckets(specs, bucket_bytes=4096, chunk_bytes=64)
+    assert [(s, e) for s, e, _ in transport.piece_ranges(plain, plain.bucket_sizes[0], plain.tensors)] == \
+        transport.chunk_ranges(plain.bucket_sizes[0], 64)
 
 
 def test_a_tensor_larger_than_a_bucket_travels_alone() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tasks import app, generate, keys, sync_weights
+from tasks import app, generate, keys, sync_weights, transport
 from tasks.errors import ManifestMismatch, WorkerLost
 from tasks.registry import fleet_version, live_workers
 from tasks.settings import SyncSettings, SyncTimeouts
@@ -63,9 +63,11 @@ def sender(redis_url: str) -> Any:
         weight_sync_secret=SECRET,
         # 2 MiB buckets in 1 MiB pieces: the 5 MB model travels in several buckets
         # (receive buffers are reused within a sync while layers straddling a bucket
-        # edge still hold views), and tensors straddle piece edges.
+        # edge still hold views), and tensors straddle piece edges. The MLP
+        # weights (512 KiB) travel straight from the trainer's tensors.
         bucket_bytes=2 << 20,
         chunk_bytes=1 << 20,
+        direct_bytes=512 << 10,
         timeouts=SyncTimeouts(trigger=5.0, ready=90.0, transfer=120.0, commit=60.0),
     )
     yield sync_weights.sender(POOL, settings)
@@ -124,7 +126,11 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
     assert set(report.phases) == {"membership", "rendezvous", "trigger", "ready", "transfer", "commit"}
     manifest, _ = sender.manifest(list(weights["B"].items()), sender.membership(), "gloo")
     assert len(manifest.bucket_sizes) > 2 and manifest.chunk_bytes == 1 << 20
-    assert any(t.offset < manifest.chunk_bytes < t.offset + t.nbytes for t in manifest.tensors)
+    pieces = [p for b, size in enumerate(manifest.bucket_sizes)
+              for p in transport.piece_ranges(manifest, size, [t for t in manifest.tensors if t.bucket == b])]
+    assert any(name is not None for _, _, name in pieces) and any(name is None for _, _, name in pieces)
+    assert any(start < t.offset + t.nbytes and t.offset < start < t.offset + t.nbytes
+               for start, _, name in pieces if name is None for t in manifest.tensors)
 
     after = results_from_both_workers(GREEDY)
     assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}

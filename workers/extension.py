@@ -251,9 +251,9 @@ class WeightReceiver:
 
             def post(index: int) -> tuple[Any, list[tuple[int, Any]]]:
                 buffer = state.buffers.take(sizes[index], device)
-                pieces = transport.chunk_ranges(sizes[index], manifest.chunk_bytes)
+                pieces = transport.piece_ranges(manifest, sizes[index], by_bucket.get(index, []))
                 return buffer, [(end, transport.broadcast(state.group, buffer[start:end]))
-                                for start, end in pieces]
+                                for start, end, _ in pieces]
 
             # The next bucket is posted before this one is waited for, and the one
             # after it as this one arrives: the wire never waits for a load or
