@@ -58,6 +58,8 @@ def main() -> int:
     parser.add_argument("--shape", default=None, help="qwen2-0.5b (CPU default) or qwen2-7b (CUDA default)")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--bucket-mib", type=int, default=1024)
+    parser.add_argument("--direct-mib", type=int, default=16,
+                        help="tensors this large are sent straight from their memory (0: all packed)")
     parser.add_argument("--trainer-gpu", type=int, default=1)
     parser.add_argument("--worker-gpu", type=int, default=0)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -98,7 +100,8 @@ def main() -> int:
 
         weights = state_dict(shape, dtype, trainer_device)
         total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        sender = sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=args.bucket_mib << 20))
+        sender = sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=args.bucket_mib << 20,
+                                                         direct_bytes=args.direct_mib << 20))
 
         backend = "nccl" if cuda else "gloo"
         manifest, _ = sender.manifest(list(weights.items()), sender.membership(), backend)
@@ -196,6 +199,7 @@ def main() -> int:
             "tensors": len(manifest.tensors),
             "bytes": total_bytes,
             "buckets": len(sizes_b),
+            "direct_tensors": sum(spec.nbytes >= manifest.direct_bytes > 0 for spec in manifest.tensors),
             "first_sync_s": round(first, 4),
             "sync_s": round(steady, 4),
             "raw_broadcast_s": round(raw, 4),

@@ -11,18 +11,18 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
     2 rendezvous  host a TCPStore at
                   RENDEZVOUS_HOST:PORT (kept)
     3 trigger     one broadcast control ────────► accept: HMAC, manifest vs checkpoint
-                  message: SyncPlan (epoch,        (names, shapes, dtype) → reply ok/refused
-                  version, pause, store, members,  pause: close intake, pause engine
-                  manifest = names/dtypes/shapes   (wait | keep | abort) → "ready" ack (Redis)
-                  + bucket plan, HMAC)
+                  message: SyncPlan (epoch,        (names, shapes, dtype) → "accepted" ack
+                  version, pause, store, members,  (ok or refused, Redis list)
+                  manifest = names/dtypes/shapes   pause: close intake, pause engine if busy
+                  + bucket/piece plan, HMAC)       (wait | keep | abort) → "ready" ack (same list)
       ready       wait for "ready" acks; drop the
                   silent; decision → TCPStore ───► read the decision (roster, offsets, world)
-    4 transfer    join/reuse the process group ◄──► rq_begin_update (join/reuse)
-                  pack buckets (two buffers) ────► rq_receive_buckets: receive into fresh
-                  broadcast from rank 0 (NCCL on   buffers, load (layerwise or direct)
-                  CUDA, gloo on CPU)
-    5 load        (workers)                        rq_finish_update: every entry arrived?
-    6 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
+    4 transfer    join/reuse the process group ◄──► rq_update, one engine call: join/reuse,
+                  send each bucket in pieces:       receive each piece into a pooled buffer
+                  big tensors straight from         and load it (layerwise or direct),
+                  memory, the rest packed (two      check every entry arrived, finalize
+                  buffers); NCCL on CUDA, gloo on CPU
+    5 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
                   pool's fleet version              resume, open intake → "done" ack
 
 Every phase has a deadline (``SyncTimeouts``). A worker that is silent or

@@ -5,8 +5,9 @@ calls :meth:`SyncParticipant.accept` in Celery's consumer loop: it checks the
 signature and the manifest, answers at once, and hands the rest to a thread
 (:meth:`SyncParticipant.run`), which reports through Redis:
 
-    accept   HMAC, membership, manifest names/shapes/dtype     → reply to trigger
+    accept   HMAC, membership, manifest names/shapes/dtype     → push "accepted" ack
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
+             (an idle engine is not paused; its prefix-cache reset starts here)
     decide   wait for the trainer's decision in its TCPStore
     update   rq_update on every engine rank, one call: join (or reuse)
              the group, receive the buckets over gloo / NCCL and load
