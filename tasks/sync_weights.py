@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 
 # Gloo buckets travel in pieces of this size (SyncSettings.chunk_bytes = None).
 GLOO_CHUNK_BYTES = 128 << 20
+# Gloo sends tensors this large straight from memory (SyncSettings.direct_bytes = None).
+GLOO_DIRECT_BYTES = 16 << 20
 
 Weights = Any  # torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 
@@ -254,7 +256,10 @@ class WeightSender:
         chunk = self.settings.chunk_bytes
         if chunk is None:
             chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
-        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes), by_name
+        direct = self.settings.direct_bytes
+        if direct is None:
+            direct = GLOO_DIRECT_BYTES if backend == "gloo" else 0
+        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk, direct), by_name
 
     @staticmethod
     def _device(backend: str) -> torch.device:

@@ -274,15 +274,24 @@ class WeightReceiver:
                 buffer, works = posted.popleft()
                 specs = by_bucket.get(index, [])  # in offset order
                 loaded = 0
+                loaded_upto = 0  # bytes of this bucket handed to load_weights so far
                 for piece, (end, work) in enumerate(works):
                     t0 = time.monotonic()
                     transport.wait(work, deadline - time.monotonic())
-                    if piece == len(works) - 1:
+                    last = piece == len(works) - 1
+                    if last:
                         top_up()
                     t1 = time.monotonic()
+                    # One load_weights call per chunk_bytes (or per bucket), however
+                    # many pieces that took: each call has a fixed cost (measured on
+                    # the GPU: ~0.5 ms; 160 calls for a 7B model tripled its load time).
+                    if not last and (not manifest.chunk_bytes or end - loaded_upto < manifest.chunk_bytes):
+                        recv_s += t1 - t0
+                        continue
                     ready = loaded
                     while ready < len(specs) and specs[ready].offset + specs[ready].nbytes <= end:
                         ready += 1
+                    loaded_upto = end
                     if ready > loaded:
                         model.load_weights(weights=transport.bucket_views(buffer, specs[loaded:ready]))
                         state.received.update(spec.name for spec in specs[loaded:ready])
