@@ -58,6 +58,8 @@ def main() -> int:
     parser.add_argument("--shape", default=None, help="qwen2-0.5b (CPU default) or qwen2-7b (CUDA default)")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--bucket-mib", type=int, default=1024)
+    parser.add_argument("--chunk-mib", type=int, default=None,
+                        help="pieces a bucket travels in (default: SyncSettings' choice for the transport)")
     parser.add_argument("--direct-mib", type=int, default=None,
                         help="tensors this large are sent straight from their memory (0: all packed; "
                              "default: SyncSettings' choice for the transport)")
@@ -102,6 +104,8 @@ def main() -> int:
         weights = state_dict(shape, dtype, trainer_device)
         total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         sender = sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=args.bucket_mib << 20,
+                                                         chunk_bytes=None if args.chunk_mib is None
+                                                         else args.chunk_mib << 20,
                                                          direct_bytes=None if args.direct_mib is None
                                                          else args.direct_mib << 20))
 
