@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,23 +130,38 @@ def main() -> int:
         group = transport.new_group(store, "raw", 0, 2, backend, 120.0)
         buffers = [torch.empty(size, dtype=torch.uint8, device=trainer_device) for size in sizes_b]
 
-        def raw_leg() -> float:
+        def engine_op(op: str, op_args: dict, timeout: float) -> list:
+            """One control round trip to the worker's engine; its results."""
+            replies = app.control.broadcast(
+                keys.CONTROL_ENGINE, arguments={"op": op, "args": op_args},
+                destination=[worker], reply=True, timeout=timeout, limit=1,
+            )
+            bodies = [body for r in replies or [] for body in r.values()]
+            if not bodies or not all(body["ok"] for body in bodies):
+                raise RuntimeError(f"engine op {op} failed: {replies}")
+            return [body["result"] for body in bodies]
+
+        def raw_leg(over: object, receive: Callable[[], object] = lambda: None) -> tuple[float, object]:
+            """Every bucket buffer broadcast at once over ``over``; ``receive`` starts
+            the receiving side when it is not already waiting. Seconds, and what
+            ``receive`` returned."""
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            works = [transport.broadcast(group, buf) for buf in buffers]
+            works = [transport.broadcast(over, buf) for buf in buffers]
+            received = receive()
             for work in works:
                 transport.wait(work, 300.0)
             if cuda:
                 torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, received
 
         # a (end to end) and b (raw) alternate, so load on the machine hits both alike
         sync_times, raw_times = [], []
         for i in range(args.iters):
             report = sender.sync(weights, version=i + 1, timeout=600)
             sync_times.append(report.seconds)
-            raw_times.append(raw_leg())
+            raw_times.append(raw_leg(group)[0])
             benchlib_log(f"sync {i + 1}: {report.seconds:.4f}s raw {raw_times[-1]:.4f}s "
                          f"phases {report.phases} worker {report.worker_phases}")
         last_phases = report.phases
@@ -157,38 +173,18 @@ def main() -> int:
         # receiving process's own cost apart from the sync pipeline's.
         raw_worker_times = []
         for _ in range(args.iters):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            works = [transport.broadcast(sender.group, buf) for buf in buffers]
-            replies = app.control.broadcast(
-                keys.CONTROL_ENGINE, arguments={"op": "receive_raw", "args": {"sizes": sizes_b}},
-                destination=[worker], reply=True, timeout=300, limit=1,
-            )
-            for work in works:
-                transport.wait(work, 300.0)
-            if cuda:
-                torch.cuda.synchronize()
-            if not replies or not all(body["ok"] for r in replies for body in r.values()):
-                raise RuntimeError(f"raw receive in the worker failed: {replies}")
-            raw_worker_times.append(time.perf_counter() - t0)
-            benchlib_log(f"raw into worker: {raw_worker_times[-1]:.4f}s (worker side "
-                         f"{[body['result'] for r in replies for body in r.values()]})")
+            seconds, worker_side = raw_leg(
+                sender.group, lambda: engine_op("receive_raw", {"sizes": sizes_b}, 300))
+            raw_worker_times.append(seconds)
+            benchlib_log(f"raw into worker: {raw_worker_times[-1]:.4f}s (worker side {worker_side})")
 
         # c: per tensor, one control round trip; the worker receives and loads it
         t0 = time.perf_counter()
         for spec in manifest.tensors:
             flat = weights[spec.name].reshape(-1).view(torch.uint8)
             work = transport.broadcast(sender.group, flat)
-            replies = app.control.broadcast(
-                keys.CONTROL_ENGINE,
-                arguments={"op": "receive_one",
-                           "args": {"name": spec.name, "dtype": spec.dtype, "shape": spec.shape}},
-                destination=[worker], reply=True, timeout=120, limit=1,
-            )
+            engine_op("receive_one", {"name": spec.name, "dtype": spec.dtype, "shape": spec.shape}, 120)
             transport.wait(work, 300.0)
-            if not replies or not all(body["ok"] for r in replies for body in r.values()):
-                raise RuntimeError(f"per-tensor update of {spec.name} failed: {replies}")
         if cuda:
             torch.cuda.synchronize()
         per_tensor = time.perf_counter() - t0

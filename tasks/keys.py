@@ -74,8 +74,11 @@ def redeliveries(task_id: str) -> str:
 
 
 def sync_acks(sync_id: str, phase: str) -> str:
-    """List the trainer BLPOPs for one phase's acknowledgements of one sync."""
-    return f"{PREFIX}:sync:{sync_id}:{phase}"
+    """List the trainer BLPOPs for one phase's acknowledgements of one sync.
+
+    "accepted" acks share the "ready" list: the trainer reads both in one wait.
+    """
+    return f"{PREFIX}:sync:{sync_id}:{'ready' if phase == 'accepted' else phase}"
 
 
 def sync_decision(sync_id: str) -> str:

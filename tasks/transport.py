@@ -132,9 +132,7 @@ def pack(buffer: torch.Tensor, specs: Iterable[TensorSpec], tensors: dict[str, t
         src = tensors[spec.name]
         if src.device != buffer.device:
             src = src.to(buffer.device, non_blocking=True)
-        buffer[spec.offset : spec.offset + spec.nbytes].copy_(
-            src.contiguous().view(-1).view(buffer.dtype), non_blocking=True
-        )
+        buffer[spec.offset : spec.offset + spec.nbytes].copy_(flat_bytes(src), non_blocking=True)
 
 
 def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = False) -> Any:

@@ -182,7 +182,8 @@ class EngineHost:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._keep_pause = False
-        self._engine_paused = False
+        # Set when pause() found the engine idle and left it running: its
+        # prefix-cache reset, already under way. None: pause() paused the engine.
         self._early_reset: concurrent.futures.Future[Any] | None = None
         self.generated_tokens = 0
         self.finished_requests = 0
@@ -442,14 +443,12 @@ class EngineHost:
             # and a fixed 20 ms settle). The usual case: syncs between rollouts.
             # Nothing can fill the prefix cache until resume either, so its reset
             # starts now and overlaps the update instead of following it.
-            self._engine_paused = False
             self._early_reset = asyncio.run_coroutine_threadsafe(self.engine.reset_prefix_cache(), self._loop)
             return
         if mode == "abort":
             with self._lock:
                 for live in self._live.values():
                     live.aborted_for_sync = True
-        self._engine_paused = True  # even if the call fails: resume must undo a late pause
         self.call(self.engine.pause_generation(mode=mode, clear_cache=False), timeout=timeout)
         if mode != "abort" and self.inflight_requests():
             # "keep" freezes requests mid-generation; "wait" drains running
@@ -494,9 +493,8 @@ class EngineHost:
             self.weight_version = new_version
         self._pending_counts = {}
         self._keep_pause = False
-        if self._engine_paused:
+        if early is None:  # pause() paused the engine
             self.call(self.engine.resume_generation(), timeout=timeout)
-            self._engine_paused = False
         if not self.kv_asleep:  # a sleeping engine's KV cache stays asleep: no intake
             self._intake.set()
 

@@ -282,11 +282,11 @@ class WeightReceiver:
                     if last:
                         top_up()
                     t1 = time.monotonic()
+                    recv_s += t1 - t0
                     # One load_weights call per chunk_bytes (or per bucket), however
                     # many pieces that took: each call has a fixed cost (measured on
                     # the GPU: ~0.5 ms; 160 calls for a 7B model tripled its load time).
                     if not last and (not manifest.chunk_bytes or end - loaded_upto < manifest.chunk_bytes):
-                        recv_s += t1 - t0
                         continue
                     ready = loaded
                     while ready < len(specs) and specs[ready].offset + specs[ready].nbytes <= end:
@@ -297,7 +297,6 @@ class WeightReceiver:
                         state.received.update(spec.name for spec in specs[loaded:ready])
                         loaded = ready
                     load_s += time.monotonic() - t1
-                    recv_s += t1 - t0
                     if trace is not None:
                         trace.append(f"b{index}.{piece} wait {t0 - start:.4f}-{t1 - start:.4f} "
                                      f"load -{time.monotonic() - start:.4f}")

@@ -192,30 +192,29 @@ class SyncParticipant:
 
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
         """Read the trainer's decision from its store (the client is kept between syncs)."""
-        address = (plan.store_host, plan.store_port)
-        key = keys.sync_decision(plan.sync_id)
         from torch.distributed import DistNetworkError
 
-        for attempt in (1, 2):
-            if self._store is None or self._store_address != address:
-                self._store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
-                self._store.set_timeout(datetime.timedelta(seconds=180))
-                self._store_address = address
-            try:
-                return SyncDecision.model_validate_json(self._store.get(key))
-            except DistNetworkError:
-                self._store = None  # the trainer's store restarted: reconnect once
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        key = keys.sync_decision(plan.sync_id)
+        try:
+            return SyncDecision.model_validate_json(self._decision_store(plan).get(key))
+        except DistNetworkError:
+            self._store = None  # the trainer's store restarted: reconnect once
+            return SyncDecision.model_validate_json(self._decision_store(plan).get(key))
+
+    def _decision_store(self, plan: SyncPlan) -> Any:
+        address = (plan.store_host, plan.store_port)
+        if self._store is None or self._store_address != address:
+            self._store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
+            self._store.set_timeout(datetime.timedelta(seconds=180))
+            self._store_address = address
+        return self._store
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: str | None = None,
              seconds: dict[str, float] | None = None) -> None:
         ack = SyncAck(node=self.node, epoch=plan.epoch, sync_id=plan.sync_id, version=plan.version,
                       phase=phase,  # type: ignore[arg-type]
                       ok=ok, error=error, seconds=seconds or {})
-        # "accepted" and "ready" share one list: the trainer reads both in one wait.
-        name = keys.sync_acks(plan.sync_id, "done" if phase == "done" else "ready")
+        name = keys.sync_acks(plan.sync_id, phase)
         try:
             self.client.rpush(name, ack.model_dump_json())
             self.client.expire(name, 3600)
