@@ -18,7 +18,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)      timeout 200 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py > "$OUT/gpu-tests.txt" 2>&1 ;;
-    sync)       timeout 200 python3 bench/weight_sync.py --device cuda --shape qwen2-7b >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log" ;;
+    sync)       timeout 300 python3 bench/weight_sync.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log" ;;
     throughput) python3 bench/throughput.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;
     latency)    python3 bench/latency.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/latency.log" ;;
     scaling)    python3 bench/scaling.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/scaling.log" ;;

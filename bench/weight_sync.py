@@ -61,9 +61,10 @@ def main() -> int:
     parser.add_argument("--bucket-mib", type=int, default=1024)
     parser.add_argument("--chunk-mib", type=int, default=None,
                         help="pieces a bucket travels in (default: SyncSettings' choice for the transport)")
-    parser.add_argument("--direct-mib", type=int, default=None,
+    parser.add_argument("--direct-mib", type=int, nargs="+", default=[None],
                         help="tensors this large are sent straight from their memory (0: all packed; "
-                             "default: SyncSettings' choice for the transport)")
+                             "default: SyncSettings' choice for the transport); several values: "
+                             "one line each, against the same worker")
     parser.add_argument("--trainer-gpu", type=int, default=1)
     parser.add_argument("--worker-gpu", type=int, default=0)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -104,15 +105,16 @@ def main() -> int:
 
         weights = state_dict(shape, dtype, trainer_device)
         total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        sender = sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=args.bucket_mib << 20,
-                                                         chunk_bytes=None if args.chunk_mib is None
-                                                         else args.chunk_mib << 20,
-                                                         direct_bytes=None if args.direct_mib is None
-                                                         else args.direct_mib << 20))
 
+        def settings(direct_mib: int | None) -> SyncSettings:
+            mib = lambda value: None if value is None else value << 20
+            return SyncSettings(bucket_bytes=args.bucket_mib << 20, chunk_bytes=mib(args.chunk_mib),
+                                direct_bytes=mib(direct_mib))
+
+        sender = sync_weights.sender(stack.tag, settings(args.direct_mib[0]))
         backend = "nccl" if cuda else "gloo"
         manifest, _ = sender.manifest(list(weights.items()), sender.membership(), backend)
-        sizes_b = manifest.bucket_sizes
+        sizes_b = manifest.bucket_sizes  # the same for every --direct-mib
 
         # b needs a bare receiver on the worker's device, joined before the first leg
         store_port = _free_port()
@@ -124,7 +126,7 @@ def main() -> int:
             peer_env["CUDA_VISIBLE_DEVICES"] = str(args.worker_gpu)
         peer = subprocess.Popen(
             [sys.executable, str(ROOT / "bench" / "_raw_peer.py"), "127.0.0.1", str(store_port),
-             backend, peer_device, json.dumps(sizes_b), str(args.iters)],
+             backend, peer_device, json.dumps(sizes_b), str(args.iters * len(args.direct_mib))],
             stdout=subprocess.PIPE, text=True, env=peer_env,
         )
         group = transport.new_group(store, "raw", 0, 2, backend, 120.0)
@@ -156,15 +158,23 @@ def main() -> int:
                 torch.cuda.synchronize()
             return time.perf_counter() - t0, received
 
-        # a (end to end) and b (raw) alternate, so load on the machine hits both alike
-        sync_times, raw_times = [], []
-        for i in range(args.iters):
-            report = sender.sync(weights, version=i + 1, timeout=600)
-            sync_times.append(report.seconds)
-            raw_times.append(raw_leg(group)[0])
-            benchlib_log(f"sync {i + 1}: {report.seconds:.4f}s raw {raw_times[-1]:.4f}s "
-                         f"phases {report.phases} worker {report.worker_phases}")
-        last_phases = report.phases
+        # a (end to end) and b (raw) alternate, so load on the machine hits both alike;
+        # each --direct-mib value gets a sender of its own (a new group, a first sync)
+        legs = []
+        version = 0
+        for direct_mib in args.direct_mib:
+            sender = sync_weights.sender(stack.tag, settings(direct_mib))
+            direct_bytes = sender.manifest(list(weights.items()), sender.membership(), backend)[0].direct_bytes
+            sync_times, raw_times = [], []
+            for _ in range(args.iters):
+                version += 1
+                report = sender.sync(weights, version=version, timeout=600)
+                sync_times.append(report.seconds)
+                raw_times.append(raw_leg(group)[0])
+                benchlib_log(f"direct {direct_mib} sync {version}: {report.seconds:.4f}s raw "
+                             f"{raw_times[-1]:.4f}s phases {report.phases} worker {report.worker_phases}")
+            received = engine_op("last_receive", {}, 60)[0][0]
+            legs.append((direct_bytes, sync_times, raw_times, report, received))
 
         peer.communicate(timeout=120)
 
@@ -189,32 +199,35 @@ def main() -> int:
             torch.cuda.synchronize()
         per_tensor = time.perf_counter() - t0
 
-        first = sync_times[0]
-        steady = statistics.median(sync_times[1:]) if len(sync_times) > 1 else first
-        raw = statistics.median(raw_times[1:]) if len(raw_times) > 1 else raw_times[0]
-        line = {
-            "bench": "weight_sync",
-            "device": args.device,
-            "backend": backend,
-            "shape": shape,
-            "dtype": dtype,
-            "tensors": len(manifest.tensors),
-            "bytes": total_bytes,
-            "buckets": len(sizes_b),
-            "direct_tensors": sum(spec.nbytes >= manifest.direct_bytes > 0 for spec in manifest.tensors),
-            "first_sync_s": round(first, 4),
-            "sync_s": round(steady, 4),
-            "raw_broadcast_s": round(raw, 4),
-            "raw_into_worker_s": round(statistics.median(raw_worker_times[1:] or raw_worker_times), 4),
-            "per_tensor_rpc_s": round(per_tensor, 4),
-            "a_over_b": round(steady / raw, 3),
-            "c_over_a": round(per_tensor / steady, 2),
-            "sync_gb_per_s": round(total_bytes / steady / 1e9, 2),
-            "raw_gb_per_s": round(total_bytes / raw / 1e9, 2),
-            "last_sync_phases_s": {k: round(v, 4) for k, v in last_phases.items()},
-            "worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
-        }
-        print(json.dumps(line), flush=True)
+        for direct_bytes, sync_times, raw_times, report, received in legs:
+            first = sync_times[0]
+            steady = statistics.median(sync_times[1:]) if len(sync_times) > 1 else first
+            raw = statistics.median(raw_times[1:]) if len(raw_times) > 1 else raw_times[0]
+            line = {
+                "bench": "weight_sync",
+                "device": args.device,
+                "backend": backend,
+                "shape": shape,
+                "dtype": dtype,
+                "tensors": len(manifest.tensors),
+                "bytes": total_bytes,
+                "buckets": len(sizes_b),
+                "direct_mib": direct_bytes / (1 << 20),
+                "direct_tensors": sum(spec.nbytes >= direct_bytes > 0 for spec in manifest.tensors),
+                "in_place_bytes": int(received.get("in_place_bytes", 0)),
+                "first_sync_s": round(first, 4),
+                "sync_s": round(steady, 4),
+                "raw_broadcast_s": round(raw, 4),
+                "raw_into_worker_s": round(statistics.median(raw_worker_times[1:] or raw_worker_times), 4),
+                "per_tensor_rpc_s": round(per_tensor, 4),
+                "a_over_b": round(steady / raw, 3),
+                "c_over_a": round(per_tensor / steady, 2),
+                "sync_gb_per_s": round(total_bytes / steady / 1e9, 2),
+                "raw_gb_per_s": round(total_bytes / raw / 1e9, 2),
+                "last_sync_phases_s": {k: round(v, 4) for k, v in report.phases.items()},
+                "worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
+            }
+            print(json.dumps(line), flush=True)
         sync_weights.close()
     return 0
 

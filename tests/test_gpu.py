@@ -77,6 +77,16 @@ def checksums(names: list[str]) -> dict[str, float]:
     return out
 
 
+def last_receive(node: str) -> dict[str, float]:
+    replies = app.control.broadcast(
+        keys.CONTROL_ENGINE, arguments={"op": "last_receive", "args": {}},
+        destination=[node], reply=True, timeout=60, limit=1,
+    )
+    body = next(iter(replies[0].values()))
+    assert body["ok"], body
+    return body["result"][0]
+
+
 def expected_sum(state: dict[str, Any]) -> float:
     return sum(float(t.double().sum()) for t in state.values())
 
@@ -141,11 +151,20 @@ def test_nccl_sync_from_gpu1_into_a_worker_on_gpu0_changes_weights_and_logprobs(
     ids, lps_a, _ = worker_prompt_logprobs(pool)
 
     torch.cuda.set_device(1)
-    sender = sync_weights.sender(pool, SyncSettings())
-    first = sender.sync(state_b, version=1, timeout=300)
+    sender = sync_weights.sender(pool, SyncSettings(direct_bytes=1 << 20))
+    # The first sync sends A again (the weights do not change), through load_weights:
+    # the direct worker learns there which tensors it can receive in place. The
+    # second sync sends B, in place where learnt.
+    first = sender.sync({k: v.to("cuda:1") for k, v in state_a.items()}, version=1, timeout=300)
     assert first.backend == "nccl" and first.workers == [node]
+    assert checksums([node])[node] == pytest.approx(expected_sum(state_a), rel=1e-6)
     again = sender.sync(state_b, version=2, timeout=300)
     assert again.reused_group
+    received = last_receive(node)
+    if mode == "direct":  # the tensors of at least 1 MiB: most of the bytes
+        assert received["in_place_bytes"] > 0.5 * again.bytes, received
+    else:
+        assert received["in_place_bytes"] == 0, received
 
     after = checksums([node])
     assert after[node] == pytest.approx(expected_sum(state_b), rel=1e-6), node

@@ -236,3 +236,76 @@ def test_receive_buffers_are_reused_only_once_no_pending_layer_holds_them() -> N
     assert sorted(buf.numel() for buf in pool.free) == [1000, 1000]
     again = pool.take(1000, cpu)
     assert again.data_ptr() in {a.data_ptr(), c.data_ptr()}
+
+
+class _LoaderModel(torch.nn.Module):
+    """``load_weights`` in the ways vLLM's loaders treat a checkpoint tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        zeros = lambda *shape, dtype=torch.float32: torch.nn.Parameter(torch.zeros(*shape, dtype=dtype))
+        self.qkv = zeros(6, 4)  # q: rows 0-3, k: row 4, v: row 5 (a stacked parameter)
+        self.o = zeros(4, 4)
+        self.converted = zeros(4, 4, dtype=torch.float16)
+        self.shard = zeros(2, 4)
+        self.twice = zeros(4)
+        self.scaled = zeros(4)
+        self.scale = zeros(1)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, {"q": 0, "k": 4, "v": 5}[name], w.shape[0]).copy_(w)
+            elif name == "o":
+                self.o.data.copy_(w.view(4, 4))
+            elif name == "converted":  # converted on the way in
+                self.converted.data.copy_(w)
+            elif name == "shard":  # a tensor-parallel rank's share
+                self.shard.data.copy_(w.narrow(0, 0, 2))
+            elif name == "twice":
+                self.twice.data.copy_(w)
+                self.twice.data.copy_(w)
+            elif name == "scaled":  # a value computed from it
+                self.scaled.data.copy_(w)
+                self.scale.data.fill_(w.abs().max())
+
+
+def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q": (4, 4), "k": (1, 4), "v": (1, 4), "o": (16,), "converted": (4, 4), "shard": (4, 4),
+              "twice": (4,), "scaled": (4,)}
+    return {name: torch.randn(*shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _received(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
+    manifest = transport.plan_buckets(
+        [(n, transport.dtype_name(t), list(t.shape)) for n, t in state.items()], bucket_bytes=1 << 20)
+    buffer = torch.empty(manifest.bucket_sizes[0], dtype=torch.uint8)
+    transport.pack(buffer, manifest.tensors, state)
+    return buffer, manifest.tensors
+
+
+def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_place() -> None:
+    from workers.inplace import InPlaceMap
+
+    model, places = _LoaderModel(), InPlaceMap()
+    buffer, specs = _received(_checkpoint(1))
+    with places.watch(model, buffer, specs):
+        model.load_weights(transport.bucket_views(buffer, specs))
+    assert set(places.places) == {"q", "k", "v", "o"}
+    assert places.refused == {"converted", "shard", "twice", "scaled"}
+    assert places.places["k"] == ("qkv", 4 * 4 * 4) and places.places["o"] == ("o", 0)
+
+    # The next sync: the mapped tensors land straight in their parameters, the
+    # others go through load_weights; the model ends as load_weights alone leaves it.
+    new = _checkpoint(2)
+    buffer, specs = _received(new)
+    targets = places.targets(model, specs)
+    assert set(targets) == set(places.places)
+    for name, target in targets.items():
+        target.copy_(transport.flat_bytes(new[name]))
+    model.load_weights(transport.bucket_views(buffer, [s for s in specs if s.name not in targets]))
+    reference = _LoaderModel()
+    reference.load_weights(transport.bucket_views(buffer, specs))
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.equal(got, want), name

@@ -292,3 +292,4 @@ def test_a_worker_that_missed_syncs_serves_nothing_until_a_catch_up_sync(
     assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}
     assert all(r["weight_version"] == fleet and tokens(r) == references["B"] for r in after)
     assert sender.catch_up(weights["B"]) is None, "nobody is behind any more"
+

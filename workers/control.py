@@ -93,6 +93,8 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
         return host.collective_rpc("rq_receive_raw", 300.0, args["sizes"], 120.0)
     if op == "weight_checksum":
         return host.collective_rpc("rq_weight_checksum", 120.0)
+    if op == "last_receive":
+        return host.collective_rpc("rq_last_receive", 60.0)
     raise ValueError(f"unknown engine operation {op!r}")
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from tasks import transport
 from tasks.errors import ManifestMismatch, WeightSyncError
 from tasks.schemas import SyncDecision, SyncPlan
+from workers.inplace import InPlaceMap
 
 
 class Phase(enum.Enum):
@@ -153,6 +154,9 @@ class _ReceiverState:
         self.plan: SyncPlan | None = None
         self.received: set[str] = set()
         self.layerwise_open = False
+        self.touched = False  # a receive straight into the model's parameters was posted
+        self.in_place = InPlaceMap()
+        self.last_stats: dict[str, float] = {}  # of the last receive
         self.buffers = _BufferPool()
 
 
@@ -220,6 +224,7 @@ class WeightReceiver:
             state.group_id = decision.group_id
         state.plan = plan
         state.received = set()
+        state.touched = False
         state.phase = Phase.JOINED
         return rank
 
@@ -249,11 +254,22 @@ class WeightReceiver:
                 state.layerwise_open = True
             sizes = manifest.bucket_sizes
 
+            pieces = [transport.piece_ranges(manifest, size, by_bucket.get(index, []))
+                      for index, size in enumerate(sizes)]
+            # Direct pieces that vLLM would only copy, whole, into a parameter land there.
+            in_place: dict[str, Any] = {}
+            if state.load_mode == "direct":
+                sent_direct = {name for bucket in pieces for _, _, name in bucket if name}
+                in_place = state.in_place.targets(model, [t for t in manifest.tensors if t.name in sent_direct])
+
             def post(index: int) -> tuple[Any, list[tuple[int, Any]]]:
                 buffer = state.buffers.take(sizes[index], device)
-                pieces = transport.piece_ranges(manifest, sizes[index], by_bucket.get(index, []))
-                return buffer, [(end, transport.broadcast(state.group, buffer[start:end]))
-                                for start, end, _ in pieces]
+                works = []
+                for start, end, direct in pieces[index]:
+                    target = in_place.get(direct) if direct else None
+                    state.touched |= target is not None
+                    works.append((end, transport.broadcast(state.group, buffer[start:end] if target is None else target)))
+                return buffer, works
 
             # The next bucket is posted before this one is waited for, and the one
             # after it as this one arrives: the wire never waits for a load or
@@ -293,7 +309,7 @@ class WeightReceiver:
                         ready += 1
                     loaded_upto = end
                     if ready > loaded:
-                        model.load_weights(weights=transport.bucket_views(buffer, specs[loaded:ready]))
+                        self._rq_load(buffer, [s for s in specs[loaded:ready] if s.name not in in_place])
                         state.received.update(spec.name for spec in specs[loaded:ready])
                         loaded = ready
                     load_s += time.monotonic() - t1
@@ -306,9 +322,25 @@ class WeightReceiver:
             state.buffers = _BufferPool()  # a receive may still be writing into one
             raise
         state.phase = Phase.RECEIVED
+        state.last_stats = {"wire_s": recv_s, "load_s": load_s,
+                            "in_place_tensors": len(in_place),
+                            "in_place_bytes": sum(spec.nbytes for spec in manifest.tensors if spec.name in in_place)}
         if trace is not None:
             print("[rq-sync-trace] receiver " + "; ".join(trace), file=sys.stderr, flush=True)
         return {"wire_s": recv_s, "load_s": load_s}
+
+    def _rq_load(self, buffer: Any, specs: list[Any]) -> None:
+        """``load_weights`` on these tensors of a received bucket; with direct
+        loading, learn meanwhile which of them can be received in place."""
+        if not specs:
+            return
+        state, model = self._rq_state(), self._rq_model()
+        views = transport.bucket_views(buffer, specs)
+        if state.load_mode != "direct" or all(state.in_place.known(spec.name) for spec in specs):
+            model.load_weights(weights=views)
+            return
+        with state.in_place.watch(model, buffer, specs):
+            model.load_weights(weights=views)
 
     def rq_finish_update(self) -> int:
         """Check that every manifest entry arrived; finish layerwise processing."""
@@ -338,7 +370,7 @@ class WeightReceiver:
     def rq_abort_update(self) -> bool:
         """Back to IDLE from any phase; True when some weight had already changed."""
         state = self._rq_state()
-        changed = bool(state.received) or state.layerwise_open
+        changed = bool(state.received) or state.layerwise_open or state.touched
         if state.layerwise_open:
             # Leave no half-processed layer behind: whatever arrived is
             # finalized; the host fences this worker until the next sync.
@@ -350,6 +382,7 @@ class WeightReceiver:
                 state.layerwise_open = False
         state.buffers.settle()
         state.received = set()
+        state.touched = False
         state.phase = Phase.IDLE
         return changed
 
@@ -400,6 +433,10 @@ class WeightReceiver:
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.monotonic() - t0
+
+    def rq_last_receive(self) -> dict[str, float]:
+        """Wire and load seconds of the last sync's receive, and what went in place."""
+        return dict(self._rq_state().last_stats)
 
     def rq_close_group(self) -> bool:
         state = self._rq_state()

@@ -1,0 +1,156 @@
+"""Receive a checkpoint tensor straight into the parameter memory that holds it.
+
+With direct loading (CUDA, unquantized), vLLM's ``load_weights`` ends, for
+most checkpoint tensors, in one ``copy_`` of the whole tensor into a
+contiguous region of one parameter: ``o_proj.weight`` into its parameter,
+``q_proj.weight`` into the first rows of ``qkv_proj.weight``, ``up_proj`` into
+the second half of ``gate_up_proj``. For such a tensor the receive buffer and
+the copy are waste: the broadcast can land in that region directly.
+
+:class:`InPlaceMap` learns which tensors those are by watching the loads of a
+normal sync (``watch``): a tensor qualifies only if the single thing done
+with its bytes was one whole, same-dtype copy into a contiguous region of a
+parameter. Anything else (a narrowed or converted copy as with tensor
+parallelism or quantization, a copy done twice, an in-place change, any
+value computed from it) leaves the tensor on the normal path, loaded through
+``load_weights`` every sync. The map holds parameter names and byte offsets,
+and resolves them against the model at each sync, so a parameter vLLM
+reallocated is never written through a stale pointer.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from tasks.schemas import TensorSpec
+
+# Ops that read a tensor's metadata only; their results hold none of its values.
+_METADATA = frozenset({
+    "__get__", "size", "dim", "numel", "stride", "storage_offset", "data_ptr", "element_size",
+    "is_contiguous", "is_floating_point", "__len__", "untyped_storage", "nelement", "ndimension",
+})
+
+
+def _mutates(name: str) -> bool:
+    """In-place torch ops (``add_``), item assignment, augmented assignment (``__iadd__``)."""
+    if name.startswith("__"):
+        return name == "__setitem__" or (
+            name.startswith("__i") and name not in ("__index__", "__int__", "__invert__", "__iter__"))
+    return name.endswith("_")
+
+
+class InPlaceMap:
+    """Checkpoint name → (parameter name, byte offset) for tensors received in place."""
+
+    def __init__(self) -> None:
+        self.places: dict[str, tuple[str, int]] = {}
+        self.refused: set[str] = set()
+
+    def known(self, name: str) -> bool:
+        return name in self.places or name in self.refused
+
+    def targets(self, model: Any, specs: Sequence[TensorSpec]) -> dict[str, Any]:
+        """Byte views of the parameter regions the mapped tensors of ``specs`` land in."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        out: dict[str, Any] = {}
+        for spec in specs:
+            place = self.places.get(spec.name)
+            if place is None:
+                continue
+            param = params.get(place[0])
+            if param is None or not param.is_contiguous():
+                continue
+            flat = param.data.view(-1).view(torch.uint8)
+            offset = place[1]
+            if offset + spec.nbytes <= flat.numel():
+                out[spec.name] = flat[offset : offset + spec.nbytes]
+        return out
+
+    @contextmanager
+    def watch(self, model: Any, buffer: Any, specs: Sequence[TensorSpec]) -> Iterator[None]:
+        """Learn, from the ``load_weights`` calls inside, which of ``specs`` (views of
+        ``buffer``, a received bucket) can be received in place from now on."""
+        recorder = _CopyRecorder(model, buffer, specs)
+        with recorder:
+            yield
+        for spec in specs:
+            copies = recorder.copies.get(spec.name, [])
+            if spec.name in recorder.tainted or len(copies) != 1:
+                self.refused.add(spec.name)
+                self.places.pop(spec.name, None)
+            else:
+                self.places[spec.name] = copies[0]
+
+
+class _CopyRecorder(TorchFunctionMode):
+    """Sees every torch call made while loading, and follows the bucket's bytes."""
+
+    def __init__(self, model: Any, buffer: Any, specs: Sequence[TensorSpec]) -> None:
+        super().__init__()
+        self.storage = buffer.untyped_storage().data_ptr()
+        self.base = buffer.data_ptr()
+        self.specs = sorted(specs, key=lambda s: s.offset)
+        self.starts = [s.offset for s in self.specs]
+        self.params: dict[int, tuple[str, Any]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if param.is_contiguous() and param.device.type != "meta":
+                self.params.setdefault(param.untyped_storage().data_ptr(), (name, param))
+        self.copies: dict[str, list[tuple[str, int]]] = {}
+        self.tainted: set[str] = set()
+
+    def _in_bucket(self, tensor: Any) -> bool:
+        return (isinstance(tensor, torch.Tensor) and tensor.device.type != "meta"
+                and tensor.untyped_storage().data_ptr() == self.storage)
+
+    def _spec_of(self, tensor: Any) -> TensorSpec | None:
+        if not self._in_bucket(tensor):
+            return None
+        offset = tensor.data_ptr() - self.base
+        at = bisect.bisect_right(self.starts, offset) - 1
+        if at < 0 or offset >= self.specs[at].offset + self.specs[at].nbytes:
+            return None
+        return self.specs[at]
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        touched = {spec.name: spec for spec in map(self._spec_of, tree_flatten((args, kwargs))[0]) if spec}
+        if not touched:
+            return result
+        name = getattr(func, "__name__", "")
+        if name == "copy_" and len(args) >= 2 and self._whole_copy(args[0], args[1]):
+            return result
+        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        view_like = bool(outputs) and all(map(self._in_bucket, outputs))
+        if (view_like and not _mutates(name)) or (not outputs and name in _METADATA):
+            return result  # a view of the bucket, or its shape: no value left it
+        self.tainted.update(touched)
+        return result
+
+    def _whole_copy(self, dest: Any, src: Any) -> bool:
+        """``dest.copy_(src)`` with ``src`` a whole received tensor and ``dest`` a
+        contiguous region of one parameter; recorded when so."""
+        spec = self._spec_of(src)
+        if spec is None or self._spec_of(dest) is not None:
+            return False
+        owner = self.params.get(dest.untyped_storage().data_ptr())
+        if (
+            owner is None
+            or src.data_ptr() - self.base != spec.offset
+            or src.numel() * src.element_size() != spec.nbytes
+            or not src.is_contiguous()
+            or not dest.is_contiguous()
+            or dest.dtype != src.dtype
+            or dest.numel() != src.numel()
+            or dest.device != owner[1].device
+        ):
+            return False
+        self.copies.setdefault(spec.name, []).append((owner[0], dest.data_ptr() - owner[1].data_ptr()))
+        return True
