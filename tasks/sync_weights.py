@@ -411,6 +411,7 @@ class WeightSender:
     ) -> None:
         """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
         deadline = time.monotonic() + timeout_s
+        spin = device.type == "cuda"
         buffers = self._buffers(max(manifest.bucket_sizes), device)
         in_flight: list[list[Any]] = [[], []]
         by_bucket: dict[int, list[Any]] = {}
@@ -421,7 +422,7 @@ class WeightSender:
         for index, size in enumerate(manifest.bucket_sizes):
             slot = index % 2
             for work in in_flight[slot]:  # the buffer's previous bucket must be out
-                transport.wait(work, deadline - time.monotonic())
+                transport.wait(work, deadline - time.monotonic(), spin=spin)
             if trace is not None:
                 trace.append(f"b{index} slot free {time.monotonic() - began:.4f}")
             buffer = buffers[slot][:size]
@@ -446,7 +447,7 @@ class WeightSender:
                 in_flight[slot].append(transport.broadcast(self.group, buffer[start:end]))
         for works in in_flight:
             for work in works:
-                transport.wait(work, deadline - time.monotonic())
+                transport.wait(work, deadline - time.monotonic(), spin=spin)
         if trace is not None:
             log.warning("[rq-sync-trace] sender %s; all out %.4f", "; ".join(trace), time.monotonic() - began)
 

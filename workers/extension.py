@@ -293,7 +293,7 @@ class WeightReceiver:
                 loaded_upto = 0  # bytes of this bucket handed to load_weights so far
                 for piece, (end, work) in enumerate(works):
                     t0 = time.monotonic()
-                    transport.wait(work, deadline - time.monotonic())
+                    transport.wait(work, deadline - time.monotonic(), spin=device.type == "cuda")
                     last = piece == len(works) - 1
                     if last:
                         top_up()
