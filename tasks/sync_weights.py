@@ -413,7 +413,8 @@ class WeightSender:
         deadline = time.monotonic() + timeout_s
         spin = device.type == "cuda"
         buffers = self._buffers(max(manifest.bucket_sizes), device)
-        in_flight: list[list[Any]] = [[], []]
+        in_flight: list[list[Any]] = [[], []]  # the packed pieces sent from each buffer
+        direct_works: list[Any] = []  # pieces sent from the trainer's tensors: no buffer to free
         by_bucket: dict[int, list[Any]] = {}
         for spec in manifest.tensors:
             by_bucket.setdefault(spec.bucket, []).append(spec)
@@ -436,18 +437,17 @@ class WeightSender:
                 if direct is not None:  # straight from the trainer's tensor
                     packed = upto
                     source = tensors[direct]
-                    if source.device != device:
-                        source = source.to(device)
-                    in_flight[slot].append(transport.broadcast(self.group, transport.flat_bytes(source)))
+                    # A copy made for the wire is held until its slot comes round again.
+                    held = direct_works if source.device == device else in_flight[slot]
+                    held.append(transport.broadcast(self.group, transport.flat_bytes(source.to(device))))
                     continue
                 transport.pack(buffer, specs[packed:upto], tensors)
                 packed = upto
                 # On CUDA the broadcast's stream waits for the packing copies
                 # (ProcessGroupNCCL orders it after the current stream): no host sync.
                 in_flight[slot].append(transport.broadcast(self.group, buffer[start:end]))
-        for works in in_flight:
-            for work in works:
-                transport.wait(work, deadline - time.monotonic(), spin=spin)
+        for work in [*in_flight[0], *in_flight[1], *direct_works]:
+            transport.wait(work, deadline - time.monotonic(), spin=spin)
         if trace is not None:
             log.warning("[rq-sync-trace] sender %s; all out %.4f", "; ".join(trace), time.monotonic() - began)
 

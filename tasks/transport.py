@@ -120,11 +120,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def bucket_views(buffer: torch.Tensor, specs: Iterable[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
-    """Typed, shaped views of a received bucket (no copies)."""
+def bucket_views(
+    buffer: torch.Tensor, specs: Sequence[TensorSpec], offsets: Sequence[int] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """Typed, shaped views of a received bucket (no copies); ``offsets``: where each
+    tensor starts in ``buffer`` when not at its bucket offset."""
+    starts = offsets if offsets is not None else [spec.offset for spec in specs]
     return [
-        (spec.name, buffer[spec.offset : spec.offset + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape))
-        for spec in specs
+        (spec.name, buffer[at : at + spec.nbytes].view(torch_dtype(spec.dtype)).view(spec.shape))
+        for spec, at in zip(specs, starts)
     ]
 
 

@@ -290,7 +290,7 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
 
     model, places = _LoaderModel(), InPlaceMap()
     buffer, specs = _received(_checkpoint(1))
-    with places.watch(model, buffer, specs):
+    with places.watch(model, buffer, specs, [s.offset for s in specs]):
         model.load_weights(transport.bucket_views(buffer, specs))
     assert set(places.places) == {"q", "k", "v", "o"}
     assert places.refused == {"converted", "shard", "twice", "scaled"}

@@ -144,6 +144,38 @@ def refresh_tied_layers(model: Any, loaded: set[str] | None = None) -> list[str]
     return refreshed
 
 
+def _buffer_layout(
+    pieces: list[tuple[int, int, str | None]], in_place: dict[str, Any]
+) -> tuple[list[int | None], int]:
+    """Where each piece of a bucket lands in its buffer (``None``: in place), and
+    the buffer's size: the pieces not received in place, back to back."""
+    at: list[int | None] = []
+    used = 0
+    for start, end, direct in pieces:
+        if direct is not None and direct in in_place:
+            at.append(None)
+        else:
+            at.append(used)
+            used += end - start
+    return at, used
+
+
+def _buffer_offsets(
+    specs: list[Any], pieces: list[tuple[int, int, str | None]], at: list[int | None]
+) -> list[int]:
+    """Each tensor's offset in its bucket's buffer (see ``_buffer_layout``). A tensor
+    starts in one piece and, if it runs on, continues in the next (adjacent) ones."""
+    offsets = []
+    piece = 0
+    for spec in specs:
+        while pieces[piece][1] <= spec.offset:
+            piece += 1
+        start = at[piece]
+        assert start is not None, f"{spec.name} was received in place"
+        offsets.append(start + spec.offset - pieces[piece][0])
+    return offsets
+
+
 class _ReceiverState:
     def __init__(self, load_mode: str) -> None:
         self.load_mode = load_mode
@@ -239,6 +271,7 @@ class WeightReceiver:
         manifest = state.plan.manifest
         model = self._rq_model()
         device = self._rq_device()
+        spin = device.type == "cuda"
         deadline = time.monotonic() + timeout_s
         by_bucket: dict[int, list[Any]] = {}
         for spec in manifest.tensors:
@@ -253,7 +286,6 @@ class WeightReceiver:
                 initialize_layerwise_reload(model)
                 state.layerwise_open = True
             sizes = manifest.bucket_sizes
-
             pieces = [transport.piece_ranges(manifest, size, by_bucket.get(index, []))
                       for index, size in enumerate(sizes)]
             # Direct pieces that vLLM would only copy, whole, into a parameter land there.
@@ -261,39 +293,49 @@ class WeightReceiver:
             if state.load_mode == "direct":
                 sent_direct = {name for bucket in pieces for _, _, name in bucket if name}
                 in_place = state.in_place.targets(model, [t for t in manifest.tensors if t.name in sent_direct])
+            # A bucket's buffer holds its other pieces only, back to back.
+            layouts = [_buffer_layout(bucket, in_place) for bucket in pieces]
+            budget = self.RECEIVE_AHEAD * max(sizes)
 
             def post(index: int) -> tuple[Any, list[tuple[int, Any]]]:
-                buffer = state.buffers.take(sizes[index], device)
+                at, need = layouts[index]
+                buffer = state.buffers.take(need, device) if need else None
                 works = []
-                for start, end, direct in pieces[index]:
-                    target = in_place.get(direct) if direct else None
-                    state.touched |= target is not None
-                    works.append((end, transport.broadcast(state.group, buffer[start:end] if target is None else target)))
+                for (start, end, direct), offset in zip(pieces[index], at):
+                    if offset is None:
+                        state.touched = True
+                        target = in_place[direct]
+                    else:
+                        target = buffer[offset : offset + end - start]
+                    works.append((end, transport.broadcast(state.group, target)))
                 return buffer, works
 
-            # The next bucket is posted before this one is waited for, and the one
-            # after it as this one arrives: the wire never waits for a load or
-            # for this process to post. Within a bucket, each piece loads while
-            # the next arrives.
+            # Buckets are posted ahead while their buffers stay within RECEIVE_AHEAD
+            # buckets' worth (and at least RECEIVE_AHEAD of them): the wire never
+            # waits for a load or for this process to post. When most pieces land
+            # in place, that is every bucket at once.
             posted: collections.deque[tuple[Any, list[tuple[int, Any]]]] = collections.deque()
-            upcoming = iter(range(len(sizes)))
+            upcoming = 0
 
             def top_up() -> None:
-                while len(posted) < self.RECEIVE_AHEAD:
-                    index = next(upcoming, None)
-                    if index is None:
+                nonlocal upcoming
+                while upcoming < len(sizes):
+                    held = sum(layouts[i][1] for i in range(upcoming - len(posted), upcoming))
+                    if len(posted) >= self.RECEIVE_AHEAD and held + layouts[upcoming][1] > budget:
                         return
-                    posted.append(post(index))
+                    posted.append(post(upcoming))
+                    upcoming += 1
 
             top_up()
             for index in range(len(sizes)):
                 buffer, works = posted.popleft()
                 specs = by_bucket.get(index, [])  # in offset order
+                at = layouts[index][0]
                 loaded = 0
                 loaded_upto = 0  # bytes of this bucket handed to load_weights so far
                 for piece, (end, work) in enumerate(works):
                     t0 = time.monotonic()
-                    transport.wait(work, deadline - time.monotonic(), spin=device.type == "cuda")
+                    transport.wait(work, deadline - time.monotonic(), spin=spin)
                     last = piece == len(works) - 1
                     if last:
                         top_up()
@@ -309,14 +351,16 @@ class WeightReceiver:
                         ready += 1
                     loaded_upto = end
                     if ready > loaded:
-                        self._rq_load(buffer, [s for s in specs[loaded:ready] if s.name not in in_place])
+                        batch = [spec for spec in specs[loaded:ready] if spec.name not in in_place]
+                        self._rq_load(buffer, batch, _buffer_offsets(batch, pieces[index], at))
                         state.received.update(spec.name for spec in specs[loaded:ready])
                         loaded = ready
                     load_s += time.monotonic() - t1
                     if trace is not None:
                         trace.append(f"b{index}.{piece} wait {t0 - start:.4f}-{t1 - start:.4f} "
                                      f"load -{time.monotonic() - start:.4f}")
-                state.buffers.loaded_into_model(buffer, still_referenced=state.layerwise_open)
+                if buffer is not None:
+                    state.buffers.loaded_into_model(buffer, still_referenced=state.layerwise_open)
         except Exception:
             state.group = None  # a failed collective leaves the group unusable
             state.buffers = _BufferPool()  # a receive may still be writing into one
@@ -329,17 +373,18 @@ class WeightReceiver:
             print("[rq-sync-trace] receiver " + "; ".join(trace), file=sys.stderr, flush=True)
         return {"wire_s": recv_s, "load_s": load_s}
 
-    def _rq_load(self, buffer: Any, specs: list[Any]) -> None:
-        """``load_weights`` on these tensors of a received bucket; with direct
-        loading, learn meanwhile which of them can be received in place."""
+    def _rq_load(self, buffer: Any, specs: list[Any], offsets: list[int]) -> None:
+        """``load_weights`` on these tensors of a received bucket (each at its offset
+        in ``buffer``); with direct loading, learn meanwhile which of them can be
+        received in place."""
         if not specs:
             return
         state, model = self._rq_state(), self._rq_model()
-        views = transport.bucket_views(buffer, specs)
+        views = transport.bucket_views(buffer, specs, offsets)
         if state.load_mode != "direct" or all(state.in_place.known(spec.name) for spec in specs):
             model.load_weights(weights=views)
             return
-        with state.in_place.watch(model, buffer, specs):
+        with state.in_place.watch(model, buffer, specs, offsets):
             model.load_weights(weights=views)
 
     def rq_finish_update(self) -> int:

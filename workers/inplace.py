@@ -74,10 +74,12 @@ class InPlaceMap:
         return out
 
     @contextmanager
-    def watch(self, model: Any, buffer: Any, specs: Sequence[TensorSpec]) -> Iterator[None]:
-        """Learn, from the ``load_weights`` calls inside, which of ``specs`` (views of
-        ``buffer``, a received bucket) can be received in place from now on."""
-        recorder = _CopyRecorder(model, buffer, specs)
+    def watch(
+        self, model: Any, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int]
+    ) -> Iterator[None]:
+        """Learn, from the ``load_weights`` calls inside, which of ``specs`` (at
+        ``offsets`` in ``buffer``, received bytes) can be received in place from now on."""
+        recorder = _CopyRecorder(model, buffer, specs, offsets)
         with recorder:
             yield
         for spec in specs:
@@ -92,12 +94,13 @@ class InPlaceMap:
 class _CopyRecorder(TorchFunctionMode):
     """Sees every torch call made while loading, and follows the bucket's bytes."""
 
-    def __init__(self, model: Any, buffer: Any, specs: Sequence[TensorSpec]) -> None:
+    def __init__(self, model: Any, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int]) -> None:
         super().__init__()
         self.storage = buffer.untyped_storage().data_ptr()
         self.base = buffer.data_ptr()
-        self.specs = sorted(specs, key=lambda s: s.offset)
-        self.starts = [s.offset for s in self.specs]
+        placed = sorted(zip(offsets, specs), key=lambda pair: pair[0])
+        self.starts = [at for at, _ in placed]
+        self.specs = [spec for _, spec in placed]
         self.params: dict[int, tuple[str, Any]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             if param.is_contiguous() and param.device.type != "meta":
@@ -109,19 +112,20 @@ class _CopyRecorder(TorchFunctionMode):
         return (isinstance(tensor, torch.Tensor) and tensor.device.type != "meta"
                 and tensor.untyped_storage().data_ptr() == self.storage)
 
-    def _spec_of(self, tensor: Any) -> TensorSpec | None:
+    def _index_of(self, tensor: Any) -> int | None:
+        """Which received tensor ``tensor`` views (by where it starts), if any."""
         if not self._in_bucket(tensor):
             return None
         offset = tensor.data_ptr() - self.base
         at = bisect.bisect_right(self.starts, offset) - 1
-        if at < 0 or offset >= self.specs[at].offset + self.specs[at].nbytes:
+        if at < 0 or offset >= self.starts[at] + self.specs[at].nbytes:
             return None
-        return self.specs[at]
+        return at
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        touched = {spec.name: spec for spec in map(self._spec_of, tree_flatten((args, kwargs))[0]) if spec}
+        touched = {self.specs[i].name for i in map(self._index_of, tree_flatten((args, kwargs))[0]) if i is not None}
         if not touched:
             return result
         name = getattr(func, "__name__", "")
@@ -137,13 +141,14 @@ class _CopyRecorder(TorchFunctionMode):
     def _whole_copy(self, dest: Any, src: Any) -> bool:
         """``dest.copy_(src)`` with ``src`` a whole received tensor and ``dest`` a
         contiguous region of one parameter; recorded when so."""
-        spec = self._spec_of(src)
-        if spec is None or self._spec_of(dest) is not None:
+        at = self._index_of(src)
+        if at is None or self._index_of(dest) is not None:
             return False
+        spec = self.specs[at]
         owner = self.params.get(dest.untyped_storage().data_ptr())
         if (
             owner is None
-            or src.data_ptr() - self.base != spec.offset
+            or src.data_ptr() - self.base != self.starts[at]
             or src.numel() * src.element_size() != spec.nbytes
             or not src.is_contiguous()
             or not dest.is_contiguous()
