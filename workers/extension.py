@@ -326,10 +326,6 @@ class WeightReceiver:
                     posted.append(post(upcoming))
                     upcoming += 1
 
-            # With every bucket posted, the GPU's loads wait for the wire and go
-            # in one load_weights call.
-            defer = spin and os.environ.get("RQ_DEFER_LOADS", "1") == "1"
-            deferred: list[tuple[Any, list[Any], list[int]]] = []
             top_up()
             for index in range(len(sizes)):
                 buffer, works = posted.popleft()
@@ -356,24 +352,15 @@ class WeightReceiver:
                     loaded_upto = end
                     if ready > loaded:
                         batch = [spec for spec in specs[loaded:ready] if spec.name not in in_place]
-                        if batch:
-                            deferred.append((buffer, batch, _buffer_offsets(batch, pieces[index], at)))
-                        if not (defer and upcoming == len(sizes)):
-                            self._rq_load(deferred)
-                            deferred = []
+                        self._rq_load(buffer, batch, _buffer_offsets(batch, pieces[index], at))
                         state.received.update(spec.name for spec in specs[loaded:ready])
                         loaded = ready
                     load_s += time.monotonic() - t1
                     if trace is not None:
                         trace.append(f"b{index}.{piece} wait {t0 - start:.4f}-{t1 - start:.4f} "
                                      f"load -{time.monotonic() - start:.4f}")
-                if buffer is not None and not deferred:
+                if buffer is not None:
                     state.buffers.loaded_into_model(buffer, still_referenced=state.layerwise_open)
-            t1 = time.monotonic()
-            self._rq_load(deferred)
-            load_s += time.monotonic() - t1
-            if trace is not None and deferred:
-                trace.append(f"deferred load {t1 - start:.4f}-{time.monotonic() - start:.4f}")
         except Exception:
             state.group = None  # a failed collective leaves the group unusable
             state.buffers = _BufferPool()  # a receive may still be writing into one
@@ -386,20 +373,19 @@ class WeightReceiver:
             print("[rq-sync-trace] receiver " + "; ".join(trace), file=sys.stderr, flush=True)
         return {"wire_s": recv_s, "load_s": load_s}
 
-    def _rq_load(self, batches: list[tuple[Any, list[Any], list[int]]]) -> None:
-        """``load_weights`` on tensors of received buckets (each batch: a buffer,
-        its tensors, their offsets in it), in one call when nothing is left to
-        learn; with direct loading, learn meanwhile which of them can be
+    def _rq_load(self, buffer: Any, specs: list[Any], offsets: list[int]) -> None:
+        """``load_weights`` on these tensors of a received bucket (each at its offset
+        in ``buffer``); with direct loading, learn meanwhile which of them can be
         received in place."""
-        state, model = self._rq_state(), self._rq_model()
-        views = [transport.bucket_views(*batch) for batch in batches]
-        if state.load_mode != "direct" or all(state.in_place.known(s.name) for _, specs, _ in batches for s in specs):
-            if views:
-                model.load_weights(weights=[view for group in views for view in group])
+        if not specs:
             return
-        for (buffer, specs, offsets), group in zip(batches, views):
-            with state.in_place.watch(model, buffer, specs, offsets):
-                model.load_weights(weights=group)
+        state, model = self._rq_state(), self._rq_model()
+        views = transport.bucket_views(buffer, specs, offsets)
+        if state.load_mode != "direct" or all(state.in_place.known(spec.name) for spec in specs):
+            model.load_weights(weights=views)
+            return
+        with state.in_place.watch(model, buffer, specs, offsets):
+            model.load_weights(weights=views)
 
     def rq_finish_update(self) -> int:
         """Check that every manifest entry arrived; finish layerwise processing."""
