@@ -1,6 +1,8 @@
 """Rank 1 of the raw-broadcast baseline: receive buckets of the given sizes, N rounds.
 
 Run by bench/weight_sync.py; prints "ready" once joined and "done" at the end.
+Round i starts when the trainer sets ``bench/go/i`` in the store; the peer
+posts every bucket and answers ``bench/posted/i``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ def main() -> int:
     print("ready", flush=True)
     # Buffers kept across rounds, as the worker keeps its receive buffers.
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
-    for _ in range(rounds):
-        for buffer in buffers:
-            transport.wait(transport.broadcast(group, buffer), 300.0)
+    for index in range(rounds):
+        # Nothing is posted before the trainer's raw leg begins: a posted NCCL
+        # receive is a kernel spinning on the worker's GPU, time-sliced against
+        # the worker's own kernels while the sync legs run.
+        store.get(f"bench/go/{index}")
+        works = [transport.broadcast(group, buffer) for buffer in buffers]
+        store.set(f"bench/posted/{index}", "1")
+        for work in works:
+            transport.wait(work, 300.0)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     print("done", flush=True)

@@ -5,7 +5,8 @@ chosen shape) and one bare receiver process on the same device:
 
   a  ``sync_weights.broadcast`` end to end (first sync, then steady state)
   b  a raw broadcast of the same bucket sizes over the same transport, to a
-     bare receiver process (and, as ``raw_into_worker_s``, into the worker's
+     bare receiver process that posts its receives only when its round
+     begins (and, as ``raw_into_worker_s``, into the worker's
      engine process over the sync group: all buckets posted at once, no loads)
   c  the seeds' style (arbor's ``update_named_param``): for every tensor, one
      control round trip to the worker, which receives that tensor alone over
@@ -63,8 +64,7 @@ def main() -> int:
                         help="pieces a bucket travels in (default: SyncSettings' choice for the transport)")
     parser.add_argument("--direct-mib", type=int, nargs="+", default=[None],
                         help="tensors this large are sent straight from their memory (0: all packed; "
-                             "default: SyncSettings' choice for the transport); several values: "
-                             "one line each, against the same worker")
+                             "default: SyncSettings'); several values: one line each, against the same worker")
     parser.add_argument("--trainer-gpu", type=int, default=1)
     parser.add_argument("--worker-gpu", type=int, default=0)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -107,9 +107,12 @@ def main() -> int:
         total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 
         def settings(direct_mib: int | None) -> SyncSettings:
-            mib = lambda value: None if value is None else value << 20
-            return SyncSettings(bucket_bytes=args.bucket_mib << 20, chunk_bytes=mib(args.chunk_mib),
-                                direct_bytes=mib(direct_mib))
+            chosen = {"bucket_bytes": args.bucket_mib << 20}
+            if args.chunk_mib is not None:
+                chosen["chunk_bytes"] = args.chunk_mib << 20
+            if direct_mib is not None:
+                chosen["direct_bytes"] = direct_mib << 20
+            return SyncSettings(**chosen)
 
         sender = sync_weights.sender(stack.tag, settings(args.direct_mib[0]))
         backend = "nccl" if cuda else "gloo"
@@ -158,6 +161,16 @@ def main() -> int:
                 torch.cuda.synchronize()
             return time.perf_counter() - t0, received
 
+        rounds = iter(range(args.iters * len(args.direct_mib)))
+
+        def raw_to_peer() -> float:
+            """b: one round to the bare receiver, which posts only when told (so no
+            receive of its waits on the worker's GPU during the sync legs)."""
+            index = next(rounds)
+            store.set(f"bench/go/{index}", "1")
+            store.get(f"bench/posted/{index}")
+            return raw_leg(group)[0]
+
         # a (end to end) and b (raw) alternate, so load on the machine hits both alike;
         # each --direct-mib value gets a sender of its own (a new group, a first sync)
         legs = []
@@ -170,7 +183,7 @@ def main() -> int:
                 version += 1
                 report = sender.sync(weights, version=version, timeout=600)
                 sync_times.append(report.seconds)
-                raw_times.append(raw_leg(group)[0])
+                raw_times.append(raw_to_peer())
                 benchlib_log(f"direct {direct_mib} sync {version}: {report.seconds:.4f}s raw "
                              f"{raw_times[-1]:.4f}s phases {report.phases} worker {report.worker_phases}")
             received = engine_op("last_receive", {}, 60)[0][0]

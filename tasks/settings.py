@@ -96,8 +96,8 @@ class SyncSettings(BaseSettings):
     chunk_bytes: int | None = Field(default=None, ge=1 << 20)
     # Tensors this large go out straight from the trainer's memory, as pieces
     # of their own, instead of being copied into a bucket buffer first (0: never).
-    # None: 16 MiB over gloo; off over NCCL, where packing costs little and the
-    # direct pieces are not yet measured with batched loads (docs/BENCHMARKS.md).
-    direct_bytes: int | None = Field(default=None, ge=0)
+    # A worker loading directly (CUDA) receives them straight into the
+    # parameters that hold them (workers/inplace.py).
+    direct_bytes: int = Field(default=16 << 20, ge=0)
     weight_sync_secret: SecretStr | None = None
     timeouts: SyncTimeouts = SyncTimeouts()

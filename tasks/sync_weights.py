@@ -73,8 +73,6 @@ log = logging.getLogger(__name__)
 
 # Gloo buckets travel in pieces of this size (SyncSettings.chunk_bytes = None).
 GLOO_CHUNK_BYTES = 128 << 20
-# Gloo sends tensors this large straight from memory (SyncSettings.direct_bytes = None).
-GLOO_DIRECT_BYTES = 16 << 20
 
 Weights = Any  # torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 
@@ -255,15 +253,10 @@ class WeightSender:
                 tensor = tensor.to(device, non_blocking=True)
             by_name[name] = tensor
         specs = ((name, transport.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
-        def or_default(setting: int | None, gloo_default: int) -> int:
-            """``None``: the transport's default (gloo's, or 0 = off over NCCL)."""
-            if setting is not None:
-                return setting
-            return gloo_default if backend == "gloo" else 0
-
-        chunk = or_default(self.settings.chunk_bytes, GLOO_CHUNK_BYTES)
-        direct = or_default(self.settings.direct_bytes, GLOO_DIRECT_BYTES)
-        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk, direct), by_name
+        chunk = self.settings.chunk_bytes
+        if chunk is None:  # gloo's default; NCCL sends whole buckets
+            chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
+        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes), by_name
 
     @staticmethod
     def _device(backend: str) -> torch.device:
@@ -411,7 +404,6 @@ class WeightSender:
     ) -> None:
         """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
         deadline = time.monotonic() + timeout_s
-        spin = device.type == "cuda"
         buffers = self._buffers(max(manifest.bucket_sizes), device)
         in_flight: list[list[Any]] = [[], []]  # the packed pieces sent from each buffer
         direct_works: list[Any] = []  # pieces sent from the trainer's tensors: no buffer to free
@@ -423,7 +415,7 @@ class WeightSender:
         for index, size in enumerate(manifest.bucket_sizes):
             slot = index % 2
             for work in in_flight[slot]:  # the buffer's previous bucket must be out
-                transport.wait(work, deadline - time.monotonic(), spin=spin)
+                transport.wait(work, deadline - time.monotonic())
             if trace is not None:
                 trace.append(f"b{index} slot free {time.monotonic() - began:.4f}")
             buffer = buffers[slot][:size]
@@ -447,7 +439,7 @@ class WeightSender:
                 # (ProcessGroupNCCL orders it after the current stream): no host sync.
                 in_flight[slot].append(transport.broadcast(self.group, buffer[start:end]))
         for work in [*in_flight[0], *in_flight[1], *direct_works]:
-            transport.wait(work, deadline - time.monotonic(), spin=spin)
+            transport.wait(work, deadline - time.monotonic())
         if trace is not None:
             log.warning("[rq-sync-trace] sender %s; all out %.4f", "; ".join(trace), time.monotonic() - began)
 

@@ -10,9 +10,7 @@ trainer's, or vLLM's own inside its worker processes).
 from __future__ import annotations
 
 import datetime
-import os
 import socket
-import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -190,19 +188,5 @@ def broadcast(group: Any, tensor: torch.Tensor) -> Any:
     return group.broadcast([tensor], opts)
 
 
-def wait(work: Any, timeout_s: float, *, spin: bool = False) -> None:
-    """Block until ``work`` is done; raise after ``timeout_s``.
-
-    ``spin`` (NCCL): poll the work's CUDA event from here instead of inside
-    ``Work.wait``, whose timed wait sleeps a millisecond between checks.
-    ``wait()`` then only orders the current stream after the collective.
-    """
-    if not spin or os.environ.get("RQ_NCCL_WAIT") == "poll":
-        work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))
-        return
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"a broadcast did not complete within {timeout_s:.1f}s")
-        time.sleep(0)
-    work.wait()
+def wait(work: Any, timeout_s: float) -> None:
+    work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))

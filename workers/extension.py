@@ -271,7 +271,6 @@ class WeightReceiver:
         manifest = state.plan.manifest
         model = self._rq_model()
         device = self._rq_device()
-        spin = device.type == "cuda"
         deadline = time.monotonic() + timeout_s
         by_bucket: dict[int, list[Any]] = {}
         for spec in manifest.tensors:
@@ -335,7 +334,7 @@ class WeightReceiver:
                 loaded_upto = 0  # bytes of this bucket handed to load_weights so far
                 for piece, (end, work) in enumerate(works):
                     t0 = time.monotonic()
-                    transport.wait(work, deadline - time.monotonic(), spin=spin)
+                    transport.wait(work, deadline - time.monotonic())
                     last = piece == len(works) - 1
                     if last:
                         top_up()
