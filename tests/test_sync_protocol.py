@@ -309,3 +309,35 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
     reference.load_weights(transport.bucket_views(buffer, specs))
     for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(got, want), name
+
+
+def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
+    from workers.extension import _buffer_layout, _buffer_offsets
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = {"a": 40, "big1": 300, "b": 90, "c": 50, "big2": 260, "d": 30}  # float32 elements
+    state = {name: torch.randn(n, generator=gen) for name, n in sizes.items()}
+    manifest = transport.plan_buckets(
+        [(n, "float32", [t.numel()]) for n, t in state.items()], bucket_bytes=1 << 20,
+        chunk_bytes=256, direct_bytes=1000,
+    )
+    size = manifest.bucket_sizes[0]
+    sent = torch.zeros(size, dtype=torch.uint8)
+    transport.pack(sent, manifest.tensors, state)
+    pieces = transport.piece_ranges(manifest, size, manifest.tensors)
+    in_place = {"big1": object()}  # big2 travels direct but into the buffer
+    at, need = _buffer_layout(pieces, in_place)
+    assert need == sum(end - start for (start, end, _), where in zip(pieces, at) if where is not None)
+    assert need <= size - state["big1"].numel() * 4
+
+    buffer = torch.zeros(need, dtype=torch.uint8)  # what the receiver's broadcasts fill
+    for (start, end, _), where in zip(pieces, at):
+        if where is not None:
+            buffer[where : where + end - start] = sent[start:end]
+    loaded = [spec for spec in manifest.tensors if spec.name not in in_place]
+    assert any(s.offset < start < s.offset + s.nbytes for start, _, _ in pieces for s in loaded), \
+        "some tensor should straddle a piece edge"
+    views = dict(transport.bucket_views(buffer, loaded, _buffer_offsets(loaded, pieces, at)))
+    assert set(views) == set(state) - {"big1"}
+    for name, view in views.items():
+        assert torch.equal(view, state[name]), name
