@@ -14,6 +14,11 @@ sender's and are called in this order, each refusing to run out of turn::
 ``rq_update`` runs the three middle steps in one call (one engine round trip
 instead of three); the host uses it.
 
+With direct loading (CUDA), a tensor that ``load_weights`` only copies, whole,
+into a region of one parameter is received straight into that region from
+the sync after the one that showed it (``workers/inplace.py``); a bucket's
+buffer then holds only its other pieces, back to back.
+
 Receive buffers come from a small pool that lives on between syncs: on CPU
 there is no caching allocator, and a fresh 1 GiB buffer costs a page fault per
 4 KiB (measured here: 0.36 s vs 0.10 s to fill one). Under layerwise reload
