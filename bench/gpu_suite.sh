@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU set, on the lent two-H200 machine with vLLM staged (../shared/device/stage-vllm):
 #   bash bench/gpu_suite.sh [tests|sync|throughput|latency|scaling ...]   (default: all)
-# Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside.
+# Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside
+# (sync: per-bucket traces of the trainer in sync.log, of the worker in sync-worker.log;
+# SYNC_ARGS adds arguments, e.g. SYNC_ARGS="--direct-mib 16 0").
 set -uo pipefail
 OUT=${OUT:-.artifacts/gpu}
 mkdir -p "$OUT" .models
@@ -18,7 +20,8 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)      timeout 200 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py > "$OUT/gpu-tests.txt" 2>&1 ;;
-    sync)       timeout 300 python3 bench/weight_sync.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log" ;;
+    sync)       RQ_SYNC_TRACE=1 timeout 300 python3 bench/weight_sync.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log"
+                cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null ;;
     throughput) python3 bench/throughput.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;
     latency)    python3 bench/latency.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/latency.log" ;;
     scaling)    python3 bench/scaling.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/scaling.log" ;;
