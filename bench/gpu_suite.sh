@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU set, on the lent two-H200 machine with vLLM staged (../shared/device/stage-vllm):
-#   bash bench/gpu_suite.sh [tests|sync|throughput|latency|scaling ...]   (default: all)
+#   bash bench/gpu_suite.sh [tests|sync|pattern|throughput|latency|scaling ...]   (default: all)
 # Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside
 # (sync: per-bucket traces of the trainer in sync.log, of the worker in sync-worker.log;
 # SYNC_ARGS adds arguments, e.g. SYNC_ARGS="--direct-mib 16 0").
@@ -13,7 +13,7 @@ if ! redis-cli -p 6379 ping >/dev/null 2>&1 && ! python3 -c "import redis; redis
 fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
-steps=${*:-tests sync throughput latency scaling}
+steps=${*:-tests sync pattern throughput latency scaling}
 cleanup() { pkill -f -- "-m workers worker" 2>/dev/null; sleep 3; pkill -9 -f -- "-m workers worker" 2>/dev/null; pkill -9 -f "VLLM::" 2>/dev/null; true; }
 for step in $steps; do
   cleanup
@@ -22,6 +22,7 @@ for step in $steps; do
     tests)      timeout 200 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py > "$OUT/gpu-tests.txt" 2>&1 ;;
     sync)       RQ_SYNC_TRACE=1 timeout 300 python3 bench/weight_sync.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log"
                 cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null ;;
+    pattern)    timeout 200 python3 bench/sync_pattern.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/pattern.log" ;;
     throughput) python3 bench/throughput.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;
     latency)    python3 bench/latency.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/latency.log" ;;
     scaling)    python3 bench/scaling.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/scaling.log" ;;

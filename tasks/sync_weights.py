@@ -387,7 +387,7 @@ class WeightSender:
             self.roster = dict(decision.offsets)
             self.backend = plan.backend
         sending = self._pool.submit(
-            self._send_buckets, plan.manifest, tensors, self._device(plan.backend), remaining()
+            self.send_buckets, plan.manifest, tensors, self._device(plan.backend), remaining()
         )
         try:
             sending.result(timeout=remaining())
@@ -399,7 +399,7 @@ class WeightSender:
                 phase="transfer", workers=decision.offsets,
             ) from exc
 
-    def _send_buckets(
+    def send_buckets(
         self, manifest: Manifest, tensors: dict[str, torch.Tensor], device: torch.device, timeout_s: float
     ) -> None:
         """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
