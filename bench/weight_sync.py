@@ -177,7 +177,6 @@ def main() -> int:
         version = 0
         for direct_mib in args.direct_mib:
             sender = sync_weights.sender(stack.tag, settings(direct_mib))
-            direct_bytes = sender.manifest(list(weights.items()), sender.membership(), backend)[0].direct_bytes
             sync_times, raw_times = [], []
             for _ in range(args.iters):
                 version += 1
@@ -187,7 +186,7 @@ def main() -> int:
                 benchlib_log(f"direct {direct_mib} sync {version}: {report.seconds:.4f}s raw "
                              f"{raw_times[-1]:.4f}s phases {report.phases} worker {report.worker_phases}")
             received = engine_op("last_receive", {}, 60)[0][0]
-            legs.append((direct_bytes, sync_times, raw_times, report, received))
+            legs.append((sender.settings.direct_bytes, sync_times, raw_times, report, received))
 
         peer.communicate(timeout=120)
 

@@ -64,27 +64,27 @@ def gpu_workers(start_worker: WorkerStarter, redis_client: Any) -> dict[str, str
     return names
 
 
-def checksums(names: list[str]) -> dict[str, float]:
+def engine_results(names: list[str], op: str) -> dict[str, list[Any]]:
+    """An engine op's result per engine rank, for each of ``names``."""
     replies = app.control.broadcast(
-        keys.CONTROL_ENGINE, arguments={"op": "weight_checksum", "args": {}},
+        keys.CONTROL_ENGINE, arguments={"op": op, "args": {}},
         destination=names, reply=True, timeout=60, limit=len(names),
     )
     out = {}
     for reply in replies:
         for node, body in reply.items():
             assert body["ok"], body
-            out[node] = sum(rank["sum"] for rank in body["result"])
+            out[node] = body["result"]
     return out
 
 
+def checksums(names: list[str]) -> dict[str, float]:
+    return {node: sum(rank["sum"] for rank in ranks)
+            for node, ranks in engine_results(names, "weight_checksum").items()}
+
+
 def last_receive(node: str) -> dict[str, float]:
-    replies = app.control.broadcast(
-        keys.CONTROL_ENGINE, arguments={"op": "last_receive", "args": {}},
-        destination=[node], reply=True, timeout=60, limit=1,
-    )
-    body = next(iter(replies[0].values()))
-    assert body["ok"], body
-    return body["result"][0]
+    return engine_results([node], "last_receive")[node][0]
 
 
 def expected_sum(state: dict[str, Any]) -> float:
