@@ -22,10 +22,7 @@ def main() -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     store = transport.connect_store(host, port, 120.0)
-    group = transport.new_group(store, "raw", 1, 2, backend, 120.0)
-    # NCCL sets its communicator up on the first collective, which both ranks
-    # must enter: one small broadcast here, matched by the trainer's.
-    transport.wait(transport.broadcast(group, torch.zeros(1, device=device)), 120.0)
+    group = transport.new_group(store, "raw", 1, 2, backend, 120.0, torch.device(device))
     print("ready", flush=True)
     # Buffers kept across rounds, as the worker keeps its receive buffers.
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]

@@ -44,7 +44,7 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     dtype = "bfloat16" if cuda else "float32"
     backend = "nccl" if cuda else "gloo"
     store = transport.connect_store("127.0.0.1", port, 120.0, is_master=rank == 0)
-    group = transport.new_group(store, "pattern", rank, 2, backend, 120.0)
+    group = transport.new_group(store, "pattern", rank, 2, backend, 120.0, torch.device(device))
 
     weights = state_dict(args.shape, dtype, device)
     sender = WeightSender(SyncSettings(direct_bytes=args.direct_mib << 20))
@@ -62,10 +62,14 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         if rank == 0:
             sender.send_buckets(manifest, tensors, torch.device(device), 300.0)
             return
-        works = [
-            transport.broadcast(group, transport.flat_bytes(weights[direct]) if direct else raw[index][start:end])
-            for index, bucket in enumerate(pieces) for start, end, direct in bucket
-        ]
+        works = []
+        for index, bucket in enumerate(pieces):  # grouped per bucket as the worker does
+            targets = [transport.flat_bytes(weights[direct]) if direct else raw[index][start:end]
+                       for start, end, direct in bucket]
+            if transport.groups_buckets(manifest):
+                works += transport.broadcast_group(group, targets)
+            else:
+                works += [transport.broadcast(group, target) for target in targets]
         for work in works:
             transport.wait(work, 300.0)
 

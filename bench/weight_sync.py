@@ -132,9 +132,7 @@ def main() -> int:
              backend, peer_device, json.dumps(sizes_b), str(args.iters * len(args.direct_mib))],
             stdout=subprocess.PIPE, text=True, env=peer_env,
         )
-        group = transport.new_group(store, "raw", 0, 2, backend, 120.0)
-        # matches the peer's first broadcast (NCCL's communicator set-up)
-        transport.wait(transport.broadcast(group, torch.zeros(1, device=trainer_device)), 120.0)
+        group = transport.new_group(store, "raw", 0, 2, backend, 120.0, torch.device(trainer_device))
         buffers = [torch.empty(size, dtype=torch.uint8, device=trainer_device) for size in sizes_b]
 
         def engine_op(op: str, op_args: dict, timeout: float) -> list:

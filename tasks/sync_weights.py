@@ -129,6 +129,7 @@ class WeightSender:
         # The acks of the current sync read so far, by phase: waiting for one
         # phase can read another's ("accepted" and "ready" share a list).
         self._acks: dict[str, dict[str, SyncAck]] = {}
+        self._planned: tuple[Any, Manifest] | None = None  # the last layout planned, and its manifest
 
     # ------------------------------------------------------------------ sync
 
@@ -252,11 +253,14 @@ class WeightSender:
             if device.type == "cuda" and tensor.device != device:
                 tensor = tensor.to(device, non_blocking=True)
             by_name[name] = tensor
-        specs = ((name, transport.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
+        specs = tuple((name, transport.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
         chunk = self.settings.chunk_bytes
         if chunk is None:  # gloo's default; NCCL sends whole buckets
             chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
-        return transport.plan_buckets(specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes), by_name
+        key = (specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes)
+        if self._planned is None or self._planned[0] != key:  # a trainer syncs the same layout every step
+            self._planned = (key, transport.plan_buckets(specs, *key[1:]))
+        return self._planned[1], by_name
 
     @staticmethod
     def _device(backend: str) -> torch.device:
@@ -307,11 +311,16 @@ class WeightSender:
             plan = plan.model_copy(update={"hmac": sign_plan(plan, secret.get_secret_value())})
         timeout = min(self.settings.timeouts.trigger, max(deadline - time.monotonic(), 0.1))
         self._acks = {}
+        t = time.monotonic()
         app.control.broadcast(
             keys.CONTROL_SYNC, arguments={"plan": plan.model_dump(mode="json")},
             destination=list(plan.members), reply=False,
         )
+        published = time.monotonic()
         answers = self._collect(plan, "accepted", set(plan.members), time.monotonic() + timeout)
+        if os.environ.get("RQ_SYNC_TRACE"):
+            log.warning("[rq-sync-trace] trigger: plan dumped and published %.4f, answers %.4f",
+                        published - t, time.monotonic() - published)
         refused = {node: a.error or "refused" for node, a in answers.items() if not a.ok}
         missing = set(plan.members) - set(answers)
         if refused:
@@ -374,7 +383,7 @@ class WeightSender:
                 torch.cuda.set_device(self._device(plan.backend))
             future: Future[Any] = self._pool.submit(
                 transport.new_group, self.store, decision.group_id, 0, decision.world, plan.backend,
-                min(self.settings.timeouts.transfer, remaining()),
+                min(self.settings.timeouts.transfer, remaining()), self._device(plan.backend),
             )
             try:
                 self.group = future.result(timeout=remaining())
@@ -422,6 +431,7 @@ class WeightSender:
             specs = by_bucket.get(index, [])  # in offset order
             packed = 0
             in_flight[slot] = []
+            grouped: list[torch.Tensor] | None = [] if transport.groups_buckets(manifest) else None
             for start, end, direct in transport.piece_ranges(manifest, size, specs):
                 upto = packed
                 while upto < len(specs) and specs[upto].offset < end:
@@ -431,13 +441,20 @@ class WeightSender:
                     source = tensors[direct]
                     # A copy made for the wire is held until its slot comes round again.
                     held = direct_works if source.device == device else in_flight[slot]
-                    held.append(transport.broadcast(self.group, transport.flat_bytes(source.to(device))))
-                    continue
-                transport.pack(buffer, specs[packed:upto], tensors)
-                packed = upto
+                    piece = transport.flat_bytes(source.to(device))
+                else:
+                    transport.pack(buffer, specs[packed:upto], tensors)
+                    packed = upto
+                    held = in_flight[slot]
+                    piece = buffer[start:end]
                 # On CUDA the broadcast's stream waits for the packing copies
                 # (ProcessGroupNCCL orders it after the current stream): no host sync.
-                in_flight[slot].append(transport.broadcast(self.group, buffer[start:end]))
+                if grouped is None:
+                    held.append(transport.broadcast(self.group, piece))
+                else:
+                    grouped.append(piece)
+            if grouped:  # one work for the bucket where the backend groups it
+                in_flight[slot].extend(transport.broadcast_group(self.group, grouped))
         for work in [*in_flight[0], *in_flight[1], *direct_works]:
             transport.wait(work, deadline - time.monotonic())
         if trace is not None:

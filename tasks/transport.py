@@ -101,6 +101,12 @@ def piece_ranges(manifest: Manifest, size: int, specs: Sequence[TensorSpec]) -> 
     return pieces
 
 
+def groups_buckets(manifest: Manifest) -> bool:
+    """Whether a bucket's pieces travel as one group (``broadcast_group``): when
+    its bytes are not loaded piece by piece (``chunk_bytes`` 0). Both ends ask."""
+    return not manifest.chunk_bytes
+
+
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as one flat uint8 tensor (a view when contiguous)."""
     import torch
@@ -162,20 +168,30 @@ def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = F
     )
 
 
-def new_group(store: Any, group_id: str, rank: int, world: int, backend: str, timeout_s: float) -> Any:
+def new_group(
+    store: Any, group_id: str, rank: int, world: int, backend: str, timeout_s: float,
+    device: torch.device | None = None,
+) -> Any:
     """A process group of ``world`` ranks over ``store``, namespaced by ``group_id``.
 
-    Blocks until every rank has joined (or the timeout passes).
+    Blocks until every rank has joined (or the timeout passes). NCCL sets its
+    communicator up on the first collective, so there every rank enters one
+    small broadcast on ``device`` (its CUDA device; required for NCCL) here.
     """
+    import torch
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(f"rq/{group_id}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+    if device is None or device.type != "cuda":
+        raise ValueError(f"an NCCL group needs the CUDA device of this rank, got {device}")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(prefixed, rank, world, options)
+    group = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+    wait(broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device)), timeout_s)
+    return group
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -186,6 +202,25 @@ def broadcast(group: Any, tensor: torch.Tensor) -> Any:
     opts.rootRank = 0
     opts.rootTensor = 0
     return group.broadcast([tensor], opts)
+
+
+def broadcast_group(group: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Start broadcasts of several tensors from rank 0, in order.
+
+    Where the backend can (NCCL), they are launched as one group: one kernel
+    launch and one work handle for all of them instead of a launch, events and
+    a handle each (a 7B sync sends ~160 pieces). Every rank must group the
+    same tensors. Returns one work per tensor, or the group's single work.
+    """
+    if len(tensors) < 2 or not getattr(group, "supports_coalescing", False):
+        return [broadcast(group, tensor) for tensor in tensors]
+    group._start_coalescing()  # the backend's own (no device argument; the tensors' is used)
+    try:
+        for tensor in tensors:
+            broadcast(group, tensor)
+    finally:
+        work = group._end_coalescing()
+    return [work]
 
 
 def wait(work: Any, timeout_s: float) -> None:

@@ -256,7 +256,7 @@ class WeightReceiver:
             state.store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
             state.group = transport.new_group(
                 state.store, decision.group_id, rank, decision.world, plan.backend,
-                timeout_s=60.0,
+                timeout_s=60.0, device=self._rq_device(),
             )
             state.group_id = decision.group_id
         state.plan = plan
@@ -304,15 +304,20 @@ class WeightReceiver:
             def post(index: int) -> tuple[Any, list[tuple[int, Any]]]:
                 at, need = layouts[index]
                 buffer = state.buffers.take(need, device) if need else None
-                works = []
+                targets = []
                 for (start, end, direct), offset in zip(pieces[index], at):
                     if offset is None:
                         state.touched = True
-                        target = in_place[direct]
+                        targets.append(in_place[direct])
                     else:
-                        target = buffer[offset : offset + end - start]
-                    works.append((end, transport.broadcast(state.group, target)))
-                return buffer, works
+                        targets.append(buffer[offset : offset + end - start])
+                ends = [end for _, end, _ in pieces[index]]
+                if not transport.groups_buckets(manifest):
+                    return buffer, [(end, transport.broadcast(state.group, t)) for end, t in zip(ends, targets)]
+                works = transport.broadcast_group(state.group, targets)
+                if len(works) == 1:  # the bucket's pieces as one group: one work, loaded at its end
+                    return buffer, [(ends[-1], works[0])]
+                return buffer, list(zip(ends, works))
 
             # Buckets are posted ahead while their buffers stay within RECEIVE_AHEAD
             # buckets' worth (and at least RECEIVE_AHEAD of them): the wire never

@@ -74,6 +74,7 @@ class SyncParticipant:
         The answer goes to the trainer as an "accepted" ack (ok=False: refused),
         in the list its "ready" acks follow on; it is also the control reply.
         """
+        arrived = time.time()
         epoch = int(raw_plan.get("epoch", -1)) if isinstance(raw_plan, dict) else -1
         plan: SyncPlan | None = None
         try:
@@ -88,7 +89,10 @@ class SyncParticipant:
                 if self._current is not None and not self._current.done():
                     raise SyncRefused(f"{self.node} is already in a sync")
                 self._ack(plan, "accepted", True)
-                self._current = self._pool.submit(self.run, plan)
+                # From the trainer's publish to this handler (one clock when both share a host),
+                # and this handler's own time.
+                timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
+                self._current = self._pool.submit(self.run, plan, raw_plan, timing)
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync epoch %s refused: %s", epoch, exc)
             error = f"{type(exc).__name__}: {exc}"
@@ -126,9 +130,12 @@ class SyncParticipant:
 
     # ------------------------------------------------------------------- run
 
-    def run(self, plan: SyncPlan) -> None:
+    def run(self, plan: SyncPlan, raw_plan: dict[str, Any] | None = None,
+            timing: dict[str, float] | None = None) -> None:
+        """The sync after ``accept``: ``raw_plan`` is the plan as received (passed on to
+        the engine as it is), ``timing`` the trigger's seconds, reported with the rest."""
         t_start = time.monotonic()
-        seconds: dict[str, float] = {}
+        seconds: dict[str, float] = dict(timing or {})
         changed = False
         paused = False
         try:
@@ -147,7 +154,7 @@ class SyncParticipant:
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
             stats = self.host.collective_rpc(
-                "rq_update", 900.0, plan.model_dump(mode="json"), decision.model_dump(mode="json"),
+                "rq_update", 900.0, raw_plan or plan.model_dump(mode="json"), decision.model_dump(mode="json"),
                 self.node, 600.0,
             )
             seconds["update"] = time.monotonic() - t
