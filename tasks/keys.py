@@ -84,3 +84,11 @@ def sync_acks(sync_id: str, phase: str) -> str:
 def sync_decision(sync_id: str) -> str:
     """Key of the trainer's decision in its rendezvous store."""
     return f"rq/decision/{sync_id}"
+
+
+MANIFEST_TTL_S = 24 * 3600  # refreshed by every sync that uses it
+
+
+def sync_manifest(digest: str) -> str:
+    """The JSON of the manifest a sync plan names by digest (``Manifest.wire``)."""
+    return f"{PREFIX}:sync:manifest:{digest}"

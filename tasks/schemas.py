@@ -6,6 +6,7 @@ every model forbids unknown keys, so a typo is an error, not a silent default.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Annotated, Any, Literal
 
@@ -18,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the manifest travels by digest
 
 PauseMode = Literal["wait", "keep", "abort"]
 WorkerState = Literal["starting", "serving", "paused", "syncing", "fenced", "sleeping", "stopping"]
@@ -291,6 +292,20 @@ class Manifest(_Message):
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
+    def wire(self) -> tuple[str, str]:
+        """Its JSON and that JSON's sha256: the plan carries the digest (signed with
+        the plan), the JSON travels beside it (a Redis key, see ``keys.sync_manifest``)."""
+        text = self.model_dump_json()
+        return text, hashlib.sha256(text.encode()).hexdigest()
+
+    @classmethod
+    def from_wire(cls, text: str | bytes, digest: str) -> Manifest:
+        """The manifest whose JSON is ``text``, once its sha256 is ``digest``."""
+        raw = text.encode() if isinstance(text, str) else text
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise ValueError(f"the manifest stored for digest {digest[:12]} does not hash to it")
+        return cls.model_validate_json(raw)
+
 
 class SyncPlan(_Message):
     """The one broadcast that triggers a sync. Signed when a secret is set."""
@@ -308,13 +323,15 @@ class SyncPlan(_Message):
     # store fixes the final roster (who answered ready) and rank offsets.
     members: dict[str, int]
     backend: Literal["gloo", "nccl"]
-    manifest: Manifest
+    # The manifest travels once per layout, not in every trigger (a 7B model's is
+    # ~50 KB of JSON: ~2 ms to publish and as much to read): the plan names it
+    # by digest; each side attaches it locally (``manifest``, never serialized).
+    manifest_digest: str
+    manifest: Manifest | None = Field(default=None, exclude=True)
     issued_at: float
     hmac: str | None = None
 
     def signing_payload(self) -> bytes:
-        import json
-
         body = self.model_dump(mode="json", exclude={"hmac"})
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 

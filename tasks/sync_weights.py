@@ -130,6 +130,7 @@ class WeightSender:
         # phase can read another's ("accepted" and "ready" share a list).
         self._acks: dict[str, dict[str, SyncAck]] = {}
         self._planned: tuple[Any, Manifest] | None = None  # the last layout planned, and its manifest
+        self._wired: tuple[Manifest, str, str] | None = None  # that manifest, its JSON and digest
 
     # ------------------------------------------------------------------ sync
 
@@ -304,7 +305,7 @@ class WeightSender:
             epoch=epoch, sync_id=uuid.uuid4().hex, version=version, pause=pause,
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
-            manifest=manifest, issued_at=time.time(),
+            manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
         )
         secret = self.settings.weight_sync_secret
         if secret is not None:
@@ -395,6 +396,7 @@ class WeightSender:
                 ) from exc
             self.roster = dict(decision.offsets)
             self.backend = plan.backend
+        assert plan.manifest is not None  # attached by trigger(); never serialized
         sending = self._pool.submit(
             self.send_buckets, plan.manifest, tensors, self._device(plan.backend), remaining()
         )
@@ -490,6 +492,20 @@ class WeightSender:
         return committed, failed, slowest
 
     # -------------------------------------------------------------- helpers
+
+    def _publish_manifest(self, manifest: Manifest) -> str:
+        """Store the manifest's JSON where workers read it by digest; its digest.
+
+        Once per layout: a later sync with the same manifest only refreshes the
+        key's expiry (and stores it again if it is gone, e.g. Redis was flushed).
+        """
+        if self._wired is None or self._wired[0] is not manifest:
+            self._wired = (manifest, *manifest.wire())
+        _, text, digest = self._wired
+        key = keys.sync_manifest(digest)
+        if not self.client.expire(key, keys.MANIFEST_TTL_S):
+            self.client.set(key, text, ex=keys.MANIFEST_TTL_S)
+        return digest
 
     def _decide(self, plan: SyncPlan, decision: SyncDecision) -> None:
         self.store.set(keys.sync_decision(plan.sync_id), decision.model_dump_json())

@@ -216,7 +216,7 @@ def test_an_unsigned_or_wrongly_signed_sync_command_is_refused_and_logged(
     app, _ = producer
     plan = SyncPlan(
         epoch=424242, sync_id=uuid.uuid4().hex, version=99, pause="wait", store_host="127.0.0.1", store_port=1,
-        members={NODE: 1}, backend="gloo", manifest=Manifest(tensors=[], bucket_sizes=[]),
+        members={NODE: 1}, backend="gloo", manifest_digest=Manifest(tensors=[], bucket_sizes=[]).wire()[1],
         issued_at=time.time(),
     ).model_dump(mode="json")
     from tasks.auth import sign_plan
@@ -228,6 +228,13 @@ def test_an_unsigned_or_wrongly_signed_sync_command_is_refused_and_logged(
         )
         answer = replies[0][NODE]
         assert answer["ok"] is False and "signed" in answer["error"]
+    # Rightly signed, but naming a manifest that was never stored: refused, and said why.
+    signed = sign_plan(SyncPlan.model_validate(plan), SYNC_SECRET)
+    replies = app.control.broadcast(
+        keys.CONTROL_SYNC, arguments={"plan": {**plan, "hmac": signed}}, destination=[NODE], reply=True, timeout=5,
+    )
+    answer = replies[0][NODE]
+    assert answer["ok"] is False and "not in Redis" in answer["error"]
     log = sec_worker.log_path.read_text(errors="replace")
     assert "weight sync epoch 424242 refused" in log
     info = WorkerInfo.model_validate_json(secure_server.client().get(keys.worker_key(NODE)))

@@ -111,8 +111,8 @@ def test_named_tensors_send_tied_weights_once_and_keep_checkpoint_names() -> Non
 def _plan(**updates: object) -> SyncPlan:
     plan = SyncPlan(
         epoch=1, sync_id="abc", version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
-        members={"w@h": 1}, backend="gloo",
-        manifest=Manifest(tensors=[], bucket_sizes=[]), issued_at=0.0,
+        members={"w@h": 1}, backend="gloo", manifest_digest=Manifest(tensors=[], bucket_sizes=[]).wire()[1],
+        issued_at=0.0,
     )
     return plan.model_copy(update=updates)
 
@@ -125,6 +125,21 @@ def test_plan_signature_detects_any_change_and_a_wrong_secret() -> None:
     assert not plan_signature_ok(plan, "s3cret")  # unsigned
     tampered = signed.model_copy(update={"version": 4})
     assert not plan_signature_ok(tampered, "s3cret")
+    other_manifest = signed.model_copy(update={"manifest_digest": "0" * 64})
+    assert not plan_signature_ok(other_manifest, "s3cret")
+
+
+def test_the_manifest_travels_by_digest_and_a_changed_one_is_refused() -> None:
+    manifest = transport.plan_buckets([("a", "float32", (4, 4)), ("b", "bfloat16", (8,))], 1 << 20)
+    text, digest = manifest.wire()
+    assert Manifest.from_wire(text, digest) == manifest
+    assert Manifest.from_wire(text.encode(), digest) == manifest  # as Redis returns it
+    with pytest.raises(ValueError, match="does not hash"):
+        Manifest.from_wire(text.replace('"a"', '"c"'), digest)
+    plan = _plan(manifest_digest=digest, manifest=manifest)
+    wire = plan.model_dump(mode="json")
+    assert "manifest" not in wire and wire["manifest_digest"] == digest  # never inline
+    assert SyncPlan.model_validate(wire).manifest is None
 
 
 def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> None:
@@ -309,6 +324,16 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
     reference.load_weights(transport.bucket_views(buffer, specs))
     for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(got, want), name
+
+    # Views are kept between syncs while their parameter stays where it is; a
+    # parameter given new storage gets views into that.
+    again = places.targets(model, specs)
+    assert all(again[name] is targets[name] for name in targets)
+    qkv = dict(model.named_parameters())["qkv"]
+    qkv.data = torch.zeros_like(qkv.data)
+    moved = places.targets(model, specs)
+    assert moved["k"] is not targets["k"] and moved["k"].data_ptr() == qkv.data_ptr() + places.places["k"][1]
+    assert moved["o"] is targets["o"]
 
 
 def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:

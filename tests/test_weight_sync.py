@@ -183,7 +183,7 @@ def test_an_unsigned_sync_command_is_refused(
     plan = {
         "epoch": 10_000, "sync_id": "forged", "version": 50, "pause": "wait", "store_host": "127.0.0.1",
         "store_port": 1, "members": {"sync0@tests": 1, "sync1@tests": 1}, "backend": "gloo",
-        "manifest": manifest.model_dump(mode="json"), "issued_at": time.time(),
+        "manifest_digest": manifest.wire()[1], "issued_at": time.time(),
     }
     for forged in (None, "0" * 64):
         replies = app.control.broadcast(

@@ -37,7 +37,7 @@ from typing import Any
 
 from tasks import transport
 from tasks.errors import ManifestMismatch, WeightSyncError
-from tasks.schemas import SyncDecision, SyncPlan
+from tasks.schemas import Manifest, SyncDecision, SyncPlan
 from workers.inplace import InPlaceMap
 
 
@@ -189,6 +189,7 @@ class _ReceiverState:
         self.group_id = ""
         self.store: Any = None
         self.plan: SyncPlan | None = None
+        self.manifest: tuple[str, Manifest] | None = None  # the last one sent: digest, manifest
         self.received: set[str] = set()
         self.layerwise_open = False
         self.touched = False  # a receive straight into the model's parameters was posted
@@ -230,21 +231,35 @@ class WeightReceiver:
         return load_mode
 
     def rq_update(
-        self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str, timeout_s: float
+        self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str, timeout_s: float,
+        manifest_json: str | None = None,
     ) -> dict[str, float]:
         """Join, receive and load, verify and finalize; seconds of each step."""
         t0 = time.monotonic()
-        self.rq_begin_update(plan_json, decision_json, node)
+        self.rq_begin_update(plan_json, decision_json, node, manifest_json)
         t1 = time.monotonic()
         stats = self.rq_receive_buckets(timeout_s)
         t2 = time.monotonic()
         self.rq_finish_update()
         return {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": time.monotonic() - t2}
 
-    def rq_begin_update(self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str) -> int:
-        """Join (or reuse) the sync group; returns this rank's global rank."""
+    def rq_begin_update(
+        self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str,
+        manifest_json: str | None = None,
+    ) -> int:
+        """Join (or reuse) the sync group; returns this rank's global rank.
+
+        ``manifest_json``: the plan's manifest, sent when it is not the one this
+        rank received last (it is kept for the syncs that follow).
+        """
         state = self._rq_expect(Phase.IDLE, "rq_begin_update")
         plan = SyncPlan.model_validate(plan_json)
+        if manifest_json is not None:
+            state.manifest = (plan.manifest_digest, Manifest.from_wire(manifest_json, plan.manifest_digest))
+        if state.manifest is None or state.manifest[0] != plan.manifest_digest:
+            raise WeightSyncError(
+                f"manifest {plan.manifest_digest[:12]} was never sent to this engine rank", phase="load")
+        plan.manifest = state.manifest[1]
         decision = SyncDecision.model_validate(decision_json)
         rank = decision.offsets[node] + int(getattr(self, "rank", 0))
         if not (decision.reuse_group and state.group is not None and state.group_id == decision.group_id):
@@ -274,6 +289,7 @@ class WeightReceiver:
         state = self._rq_expect(Phase.JOINED, "rq_receive_buckets")
         assert state.plan is not None
         manifest = state.plan.manifest
+        assert manifest is not None
         model = self._rq_model()
         device = self._rq_device()
         deadline = time.monotonic() + timeout_s
@@ -400,6 +416,7 @@ class WeightReceiver:
         """Check that every manifest entry arrived; finish layerwise processing."""
         state = self._rq_expect(Phase.RECEIVED, "rq_finish_update")
         assert state.plan is not None
+        assert state.plan.manifest is not None
         expected = {spec.name for spec in state.plan.manifest.tensors}
         missing = expected - state.received
         if missing:

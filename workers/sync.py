@@ -33,7 +33,7 @@ import redis
 from tasks import keys, transport
 from tasks.auth import plan_signature_ok
 from tasks.errors import ManifestMismatch, SyncRefused
-from tasks.schemas import PROTOCOL_VERSION, SyncAccepted, SyncAck, SyncDecision, SyncPlan
+from tasks.schemas import PROTOCOL_VERSION, Manifest, SyncAccepted, SyncAck, SyncDecision, SyncPlan
 from workers.checkpoint import checkpoint_shapes
 from workers.engine import EngineHost
 
@@ -61,6 +61,8 @@ class SyncParticipant:
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
         self._shapes_loaded = False
+        self._manifests: dict[str, Manifest] = {}  # by digest, the last few seen
+        self._engine_digest: str | None = None  # of the manifest the engine holds
         self._store: Any = None
         self._store_address: tuple[str, int] | None = None
         self.last_error: str | None = None
@@ -84,6 +86,7 @@ class SyncParticipant:
                 raise SyncRefused(f"protocol {plan.protocol}; this worker speaks {PROTOCOL_VERSION}")
             if self.node not in plan.members:
                 raise SyncRefused(f"{self.node} is not a member of sync epoch {plan.epoch}")
+            plan.manifest = self._manifest(plan.manifest_digest)
             self._check_manifest(plan)
             with self._lock:
                 if self._current is not None and not self._current.done():
@@ -110,11 +113,25 @@ class SyncParticipant:
                 "same WEIGHT_SYNC_SECRET as the workers"
             )
 
+    def _manifest(self, digest: str) -> Manifest:
+        """The manifest a plan names: from the last few seen, or from Redis."""
+        if digest in self._manifests:
+            return self._manifests[digest]
+        text = self.client.get(keys.sync_manifest(digest))
+        if text is None:
+            raise SyncRefused(f"the plan's manifest {digest[:12]} is not in Redis (expired, or another Redis)")
+        manifest = Manifest.from_wire(text, digest)
+        self._manifests[digest] = manifest
+        while len(self._manifests) > 4:
+            self._manifests.pop(next(iter(self._manifests)))
+        return manifest
+
     def _check_manifest(self, plan: SyncPlan) -> None:
         if not self._shapes_loaded:
             self._shapes = checkpoint_shapes(self.host.settings.model)
             self._shapes_loaded = True
         problems: list[str] = []
+        assert plan.manifest is not None
         for spec in plan.manifest.tensors:
             if spec.dtype != self.host.dtype:
                 problems.append(f"{spec.name}: dtype {spec.dtype}, engine runs {self.host.dtype}")
@@ -153,10 +170,15 @@ class SyncParticipant:
                 raise SyncRefused(f"trainer called off epoch {plan.epoch} for {self.node}: {reason}")
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
+            assert plan.manifest is not None
+            # The engine keeps the last manifest it was sent: only a new layout travels.
+            sent = None if self._engine_digest == plan.manifest_digest else plan.manifest.model_dump_json()
+            self._engine_digest = None  # until this call has succeeded
             stats = self.host.collective_rpc(
                 "rq_update", 900.0, raw_plan or plan.model_dump(mode="json"), decision.model_dump(mode="json"),
-                self.node, 600.0,
+                self.node, 600.0, sent,
             )
+            self._engine_digest = plan.manifest_digest
             seconds["update"] = time.monotonic() - t
             for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
                 seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
