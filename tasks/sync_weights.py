@@ -10,18 +10,22 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
                   from the Redis registry
     2 rendezvous  host a TCPStore at
                   RENDEZVOUS_HOST:PORT (kept)
-    3 trigger     one broadcast control ────────► accept: HMAC, manifest vs checkpoint
-                  message: SyncPlan (epoch,        (names, shapes, dtype) → "accepted" ack
-                  version, pause, store, members,  (ok or refused, Redis list)
-                  manifest = names/dtypes/shapes   pause: close intake, pause engine if busy
-                  + bucket/piece plan, HMAC)       (wait | keep | abort) → "ready" ack (same list)
+    3 trigger     manifest (names/dtypes/shapes   accept: HMAC; manifest by digest (kept,
+                  + bucket/piece plan) into Redis  or read from Redis and hashed) vs
+                  by digest, once per layout;      checkpoint (names, shapes, dtype)
+                  one broadcast control ────────► → "accepted" ack (ok or refused, Redis list)
+                  message: SyncPlan (epoch,        pause: close intake, pause engine if busy
+                  version, pause, store, members,  (wait | keep | abort) → "ready" ack (same list)
+                  manifest digest, HMAC)
       ready       wait for "ready" acks; drop the
                   silent; decision → TCPStore ───► read the decision (roster, offsets, world)
     4 transfer    join/reuse the process group ◄──► rq_update, one engine call: join/reuse,
-                  send each bucket in pieces:       receive each piece into a pooled buffer
-                  big tensors straight from         and load it (layerwise or direct),
-                  memory, the rest packed (two      check every entry arrived, finalize
-                  buffers); NCCL on CUDA, gloo on CPU
+                  send each bucket in pieces:       receive each piece in place or into a
+                  big tensors straight from         pooled buffer and load it (layerwise or
+                  memory, the rest packed (two      direct), check every entry arrived,
+                  buffers); NCCL on CUDA (a         finalize
+                  bucket's pieces one NCCL group),
+                  gloo on CPU
     5 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
                   pool's fleet version              resume, open intake → "done" ack
 
