@@ -40,6 +40,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	@set -e; for b in $(BENCH_CPU); do echo "# $$b" >&2; $(PY) $$b; done
+	$(PY) bench/weight_sync.py --cpu-weights plain
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tasks workers api bench tests

@@ -65,6 +65,8 @@ def main() -> int:
     parser.add_argument("--direct-mib", type=int, nargs="+", default=[None],
                         help="tensors this large are sent straight from their memory (0: all packed; "
                              "default: SyncSettings'); several values: one line each, against the same worker")
+    parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="packed",
+                        help="CPU: the worker's --cpu-weights (plain: direct, in-place loads)")
     parser.add_argument("--trainer-gpu", type=int, default=1)
     parser.add_argument("--worker-gpu", type=int, default=0)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -98,7 +100,8 @@ def main() -> int:
         spec = WorkerSpec(
             model=model_dir, device=args.device, dtype=dtype,
             max_model_len=1024, gpu_memory_utilization=0.5 if cuda else 0.15,
-            extra=["--load-format", "dummy"], env=worker_env,
+            extra=["--load-format", "dummy", *(["--cpu-weights", args.cpu_weights] if not cuda else [])],
+            env=worker_env,
         )
         stack.start_worker(spec, timeout=900)
         worker = stack.worker_name(0)
@@ -221,6 +224,7 @@ def main() -> int:
                 "backend": backend,
                 "shape": shape,
                 "dtype": dtype,
+                **({} if cuda else {"cpu_weights": args.cpu_weights}),
                 "tensors": len(manifest.tensors),
                 "bytes": total_bytes,
                 "buckets": len(sizes_b),

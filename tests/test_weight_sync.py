@@ -38,9 +38,11 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def sync_workers(start_worker: WorkerStarter, model_a: Path) -> list[Any]:
     env = {"WEIGHT_SYNC_SECRET": SECRET}
+    # sync0 runs vLLM's packed CPU weights (layerwise reload), sync1 plain ones
+    # (direct loads, received in place from the second sync on).
     procs = [
-        start_worker(model_a, f"sync{i}@tests", queue=QUEUE, pool=POOL, env=env, wait=False)
-        for i in range(2)
+        start_worker(model_a, f"sync{i}@tests", queue=QUEUE, pool=POOL, env=env, wait=False, extra=extra)
+        for i, extra in enumerate([[], ["--cpu-weights", "plain"]])
     ]
     import redis
 
@@ -150,6 +152,23 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
     again = sync_to(sender, weights, "B", 2)
     assert again.reused_group
     assert all(tokens(r) == references["B"] for r in results_from_both_workers(GREEDY))
+    # The plain-weight worker took the MLP weights (direct pieces) straight into
+    # its parameters; the packed one reloads every layer.
+    received = last_receive(["sync0@tests", "sync1@tests"])
+    mlp = sum(t.numel() * t.element_size() for n, t in weights["B"].items() if ".mlp." in n)
+    assert received["sync1@tests"]["in_place_bytes"] >= mlp
+    assert received["sync0@tests"]["in_place_bytes"] == 0
+
+
+def last_receive(nodes: list[str]) -> dict[str, dict[str, float]]:
+    """Each node's engine op ``last_receive`` (its one engine rank's)."""
+    replies = app.control.broadcast(
+        keys.CONTROL_ENGINE, arguments={"op": "last_receive", "args": {}},
+        destination=nodes, reply=True, timeout=30, limit=len(nodes),
+    )
+    bodies = {node: body for reply in replies for node, body in reply.items()}
+    assert set(bodies) == set(nodes) and all(body["ok"] for body in bodies.values()), bodies
+    return {node: body["result"][0] for node, body in bodies.items()}
 
 
 @pytest.mark.parametrize("corruption", ["unknown name", "wrong shape", "wrong dtype"])

@@ -67,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--enforce-eager", action="store_true", default=None)
     w.add_argument("--enable-sleep-mode", action="store_true", default=None)
     w.add_argument("--weight-load-mode", choices=["auto", "layerwise", "direct"])
+    w.add_argument("--cpu-weights", choices=["packed", "plain"],
+                   help="CPU: vLLM's packed GEMM weights (default) or plain tensors (faster weight syncs)")
     w.add_argument("--load-format", help="vLLM load format, e.g. 'dummy' for random weights")
     w.add_argument("--metrics-port", type=int)
     w.add_argument("--pool", help="weight-sync pool (workers of one policy); default 'default'")

@@ -247,7 +247,8 @@ class EngineHost:
     def load_mode(self) -> str:
         mode = self.settings.weight_load_mode
         if mode == "auto":
-            return "layerwise" if self.settings.device == "cpu" else "direct"
+            packed = self.settings.device == "cpu" and self.settings.cpu_weights == "packed"
+            return "layerwise" if packed else "direct"
         return mode
 
     def shutdown(self) -> None:

@@ -38,7 +38,11 @@ from typing import Any
 from tasks import transport
 from tasks.errors import ManifestMismatch, WeightSyncError
 from tasks.schemas import Manifest, SyncDecision, SyncPlan
+from workers import cpu_weights
 from workers.inplace import InPlaceMap
+
+if cpu_weights.requested():  # imported by vLLM's worker process before it loads the model
+    cpu_weights.keep_plain_weights()
 
 
 class Phase(enum.Enum):

@@ -20,7 +20,7 @@ from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
-from workers import control
+from workers import control, cpu_weights
 from workers.engine import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -28,8 +28,10 @@ from workers.settings import WorkerSettings
 log = logging.getLogger("rollout_queue.worker")
 
 
-def cpu_environment() -> None:
-    """vLLM-on-CPU settings seen to work (DESIGN.md); explicit values win."""
+def cpu_environment(weights: str = "packed") -> None:
+    """vLLM-on-CPU settings seen to work (DESIGN.md); explicit values win.
+    ``weights``: the ``cpu_weights`` setting, passed on to the engine's processes."""
+    os.environ[cpu_weights.ENV] = "1" if weights == "plain" else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # Transparent huge pages for torch's large CPU tensors: a weight sync's
@@ -59,7 +61,7 @@ def run_worker(settings: WorkerSettings) -> int:
     configure(settings, worker=True)
     use_reliable_fetch(settings.name)
     if settings.device == "cpu":
-        cpu_environment()
+        cpu_environment(settings.cpu_weights)
     log.info("worker %s: loading %s on %s (broker %s)", settings.name, settings.model,
              settings.device, settings.redacted_url)
     host = EngineHost(settings)

@@ -25,8 +25,13 @@ class EngineSettings(ClientSettings):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     load_format: str = "auto"  # "dummy": random weights (benchmarks)
-    # "auto": layerwise reload on CPU (a bare load_weights leaves the old
-    # weights in use there), direct load_weights on CUDA.
+    # CPU only. "packed": vLLM's own (linear weights become GEMM handles, so a
+    # sync reloads layer by layer and packs again); "plain": linear weights stay
+    # tensors (syncs load directly and mostly in place; slower GEMMs).
+    # workers/cpu_weights.py.
+    cpu_weights: Literal["packed", "plain"] = "packed"
+    # "auto": layerwise reload on CPU with packed weights (a bare load_weights
+    # leaves the old weights in use there), direct load_weights otherwise.
     weight_load_mode: Literal["auto", "layerwise", "direct"] = "auto"
 
 
