@@ -8,14 +8,16 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
+from typing import Any
 
 import pytest
 import torch
 
-from tasks import transport
+from tasks import keys, transport
 from tasks.auth import plan_signature_ok, sign_plan
 from tasks.errors import WeightSyncError
-from tasks.schemas import Manifest, SyncPlan
+from tasks.schemas import Manifest, SyncAck, SyncPlan
 from tasks.sync_weights import named_tensors
 from tests.procs import ROOT, free_port
 
@@ -366,3 +368,35 @@ def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
     assert set(views) == set(state) - {"big1"}
     for name, view in views.items():
         assert torch.equal(view, state[name]), name
+
+
+def test_a_pause_that_fails_half_way_still_reopens_the_worker(redis_client: Any) -> None:
+    """The engine host closes intake before it pauses the engine; if the pause then
+    fails, the sync must resume (reopen intake) and fence, not leave it shut."""
+    from workers.sync import SyncParticipant
+
+    class Host:  # the engine host's surface a sync uses; its pause fails
+        weight_version = 0
+        kv_asleep = False
+
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def is_sleeping(self) -> bool:
+            return False
+
+        def pause(self, mode: str, timeout: float) -> None:
+            self.calls.append(("pause", mode))
+            raise TimeoutError("the engine did not pause in time")
+
+        def resume(self, version: int | None, timeout: float) -> None:
+            self.calls.append(("resume", version))
+
+    host, states, fences = Host(), [], []
+    participant = SyncParticipant(host, "w@h", redis_client, None, states.append, fences.append)  # type: ignore[arg-type]
+    plan = _plan(sync_id=f"pause-fails-{time.time()}")
+    participant.run(plan)
+    assert host.calls == [("pause", "wait"), ("resume", None)]
+    done = SyncAck.model_validate_json(redis_client.lpop(keys.sync_acks(plan.sync_id, "done")))
+    assert not done.ok and "did not pause" in (done.error or "")
+    assert fences == ["missed sync to version 3"] and states[-1] == "fenced"

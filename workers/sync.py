@@ -160,8 +160,8 @@ class SyncParticipant:
             if self.host.is_sleeping():  # loading into sleeping weights crashes vLLM
                 self.host.wake_up(["weights"])
             t = time.monotonic()
+            paused = True  # from here a failure resumes: pause() closes intake first and may fail after
             self.host.pause(plan.pause, timeout=120.0)
-            paused = True
             seconds["pause"] = time.monotonic() - t
             self._ack(plan, "ready", True, seconds=seconds)
             decision = self._await_decision(plan)
