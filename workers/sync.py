@@ -245,8 +245,10 @@ class SyncParticipant:
                       ok=ok, error=error, seconds=seconds or {})
         name = keys.sync_acks(plan.sync_id, phase)
         try:
-            self.client.rpush(name, ack.model_dump_json())
-            self.client.expire(name, 3600)
+            pipe = self.client.pipeline(transaction=False)  # one round trip
+            pipe.rpush(name, ack.model_dump_json())
+            pipe.expire(name, 3600)
+            pipe.execute()
         except redis.RedisError:
             log.exception("could not push the %s ack of epoch %d", phase, plan.epoch)
 
