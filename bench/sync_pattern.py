@@ -66,10 +66,7 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         for index, bucket in enumerate(pieces):  # grouped per bucket as the worker does
             targets = [transport.flat_bytes(weights[direct]) if direct else raw[index][start:end]
                        for start, end, direct in bucket]
-            if transport.groups_buckets(manifest):
-                works += transport.broadcast_group(group, targets)
-            else:
-                works += [transport.broadcast(group, target) for target in targets]
+            works += transport.broadcast_bucket(group, manifest, targets)
         for work in works:
             transport.wait(work, 300.0)
 

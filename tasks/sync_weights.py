@@ -133,8 +133,8 @@ class WeightSender:
         # The acks of the current sync read so far, by phase: waiting for one
         # phase can read another's ("accepted" and "ready" share a list).
         self._acks: dict[str, dict[str, SyncAck]] = {}
-        self._planned: tuple[Any, Manifest] | None = None  # the last layout planned, and its manifest
-        self._wired: tuple[Manifest, str, str] | None = None  # that manifest, its JSON and digest
+        # The last layout planned: its key, manifest, and the manifest's JSON and digest.
+        self._planned: tuple[Any, Manifest, str, str] | None = None
 
     # ------------------------------------------------------------------ sync
 
@@ -264,7 +264,8 @@ class WeightSender:
             chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
         key = (specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes)
         if self._planned is None or self._planned[0] != key:  # a trainer syncs the same layout every step
-            self._planned = (key, transport.plan_buckets(specs, *key[1:]))
+            manifest = transport.plan_buckets(specs, *key[1:])
+            self._planned = (key, manifest, *manifest.wire())
         return self._planned[1], by_name
 
     @staticmethod
@@ -503,9 +504,8 @@ class WeightSender:
         Once per layout: a later sync with the same manifest only refreshes the
         key's expiry (and stores it again if it is gone, e.g. Redis was flushed).
         """
-        if self._wired is None or self._wired[0] is not manifest:
-            self._wired = (manifest, *manifest.wire())
-        _, text, digest = self._wired
+        assert self._planned is not None and self._planned[1] is manifest  # planned by manifest()
+        text, digest = self._planned[2:]
         key = keys.sync_manifest(digest)
         if not self.client.expire(key, keys.MANIFEST_TTL_S):
             self.client.set(key, text, ex=keys.MANIFEST_TTL_S)

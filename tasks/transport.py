@@ -223,5 +223,13 @@ def broadcast_group(group: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
     return [work]
 
 
+def broadcast_bucket(group: Any, manifest: Manifest, pieces: Sequence[torch.Tensor]) -> list[Any]:
+    """Start the broadcasts of one bucket's pieces: one work per piece, or one for
+    the bucket where it travels as one group (``groups_buckets``; NCCL)."""
+    if groups_buckets(manifest):
+        return broadcast_group(group, pieces)
+    return [broadcast(group, piece) for piece in pieces]
+
+
 def wait(work: Any, timeout_s: float) -> None:
     work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as redis_lib
@@ -157,3 +158,17 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{what} not within {timeout:.0f}s")
+
+
+def engine_results(names: list[str], op: str, timeout: float = 60) -> dict[str, list[Any]]:
+    """An engine op's result per engine rank (``keys.CONTROL_ENGINE``), for each of ``names``."""
+    from tasks import app, keys
+
+    replies = app.control.broadcast(
+        keys.CONTROL_ENGINE, arguments={"op": op, "args": {}},
+        destination=names, reply=True, timeout=timeout, limit=len(names),
+    )
+    bodies = {node: body for reply in replies for node, body in reply.items()}
+    assert set(bodies) == set(names), bodies
+    assert all(body["ok"] for body in bodies.values()), bodies
+    return {node: body["result"] for node, body in bodies.items()}

@@ -24,9 +24,9 @@ pytest.importorskip("vllm")
 
 from safetensors.torch import load_file
 
-from tasks import app, generate, keys, sync_weights
+from tasks import generate, sync_weights
 from tasks.settings import SyncSettings
-from tests.conftest import MODELS, WorkerStarter
+from tests.conftest import MODELS, WorkerStarter, engine_results
 
 pytestmark = pytest.mark.gpu
 # NCCL refuses two ranks of one communicator on one GPU: each load mode gets
@@ -62,20 +62,6 @@ def gpu_workers(start_worker: WorkerStarter, redis_client: Any) -> dict[str, str
         )
         names[mode] = name
     return names
-
-
-def engine_results(names: list[str], op: str) -> dict[str, list[Any]]:
-    """An engine op's result per engine rank, for each of ``names``."""
-    replies = app.control.broadcast(
-        keys.CONTROL_ENGINE, arguments={"op": op, "args": {}},
-        destination=names, reply=True, timeout=60, limit=len(names),
-    )
-    out = {}
-    for reply in replies:
-        for node, body in reply.items():
-            assert body["ok"], body
-            out[node] = body["result"]
-    return out
 
 
 def checksums(names: list[str]) -> dict[str, float]:

@@ -19,7 +19,7 @@ from tasks import app, generate, keys, sync_weights, transport
 from tasks.errors import ManifestMismatch, WorkerLost
 from tasks.registry import fleet_version, live_workers
 from tasks.settings import SyncSettings, SyncTimeouts
-from tests.conftest import WorkerStarter, wait_for, worker_registered
+from tests.conftest import WorkerStarter, engine_results, wait_for, worker_registered
 
 POOL = QUEUE = "sync"
 SECRET = "sync-test-secret"
@@ -162,13 +162,7 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
 
 def last_receive(nodes: list[str]) -> dict[str, dict[str, float]]:
     """Each node's engine op ``last_receive`` (its one engine rank's)."""
-    replies = app.control.broadcast(
-        keys.CONTROL_ENGINE, arguments={"op": "last_receive", "args": {}},
-        destination=nodes, reply=True, timeout=30, limit=len(nodes),
-    )
-    bodies = {node: body for reply in replies for node, body in reply.items()}
-    assert set(bodies) == set(nodes) and all(body["ok"] for body in bodies.values()), bodies
-    return {node: body["result"][0] for node, body in bodies.items()}
+    return {node: ranks[0] for node, ranks in engine_results(nodes, "last_receive", timeout=30).items()}
 
 
 @pytest.mark.parametrize("corruption", ["unknown name", "wrong shape", "wrong dtype"])

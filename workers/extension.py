@@ -331,12 +331,10 @@ class WeightReceiver:
                         targets.append(in_place[direct])
                     else:
                         targets.append(buffer[offset : offset + end - start])
+                works = transport.broadcast_bucket(state.group, manifest, targets)
                 ends = [end for _, end, _ in pieces[index]]
-                if not transport.groups_buckets(manifest):
-                    return buffer, [(end, transport.broadcast(state.group, t)) for end, t in zip(ends, targets)]
-                works = transport.broadcast_group(state.group, targets)
-                if len(works) == 1:  # the bucket's pieces as one group: one work, loaded at its end
-                    return buffer, [(ends[-1], works[0])]
+                if len(works) < len(ends):  # the bucket as one group: one work, loaded at its end
+                    ends = ends[-1:]
                 return buffer, list(zip(ends, works))
 
             # Buckets are posted ahead while their buffers stay within RECEIVE_AHEAD
