@@ -16,7 +16,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rq-installed
 PYTEST_ARGS ?=
-BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.py bench/sync_pattern.py bench/scaling.py)
+BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
 .PHONY: setup quickstart test bench lint clean
 

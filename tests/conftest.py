@@ -18,10 +18,14 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from tests.procs import ARTIFACTS, ROOT, Proc, free_port, python
+from tests.procs import ARTIFACTS, ROOT, Proc, free_port, install_guard, python
 from workers.localstack import valkey_binary
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    install_guard()  # an interrupted run leaves no worker or Redis behind
 MODELS = ROOT / ".models"
 MAX_MODEL_LEN = 512
 

@@ -4,10 +4,17 @@ Every process logs to a file under ``.artifacts/logs``, runs in its own
 session (so teardown kills its whole tree: vLLM engine cores and workers
 included), and a process that dies while we wait for it fails the test with
 the tail of its log.
+
+A suite cut short (``timeout``, Ctrl-C, SIGTERM from CI) skips teardown, and
+processes in sessions of their own would outlive it. :func:`install_guard`
+(called by ``tests/conftest.py`` at start) kills, on SIGINT, SIGTERM and at
+exit, every live ``Proc``'s process group and every process still below the
+pytest process, before pytest goes on as the signal says.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -15,15 +22,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from workers.localstack import free_port
 
-__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "free_port", "python"]
+__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "free_port", "install_guard", "python"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / ".artifacts"
 LOGS = ARTIFACTS / "logs"
 
+# Started and not yet stopped: what the guard kills.
+_LIVE: set[Proc] = set()
 
 
 class Proc:
@@ -40,6 +52,7 @@ class Proc:
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True, cwd=str(ROOT),
         )
+        _LIVE.add(self)
 
     @property
     def pid(self) -> int:
@@ -93,8 +106,42 @@ class Proc:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        _LIVE.discard(self)
         self._log.close()
 
 
 def python() -> str:
     return sys.executable
+
+
+def kill_everything_started() -> int:
+    """SIGKILL every live ``Proc``'s group and every descendant of this process
+    (returns how many descendants)."""
+    below = psutil.Process().children(recursive=True)  # before their parents die
+    for proc in list(_LIVE):
+        proc.kill_tree(signal.SIGKILL)
+    for child in below:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    return len(below)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    groups = len(_LIVE)
+    killed = kill_everything_started()
+    # fd 2 itself: pytest captures sys.stderr during a test.
+    os.write(2, f"\ntests: signal {signum}: killed {groups} process group(s) and {killed} "
+                f"process(es) the suite started\n".encode())
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def install_guard() -> None:
+    """Kill what the suite started when it is interrupted or exits (call once, main thread)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+    atexit.register(kill_everything_started)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -91,6 +92,52 @@ def rel_worker(start_worker: WorkerStarter, model_a: Path, server: RedisServer) 
     proc.stop()
 
 
+class TaskEvents:
+    """Every task event of a server, recorded by a Celery event receiver in a thread.
+
+    ``task-started`` is sent once per execution and ``task-succeeded`` once per
+    result a worker reports, so they count runs (a delivery acked unrun sends
+    neither).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seen: dict[str, list[tuple[str, str]]] = {}  # task id → [(event type, node)]
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._receiver: Any = None
+        self._thread = threading.Thread(target=self._run, name="task-events", daemon=True)
+
+    def __enter__(self) -> TaskEvents:  # noqa: PYI034  a final class
+        self._thread.start()
+        assert self._ready.wait(30), "the event receiver did not start"
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        self._thread.join(10)
+
+    def _record(self, event: dict[str, Any]) -> None:
+        if event["type"].startswith("task-") and event.get("uuid"):
+            with self._lock:
+                self.seen.setdefault(event["uuid"], []).append((event["type"], event["hostname"]))
+
+    def _run(self) -> None:
+        with self.app.connection() as conn:
+            self._receiver = self.app.events.Receiver(conn, handlers={"*": self._record})
+            polls = iter(range(2))
+            # Ready once one poll has run: kombu subscribes to the events
+            # channel in the first one.
+            self._receiver.on_iteration = lambda: next(polls, None) is None and self._ready.set()
+            for _ in self._receiver.consume(limit=None, timeout=None, wakeup=False):
+                pass
+
+    def count(self, task_id: str, kind: str) -> int:
+        with self._lock:
+            return sum(1 for k, _ in self.seen.get(task_id, []) if k == kind)
+
+
 def send(producer: Any, prompts: Any, params: Any, **options: Any) -> Any:
     _, task = producer
     return task.apply_async((prompts, params), queue=QUEUE, **options)
@@ -156,11 +203,11 @@ def test_a_task_over_its_own_time_limit_fails_clearly_and_the_engine_aborts_its_
     def idle() -> bool:
         replies = app.control.broadcast(
             keys.CONTROL_ENGINE, arguments={"op": "stats", "args": {}},
-            destination=["rel-a@tests"], reply=True, timeout=3,
+            destination=["rel-a@tests"], reply=True, limit=1, timeout=30,
         )
         stats = replies[0]["rel-a@tests"]["result"]
         return stats["running_requests"] == 0 and stats["inflight_requests"] == 0
-    wait_for(idle, 15, "the engine to drop the aborted requests")
+    wait_for(idle, 60, "the engine to drop the aborted requests")
     # ... and the next task is served normally.
     out = send(producer, ["after the timeout"], {"max_tokens": 4, "ignore_eos": True}).get(timeout=60)
     assert out["outputs"][0]["samples"][0]["finish_reason"] == "length"
@@ -460,28 +507,110 @@ def test_a_task_redelivered_too_often_fails_with_redelivery_limit_reached(quiet:
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_worker_with_300_prompts_in_flight_loses_no_task_and_each_comes_back_once(
+def test_kill_9_of_a_worker_with_300_prompts_in_flight_loses_no_task_and_runs_none_twice(
     rel_worker: Proc, start_worker: WorkerStarter, model_a: Path, producer: Any,
     server: RedisServer, figures: dict[str, Any],
 ) -> None:
     victim = start_worker(model_a, "rel-b@tests", queue=QUEUE, pool=POOL, url=server.url,
                           max_inflight=8, extra=WORKER_ARGS, env=WORKER_ENV)
     prompts = [[f"task {t} prompt {p}" for p in range(10)] for t in range(30)]
-    results = [send(producer, ps, {"max_tokens": 48, "ignore_eos": True}) for ps in prompts]
-    ids = [r.id for r in results]
-    victim.wait_until(lambda: len(held_tags(server, "rel-b@tests")) >= 4, 120,
-                      "rel-b to hold tasks")
-    held = len(held_tags(server, "rel-b@tests"))
-    victim.kill_tree(signal.SIGKILL)
-    victim.popen.wait(10)
-    metas = check_all_done(producer, ids, 10, 300, figures)
+    with TaskEvents(producer[0]) as events:
+        results = [send(producer, ps, {"max_tokens": 48, "ignore_eos": True}) for ps in prompts]
+        ids = [r.id for r in results]
+        victim.wait_until(lambda: len(held_tags(server, "rel-b@tests")) >= 4, 120,
+                          "rel-b to hold tasks")
+        held = len(held_tags(server, "rel-b@tests"))
+        victim.kill_tree(signal.SIGKILL)
+        victim.popen.wait(10)
+        metas = check_all_done(producer, ids, 10, 300, figures)
+    # What is guaranteed: nothing lost, and a task that finished (its result
+    # stored, and reported) is never run again, whichever worker got it back.
+    # A task the victim was still running when it died runs again, in full.
     redelivered = [i for i in ids if server.client().get(keys.redeliveries(i))]
     assert redelivered, "the dead worker's tasks came back some other way than the reaper"
-    assert {metas[i]["result"]["worker"] for i in redelivered} == {"rel-a@tests"}
+    twice = {i: events.seen[i] for i in ids if events.count(i, "task-succeeded") > 1}
+    assert not twice, f"tasks that finished twice: {twice}"
     assert not server.client().exists(keys.inflight_key("rel-b@tests"))
     figures["kills_survived"] += 1
     figures["kill"] = {"tasks": len(ids), "prompts": 300, "held_by_victim": held,
-                       "redelivered": len(redelivered)}
+                       "redelivered": len(redelivered),
+                       "finished_by_victim": sum(m["result"]["worker"] == "rel-b@tests"
+                                                 for m in metas.values())}
+
+
+@pytest.mark.slow
+def test_a_task_whose_worker_died_after_storing_its_result_is_acked_and_never_run_again(
+    rel_worker: Proc, start_worker: WorkerStarter, model_a: Path, producer: Any,
+    server: RedisServer, figures: dict[str, Any],
+) -> None:
+    # The window, made deterministic: rel-a is fenced (the pool's fleet
+    # version is ahead of it), so only the victim, in a pool of its own, takes
+    # the task; it stores the result and kills itself before the ack
+    # (FAULT_DIE_BEFORE_ACK). Then rel-a is unfenced, its reaper puts the
+    # message back, and rel-a gets it.
+    client = server.client()
+    client.set(keys.fleet_version(POOL), 1)
+    try:
+        rel_worker.wait_until(lambda: registry(server, "rel-a@tests").state == "fenced", 60,
+                              "rel-a to fence itself (one heartbeat)")
+        victim = start_worker(model_a, "rel-d@tests", queue=QUEUE, pool="rel-d", url=server.url,
+                              max_inflight=2, extra=WORKER_ARGS,
+                              env={**WORKER_ENV, "FAULT_DIE_BEFORE_ACK": "1"})
+        with TaskEvents(producer[0]) as events:
+            result = send(producer, ["once", "only"], {"max_tokens": 8, "ignore_eos": True})
+            assert victim.popen.wait(120) == -signal.SIGKILL, victim.tail()
+            victim.kill_tree(signal.SIGKILL)  # its engine process too
+            stored = result.get(timeout=30)
+            assert stored["worker"] == "rel-d@tests"
+            duplicates_before = rel_worker.log_path.read_text(errors="replace").count(
+                f"task {result.id} was delivered again after it finished")
+            client.delete(keys.fleet_version(POOL))
+            # TTL 6 s + grace 4 s, then one reaper pass; generous for a loaded machine.
+            rel_worker.wait_until(
+                lambda: rel_worker.log_path.read_text(errors="replace").count(
+                    f"task {result.id} was delivered again after it finished") > duplicates_before,
+                120, "rel-a to receive the restored message and ack it unrun")
+            wait_for(lambda: not held_tags(server, "rel-a@tests"), 30, "rel-a to ack the duplicate")
+            # One more task through rel-a: events are ordered per worker, so
+            # once its events arrived, any run of the duplicate would have too.
+            after = send(producer, ["after"], {"max_tokens": 2})
+            assert after.get(timeout=60)["worker"] == "rel-a@tests"
+            wait_for(lambda: events.count(after.id, "task-succeeded") == 1, 30,
+                     "the next task's events")
+        assert client.get(keys.redeliveries(result.id)) == b"1"
+        assert events.count(result.id, "task-started") == 1, events.seen.get(result.id)
+        assert [node for _, node in events.seen[result.id] if _ == "task-started"] == ["rel-d@tests"]
+        again = producer[0].backend.get_task_meta(result.id, cache=False)
+        assert again["status"] == "SUCCESS" and again["result"] == stored
+        assert client.llen(QUEUE) == 0
+        figures["stored_then_died"] = {"runs": events.count(result.id, "task-started"),
+                                       "redelivered": 1, "acked_unrun_by": "rel-a@tests"}
+    finally:
+        client.delete(keys.fleet_version(POOL))
+
+
+def test_the_duplicate_check_reads_a_stored_state_from_the_first_bytes_of_any_result(
+    producer: Any,
+) -> None:
+    from workers.dedup import DuplicateGuard
+
+    app, _ = producer
+    guard = DuplicateGuard(app.backend)
+    big = {"outputs": [{"samples": [{"token_ids": list(range(i, i + 2000))}]} for i in range(64)]}
+    ids = {state: f"dedup-{state}-{uuid.uuid4()}" for state in ("SUCCESS", "FAILURE", "STARTED")}
+    app.backend.store_result(ids["SUCCESS"], big, "SUCCESS")
+    app.backend.store_result(ids["FAILURE"], InvalidRequest("bad"), "FAILURE")
+    app.backend.store_result(ids["STARTED"], {"pid": 1, "hostname": "x"}, "STARTED")
+    assert app.conf.result_compression == "gzip"  # the compressed path is the one read
+    assert guard.finished(ids["SUCCESS"]) == "SUCCESS"
+    assert guard.finished(ids["FAILURE"]) == "FAILURE"
+    assert guard.finished(ids["STARTED"]) is None
+    assert guard.finished(f"never-sent-{uuid.uuid4()}") is None
+    # Constant cost: the first bytes, whatever the result's size.
+    key = app.backend.get_key_for_task(ids["SUCCESS"])
+    assert app.backend.client.strlen(key) > 10 * 512
+    for task_id in ids.values():
+        app.backend.forget(task_id)
 
 
 @pytest.mark.slow
@@ -522,7 +651,9 @@ def test_producer_gets_broker_unavailable_within_its_deadline_when_redis_is_down
     with pytest.raises(BrokerUnavailable, match="did not answer"):
         task.apply_async((["down"], {"max_tokens": 2}), queue="nobody")
     waited = time.monotonic() - started
-    assert waited < 3 + 5, f"took {waited:.1f}s for a 3 s deadline"
+    # About the deadline: retries of a refused connection, nothing that waits
+    # on CPU; the margin is for a loaded machine.
+    assert waited < 3 + 10, f"took {waited:.1f}s for a 3 s deadline"
     figures["broker_unavailable_after_s"] = {"deadline": 3, "raised_after": round(waited, 1)}
     srv.start()
     assert task.apply_async((["up again"], {"max_tokens": 2}), queue="nobody").id

@@ -201,7 +201,7 @@ def test_an_unsigned_sync_command_is_refused(
     for forged in (None, "0" * 64):
         replies = app.control.broadcast(
             keys.CONTROL_SYNC, arguments={"plan": {**plan, "hmac": forged}},
-            destination=["sync0@tests", "sync1@tests"], reply=True, timeout=5,
+            destination=["sync0@tests", "sync1@tests"], reply=True, limit=2, timeout=30,
         )
         answers = {node: body for reply in replies for node, body in reply.items()}
         assert set(answers) == {"sync0@tests", "sync1@tests"}
@@ -214,7 +214,8 @@ def test_a_task_needing_newer_weights_never_runs_on_older_workers(
 ) -> None:
     current = max(pool_versions(redis_client).values())
     handle = generate.apply_async((PROMPTS, {**GREEDY, "min_weight_version": current + 1}), queue=QUEUE)
-    time.sleep(4)  # several requeue rounds on both workers
+    # A worker took it and sent it back (RETRY: requeued, weights too old).
+    wait_for(lambda: handle.state == "RETRY", 120, "a worker to requeue the task")
     assert handle.state != "SUCCESS"
     sync_to(sender, weights, "A", current + 1)
     result = handle.get(timeout=120)
@@ -275,7 +276,8 @@ def test_sync_names_a_killed_worker_and_the_others_serve_the_new_weights(
     started = time.monotonic()
     with pytest.raises(WorkerLost) as info:
         sync_to(sender, weights, "B", current + 1, timeout=60)
-    assert time.monotonic() - started < 60
+    # Raised by the sync's own deadline at the latest (margin: a loaded machine).
+    assert time.monotonic() - started < 60 + 30
     assert info.value.workers == ["sync1@tests"]
     assert "sync1@tests" in str(info.value)
     result = run(PROMPTS, GREEDY, QUEUE)
@@ -300,7 +302,7 @@ def test_a_worker_that_missed_syncs_serves_nothing_until_a_catch_up_sync(
     report = sender.catch_up(weights["B"], timeout=60)
     assert report is not None and report.workers == ["sync1@tests"] and report.version == fleet
     assert pool_versions(redis_client) == {"sync0@tests": fleet, "sync1@tests": fleet}
-    wait_for(lambda: worker_registered(redis_client, "sync1@tests"), 30, "sync1 to serve again")
+    wait_for(lambda: worker_registered(redis_client, "sync1@tests"), 60, "sync1 to serve again")
     after = results_from_both_workers(GREEDY)
     assert {r["worker"] for r in after} == {"sync0@tests", "sync1@tests"}
     assert all(r["weight_version"] == fleet and tokens(r) == references["B"] for r in after)

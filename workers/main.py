@@ -20,7 +20,7 @@ from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
-from workers import control, cpu_weights
+from workers import control, cpu_weights, dedup
 from workers.engine import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -79,6 +79,7 @@ def run_worker(settings: WorkerSettings) -> int:
     runtime = WorkerRuntime(settings, host)
     control.install(runtime)
     generate.executor = runtime.service
+    dedup.install(generate, runtime.duplicates, die_before_ack=settings.fault_die_before_ack)
     if settings.metrics_port is not None:
         from workers.metrics import start_metrics
 

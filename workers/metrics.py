@@ -115,6 +115,13 @@ class RuntimeCollector(Collector):
         tasks.add_metric(values + ["success"], rt.service.completed_tasks)
         tasks.add_metric(values + ["failure"], rt.service.failed_tasks)
         yield tasks
+        duplicates = CounterMetricFamily(
+            f"{PREFIX}_duplicate_deliveries",
+            "Deliveries of tasks already finished: acked without running (workers/dedup.py)",
+            labels=names,
+        )
+        duplicates.add_metric(values, rt.duplicates.duplicate_deliveries)
+        yield duplicates
         durations = list(rt.sync.sync_seconds)
         buckets, total = _histogram(durations, SYNC_BUCKETS)
         sync = HistogramMetricFamily(

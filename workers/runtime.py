@@ -21,6 +21,7 @@ from tasks import keys
 from tasks.app import app
 from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo, WorkerState
+from workers.dedup import DuplicateGuard
 from workers.engine import EngineHost
 from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
@@ -41,6 +42,7 @@ class WorkerRuntime:
         self.service = GenerationService(
             host, self.node, settings.task_soft_time_limit, settings.task_time_limit
         )
+        self.duplicates = DuplicateGuard(app.backend)
         self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
         self.reaper = Reaper(
             app, self.client, self.node,

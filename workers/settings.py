@@ -48,3 +48,6 @@ class WorkerSettings(EngineSettings):
     metrics_port: int | None = None  # Prometheus /metrics; None = off
     weight_sync_secret: SecretStr | None = None
     log_level: str = "INFO"
+    # A fault for tests (FAULT_DIE_BEFORE_ACK=1): the worker kills itself with
+    # SIGKILL when it would ack a task it ran, its result already stored.
+    fault_die_before_ack: bool = False

@@ -1,0 +1,128 @@
+"""A finished task is never run again: deliveries of finished tasks are acked unrun.
+
+A message can come back after its task finished: the worker stored the
+result and died before its ack reached Redis (the reaper then restores the
+message), a connection dropped between the two, or the visibility timeout
+fired. Celery alone would run the task again. So every delivery of a
+``generate`` task first reads the task's state in the result backend; when it
+is final (``SUCCESS``, ``FAILURE``, ``REVOKED``), the message is acked without
+running, one line is logged, and ``duplicate_deliveries`` counts it
+(``rollout_queue_duplicate_deliveries_total`` on ``/metrics``).
+
+The check is one ``GETRANGE`` of the stored result's first bytes: Celery
+writes the state first (``{"status": ...``), and a compressed result is a
+zlib stream whose prefix decompresses on its own, so the cost does not grow
+with the result (a 512-prompt result with logprobs is megabytes). It runs in
+the consumer's event loop, before Celery's strategy builds the request, so a
+duplicate never writes ``STARTED`` over the stored result either.
+
+If the read fails (Redis away), the task runs: a duplicate run is better
+than a lost task. Installed by :func:`install` as the task's ``Strategy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+import zlib
+from typing import Any
+
+from celery import states
+from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
+from celery.worker.strategy import default as default_strategy
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+# Enough for the state and a compressed stream's header and first block.
+HEAD_BYTES = 512
+_STATUS = re.compile(rb'^\{\s*"status"\s*:\s*"([A-Z_]+)"')
+
+
+class DuplicateGuard:
+    """Reads a task's stored state; counts the deliveries it refused to run."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.duplicate_deliveries = 0
+        self._lock = threading.Lock()
+
+    def stored_state(self, task_id: str) -> str | None:
+        """The state stored for ``task_id``, or None when nothing is stored."""
+        key = self.backend.get_key_for_task(task_id)
+        head = self.backend.client.getrange(key, 0, HEAD_BYTES - 1)
+        if not head:
+            return None
+        state = _status_of_head(bytes(head))
+        if state is None:  # an encoding this fast path does not read: decode it all
+            meta = self.backend.get_task_meta(task_id, cache=False)
+            state = str(meta.get("status") or "") or None
+        return state
+
+    def finished(self, task_id: str) -> str | None:
+        """The final state stored for ``task_id``; None if it may run (also when Redis fails)."""
+        try:
+            state = self.stored_state(task_id)
+        except (RedisError, OSError, ValueError) as exc:
+            log.warning("could not read the state of task %s (%s); running it", task_id, exc)
+            return None
+        return state if state in states.READY_STATES else None
+
+    def count(self) -> None:
+        with self._lock:
+            self.duplicate_deliveries += 1
+
+
+def _status_of_head(head: bytes) -> str | None:
+    if head.startswith(COMPRESSED_PAYLOAD_MAGIC):
+        content_type, _, body = head[len(COMPRESSED_PAYLOAD_MAGIC):].partition(b"\x00")
+        if content_type not in (b"application/x-gzip", b"application/x-zlib", b"zlib", b"gzip"):
+            return None
+        try:
+            # wbits 47: zlib or gzip header, detected.
+            head = zlib.decompressobj(wbits=47).decompress(body)
+        except zlib.error:
+            return None
+    match = _STATUS.match(head)
+    return match.group(1).decode() if match else None
+
+
+def install(task: Any, guard: DuplicateGuard, *, die_before_ack: bool = False) -> None:
+    """Make ``task``'s deliveries go through ``guard`` (before the worker consumes).
+
+    ``die_before_ack`` is a fault for tests: the process kills itself with
+    SIGKILL when it would ack a task it ran (its result already stored).
+    """
+
+    def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
+        handle = default_strategy(task, app, consumer, **kwargs)
+
+        def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
+                       **options: Any) -> Any:
+            task_id = (message.headers or {}).get("id")
+            state = guard.finished(task_id) if task_id else None
+            if state is not None:
+                guard.count()
+                log.warning("task %s was delivered again after it finished (%s); acked, not run",
+                            task_id, state)
+                ack(log, consumer.connection_errors)  # as Celery's Request.acknowledge calls it
+                return None
+            if die_before_ack:
+                ack = _dying(ack)
+            return handle(message, body, ack, reject, callbacks, **options)
+
+        return on_message
+
+    task.Strategy = strategy
+
+
+def _dying(ack: Any) -> Any:
+    def die(*_: Any, **__: Any) -> None:
+        log.warning("fault injection: dying with the result stored and the message not acked")
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return die
