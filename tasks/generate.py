@@ -37,6 +37,8 @@ from tasks.signature import signature
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
 MIN_VERSION_HEADER = "rq_min_weight_version"
+# Prompts x n: what the task holds of an engine's running batch (workers.intake).
+SEQUENCES_HEADER = "rq_sequences"
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
 
@@ -81,6 +83,7 @@ class GenerateTask(Task):
         headers.setdefault(SENT_AT_HEADER, time.time())
         headers[SIGNATURE_HEADER] = signature(request.params)
         headers[MIN_VERSION_HEADER] = request.params.min_weight_version
+        headers[SEQUENCES_HEADER] = len(request.prompts) * request.params.n
         # Monitors (Flower, task events) show kwargsrepr where the kwargs go;
         # this task's kwargs are always empty, so show the signature there.
         options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))

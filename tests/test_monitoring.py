@@ -260,7 +260,8 @@ def test_control_names_the_workers_that_did_not_answer(ops_worker: dict[str, Any
         control.engine_stats(workers=[OPS, "ghost@tests"], timeout=2.0)
     assert caught.value.missing == ["ghost@tests"]
     assert "ghost@tests" in str(caught.value)
-    assert time.monotonic() - started < 10
+    # Its own 2 s deadline, not a hang (margin: a loaded machine).
+    assert time.monotonic() - started < 2 + 15
 
 
 def test_pause_stops_intake_and_resume_serves_the_waiting_task(

@@ -58,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--device", choices=["cpu", "cuda"])
     w.add_argument("--name", help="Celery node name, e.g. gpu0@host")
     w.add_argument("--max-inflight", type=int, help="tasks in flight at once")
+    w.add_argument("--intake-sequences", type=int,
+                   help="fetch the next task only while the engine holds fewer unfinished "
+                        "sequences than this (default: the engine's max_num_seqs)")
     w.add_argument("--tensor-parallel-size", type=int)
     w.add_argument("--max-model-len", type=int)
     w.add_argument("--dtype")

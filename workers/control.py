@@ -54,6 +54,8 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
             "kv_cache_usage": info.kv_cache_usage,
             "waiting_requests": info.waiting_requests,
             "running_requests": host.stats.snapshot().running_requests,
+            "unfinished_sequences": host.unfinished_sequences(),
+            "intake_sequences": runtime.intake.budget,
             "completed_tasks": runtime.service.completed_tasks,
             "failed_tasks": runtime.service.failed_tasks,
             "last_sync_error": runtime.sync.last_error,

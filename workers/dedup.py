@@ -17,22 +17,19 @@ the consumer's event loop, before Celery's strategy builds the request, so a
 duplicate never writes ``STARTED`` over the stored result either.
 
 If the read fails (Redis away), the task runs: a duplicate run is better
-than a lost task. Installed by :func:`install` as the task's ``Strategy``.
+than a lost task. ``workers.delivery`` calls it for every delivery.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
-import signal
 import threading
 import zlib
 from typing import Any
 
 from celery import states
 from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
-from celery.worker.strategy import default as default_strategy
 from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
@@ -88,41 +85,3 @@ def _status_of_head(head: bytes) -> str | None:
             return None
     match = _STATUS.match(head)
     return match.group(1).decode() if match else None
-
-
-def install(task: Any, guard: DuplicateGuard, *, die_before_ack: bool = False) -> None:
-    """Make ``task``'s deliveries go through ``guard`` (before the worker consumes).
-
-    ``die_before_ack`` is a fault for tests: the process kills itself with
-    SIGKILL when it would ack a task it ran (its result already stored).
-    """
-
-    def strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Any:
-        handle = default_strategy(task, app, consumer, **kwargs)
-
-        def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
-                       **options: Any) -> Any:
-            task_id = (message.headers or {}).get("id")
-            state = guard.finished(task_id) if task_id else None
-            if state is not None:
-                guard.count()
-                log.warning("task %s was delivered again after it finished (%s); acked, not run",
-                            task_id, state)
-                ack(log, consumer.connection_errors)  # as Celery's Request.acknowledge calls it
-                return None
-            if die_before_ack:
-                ack = _dying(ack)
-            return handle(message, body, ack, reject, callbacks, **options)
-
-        return on_message
-
-    task.Strategy = strategy
-
-
-def _dying(ack: Any) -> Any:
-    def die(*_: Any, **__: Any) -> None:
-        log.warning("fault injection: dying with the result stored and the message not acked")
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return die

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -45,6 +45,8 @@ class _Live:
     version: int
     spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     aborted_for_sync: bool = False
+    sequences: int = 1  # the request's samples (n): what it holds of max_num_seqs
+    finished: bool = False  # its final output is in (the task may still wait for others)
 
 
 def to_vllm_params(params: SamplingParams) -> Any:
@@ -295,14 +297,19 @@ class EngineHost:
         if not self._intake.wait(max(0.0, deadline - time.time())):
             raise GenerationTimeout("the task's time limit passed while a weight sync held intake")
 
-    def generate(self, request: GenerateRequest, deadline: float) -> tuple[list[PromptOutput], int]:
-        """Run every prompt as one engine request; returns outputs and the final version."""
+    def generate(
+        self, request: GenerateRequest, deadline: float, on_submitted: Callable[[], None] | None = None
+    ) -> tuple[list[PromptOutput], int]:
+        """Run every prompt as one engine request; returns outputs and the final version.
+
+        ``on_submitted`` is called once every request is in the engine (the
+        worker's intake then counts them there, not as waiting to go in)."""
         prompt_ids = self.prompt_token_ids(request)
         sampling = to_vllm_params(request.params)
         batch = uuid.uuid4().hex[:12]
         rids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
         try:
-            futures = self._submit(rids, prompt_ids, sampling, deadline)
+            futures = self._submit(rids, prompt_ids, sampling, deadline, on_submitted)
             done, pending = concurrent.futures.wait(
                 futures,
                 timeout=max(0.0, deadline - time.time()),
@@ -335,7 +342,8 @@ class EngineHost:
                     self._live.pop(rid, None)
 
     def _submit(
-        self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float
+        self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float,
+        on_submitted: Callable[[], None] | None = None,
     ) -> list[concurrent.futures.Future[Any]]:
         """Add every request to the engine while intake is open; returns result futures.
 
@@ -351,7 +359,7 @@ class EngineHost:
                     continue
                 with self._lock:
                     for rid in rids:
-                        self._live[rid] = _Live(version=self.weight_version)
+                        self._live[rid] = _Live(version=self.weight_version, sequences=sampling.n)
                 adds = [
                     asyncio.run_coroutine_threadsafe(self._add(rid, ids, sampling), self._loop)
                     for rid, ids in zip(rids, prompt_ids)
@@ -364,7 +372,20 @@ class EngineHost:
                     self._abort(rids)
                     raise self._engine_error(exc) from exc
                 break
-        return [asyncio.run_coroutine_threadsafe(self._collect(q), self._loop) for q in queues]
+        collected = []
+        for rid, queue in zip(rids, queues):
+            future = asyncio.run_coroutine_threadsafe(self._collect(queue), self._loop)
+            future.add_done_callback(lambda _, rid=rid: self._finished(rid))
+            collected.append(future)
+        if on_submitted is not None:
+            on_submitted()
+        return collected
+
+    def _finished(self, rid: str) -> None:
+        with self._lock:
+            live = self._live.get(rid)
+            if live is not None:
+                live.finished = True
 
     @staticmethod
     def _engine_error(exc: BaseException | None) -> Exception:
@@ -432,6 +453,16 @@ class EngineHost:
     def inflight_requests(self) -> int:
         with self._lock:
             return len(self._live)
+
+    def unfinished_sequences(self) -> int:
+        """Sequences (requests x n) in the engine whose final output is not in yet."""
+        with self._lock:
+            return sum(live.sequences for live in self._live.values() if not live.finished)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The engine's running-batch limit (its scheduler's ``max_num_seqs``)."""
+        return int(self.engine.vllm_config.scheduler_config.max_num_seqs)
 
     def pause(self, mode: PauseMode, timeout: float) -> None:
         """Close intake and pause the engine the way ``mode`` says."""

@@ -20,7 +20,7 @@ from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
-from workers import control, cpu_weights, dedup
+from workers import control, cpu_weights, delivery
 from workers.engine import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -79,7 +79,11 @@ def run_worker(settings: WorkerSettings) -> int:
     runtime = WorkerRuntime(settings, host)
     control.install(runtime)
     generate.executor = runtime.service
-    dedup.install(generate, runtime.duplicates, die_before_ack=settings.fault_die_before_ack)
+    delivery.install(generate, runtime.duplicates, runtime.intake,
+                     die_before_ack=settings.fault_die_before_ack)
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options, "rq_has_room": runtime.intake.has_room,
+    }
     if settings.metrics_port is not None:
         from workers.metrics import start_metrics
 

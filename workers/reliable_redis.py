@@ -24,6 +24,10 @@ acks, restores and everything else are kombu's own. Selected by the worker
 (``broker_transport``), with ``rq_processing_key`` / ``rq_inflight_key``
 in the transport options; ``global_keyprefix`` is not supported.
 
+A worker fetches only while its engine has room (``rq_has_room``, a callable
+in the transport options: ``workers.intake``); a short timer on the event
+loop makes it look again as engine requests finish.
+
 A worker whose prefetch is full sends nothing to the broker until a task
 ends, and a task that ends while Redis is down waits in the result
 backend's retries: such a worker would not notice a Redis restart for
@@ -60,7 +64,28 @@ return false
 """
 
 
+# How often a worker gated by its engine's room looks again (see Transport).
+ROOM_CHECK_S = 0.02
+
+
+def _noop() -> None:
+    pass
+
+
 class QoS(kombu_redis.QoS):
+    def can_consume(self) -> bool:
+        """kombu's prefetch limit, and the worker's engine has room (``workers.intake``).
+
+        The room decides whether a fetch *starts*; a fetch already sent is
+        read whatever the room (kombu would otherwise pause it, and its
+        message would wait in the processing list, where the reaper takes a
+        fetch stuck for 30 s for a lost one).
+        """
+        has_room = self.channel.rq_has_room
+        if has_room is None or self.channel._in_poll:
+            return bool(super().can_consume())
+        return bool(super().can_consume() and has_room())
+
     def append(self, message: Any, delivery_tag: str) -> None:
         """kombu's unacked record, the in-flight set and the processing list, in one MULTI."""
         channel = self.channel
@@ -81,10 +106,12 @@ class QoS(kombu_redis.QoS):
 class Channel(kombu_redis.Channel):
     QoS = QoS
     from_transport_options = kombu_redis.Channel.from_transport_options + (  # type: ignore[assignment]
-        "rq_processing_key", "rq_inflight_key",
+        "rq_processing_key", "rq_inflight_key", "rq_has_room",
     )
     rq_processing_key: str = ""
     rq_inflight_key: str = ""
+    # () -> bool: may the next message be fetched? (None: kombu's prefetch alone)
+    rq_has_room: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -179,6 +206,14 @@ class Transport(kombu_redis.Transport):
         interval = connection.client.transport_options.get("rq_probe_interval", 5.0)
         if interval > 0:
             cycle._rq_probe_tref = loop.call_repeatedly(interval, self._probe_broker)
+        old = getattr(cycle, "_rq_room_tref", None)
+        if old is not None:
+            old.cancel()
+        if connection.client.transport_options.get("rq_has_room") is not None:
+            # Room comes back as engine requests finish, which wakes nothing
+            # on this loop: a short timer makes it look again (each loop tick
+            # asks QoS.can_consume before fetching).
+            cycle._rq_room_tref = loop.call_repeatedly(ROOM_CHECK_S, _noop)
 
     def _probe_broker(self) -> None:
         """PING on a pooled connection (never the one a fetch is blocked on).

@@ -23,6 +23,7 @@ from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo, WorkerState
 from workers.dedup import DuplicateGuard
 from workers.engine import EngineHost
+from workers.intake import Intake
 from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
 from workers.settings import WorkerSettings
@@ -43,6 +44,9 @@ class WorkerRuntime:
             host, self.node, settings.task_soft_time_limit, settings.task_time_limit
         )
         self.duplicates = DuplicateGuard(app.backend)
+        budget = settings.intake_sequences or host.max_num_seqs
+        self.intake = Intake(host, budget)
+        self.service.on_submitted = self.intake.entered
         self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
         self.reaper = Reaper(
             app, self.client, self.node,

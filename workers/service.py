@@ -8,8 +8,10 @@ the ``GenerationResult``.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -51,6 +53,8 @@ class GenerationService:
         self.failed_tasks = 0
         self._lock = threading.Lock()
         self.on_finished: list[Any] = []  # callbacks (metrics): (result | None, seconds)
+        # Called with the task id once its requests are in the engine (workers.intake).
+        self.on_submitted: Callable[[str], None] | None = None
 
     def _check_vocabulary(self, request: GenerateRequest) -> None:
         """Token ids in params must exist in this model (vLLM would refuse them later)."""
@@ -82,8 +86,11 @@ class GenerationService:
         with self._lock:
             self.inflight_tasks += 1
         ok = False
+        task_id = task.request.id
+        callback = self.on_submitted
+        submitted = None if callback is None else functools.partial(callback, task_id)
         try:
-            outputs, version = self.host.generate(request, deadline)
+            outputs, version = self.host.generate(request, deadline, submitted)
             ok = True
         finally:
             with self._lock:
