@@ -43,7 +43,7 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def describe(error: ValidationError, limit: int = 5) -> str:
+def validation_summary(error: ValidationError, limit: int = 5) -> str:
     """One line per refused field, ``params.max_tokens: <why> (got 0)``: a message for
     an error that travels on (a task's stored failure), without pydantic's URLs."""
     problems = []

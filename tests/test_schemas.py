@@ -1,6 +1,9 @@
-"""Pure unit tests of the contract: ``SamplingParams`` ranges, request validation, signatures.
+"""Pure unit tests of the contract: ``SamplingParams`` ranges, request validation,
+signatures, and the error tree through Celery's JSON result encoding.
 
-No Redis, no engine: these run in milliseconds.
+No Redis, no engine: these run in milliseconds, except one that imports vLLM
+(a few seconds, paid once per session) to encode params at our bounds with
+the engine core's own encoder.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from hypothesis import strategies as st
 from tasks import errors
 from tasks.errors import RolloutError
 from tasks.generate import build_request
-from tasks.schemas import GenerateRequest, SamplingParams, describe
+from tasks.schemas import GenerateRequest, SamplingParams, validation_summary
 from tasks.signature import signature
 
 VALID = [
@@ -150,10 +153,10 @@ def test_params_that_are_not_a_mapping_are_a_validation_error_naming_params(para
     assert error["loc"] == ("params",) and "valid dictionary" in error["msg"]
 
 
-def test_describe_names_each_refused_field_and_the_value_on_one_line() -> None:
+def test_validation_summary_names_each_refused_field_and_the_value_on_one_line() -> None:
     with pytest.raises(pydantic.ValidationError) as caught:
         GenerateRequest.model_validate({"prompts": ["a"], "params": {"max_tokens": 2**70, "top_p": 0}})
-    text = describe(caught.value)
+    text = validation_summary(caught.value)
     assert "\n" not in text and "errors.pydantic.dev" not in text
     assert f"params.max_tokens: Input should be less than or equal to 2147483647 (got {2**70})" in text
     assert "params.top_p: Input should be greater than 0 (got 0)" in text

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from tasks.errors import InvalidRequest, Requeue
 from tasks.generate import SENT_AT_HEADER, SIGNATURE_HEADER
-from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, describe
+from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
 from workers.engine import EngineHost
 
@@ -71,7 +71,7 @@ class GenerationService:
             # Sent around the producer's checks (send_task, another client):
             # refused with what was wrong, not pydantic's error (which Celery
             # cannot rebuild on the producer, so its message was lost).
-            raise InvalidRequest(f"generate task refused: {describe(exc)}") from exc
+            raise InvalidRequest(f"generate task refused: {validation_summary(exc)}") from exc
         needed = request.params.min_weight_version
         if self.fenced_reason is not None:
             raise Requeue(f"{self.node} is fenced ({self.fenced_reason}); requeued", countdown=1.0)
