@@ -8,7 +8,9 @@
 #
 # Every target first makes sure .venv/ exists and holds the project with its
 # CPU extras; a stamp file makes that a no-op once done (delete
-# .venv/.rq-installed, or touch pyproject.toml, to reinstall).
+# .venv/.rq-installed, or touch pyproject.toml, to reinstall). `setup` (and so
+# `test`) also installs Debian's chromium for the Flower page tests when it is
+# missing and we are root with apt-get; elsewhere those tests skip, saying why.
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -18,9 +20,18 @@ STAMP := $(VENV)/.rq-installed
 PYTEST_ARGS ?=
 BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
-.PHONY: setup quickstart test bench lint clean
+.PHONY: setup browser quickstart test bench lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+browser:
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (headless browser for the Flower page tests)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium \
+		|| echo "installing chromium failed: the Flower page tests will skip"; \
+	else echo "no chromium, and no root apt-get to install it: the Flower page tests will skip"; fi
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +46,7 @@ $(STAMP): pyproject.toml
 quickstart: $(STAMP)
 	$(PY) -m workers quickstart
 
-test: $(STAMP)
+test: setup
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)

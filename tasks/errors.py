@@ -28,8 +28,13 @@
 
 Errors from redis, vLLM and torch are mapped at the boundary with
 ``raise ... from exc``. Errors raised inside a Celery task travel to the
-producer by class name and message (JSON result backend), so every message
+producer by class name and ``args`` (JSON result backend), so every message
 says what happened and what to do.
+
+Celery rebuilds a task's error on the producer as ``cls(*args)`` (pickle does
+the same), so every class here keeps ``args`` equal to its constructor's
+arguments, JSON values, with the message first where the constructor takes
+one; ``str()`` is the message.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from collections.abc import Iterable
 
 class RolloutError(Exception):
     """Base of every error this project raises on purpose."""
+
+    def __str__(self) -> str:
+        # args[0] is the message; further args are the fields after it.
+        return str(self.args[0]) if self.args else ""
 
 
 class InvalidRequest(RolloutError, ValueError):
@@ -62,7 +71,7 @@ class Requeue(RolloutError):
 
     def __init__(self, message: str, countdown: float = 0.5) -> None:
         self.countdown = countdown
-        super().__init__(message)
+        super().__init__(message, countdown)
 
 
 class BrokerUnavailable(RolloutError, ConnectionError):
@@ -88,8 +97,11 @@ class ControlTimeout(ControlError, TimeoutError):
     def __init__(self, command: str, missing: Iterable[str]) -> None:
         self.command = command
         self.missing = sorted(missing)
-        super().__init__(
-            f"{command}: no reply from {', '.join(self.missing)} before the deadline; "
+        super().__init__(command, self.missing)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.command}: no reply from {', '.join(self.missing)} before the deadline; "
             "check that these workers are alive (`rollout-queue status`)"
         )
 
@@ -101,8 +113,11 @@ class ControlFailed(ControlError):
         self.command = command
         self.errors = dict(sorted(errors.items()))
         self.replies = replies  # the workers that succeeded: node → result
+        super().__init__(command, self.errors, replies)
+
+    def __str__(self) -> str:
         detail = "; ".join(f"{node}: {error}" for node, error in self.errors.items())
-        super().__init__(f"{command} failed on {len(self.errors)} worker(s): {detail}")
+        return f"{self.command} failed on {len(self.errors)} worker(s): {detail}"
 
 
 class BatchIncomplete(RolloutError):
@@ -116,6 +131,9 @@ class BatchIncomplete(RolloutError):
         self.failed = dict(failed)
         self.unfinished = sorted(unfinished)
         self.indices = sorted(indices)
+        super().__init__(self.failed, self.unfinished, self.indices)
+
+    def __str__(self) -> str:
         parts = []
         if self.failed:
             shown = "; ".join(f"{tid}: {err}" for tid, err in list(self.failed.items())[:5])
@@ -124,7 +142,7 @@ class BatchIncomplete(RolloutError):
         if self.unfinished:
             parts.append(f"{len(self.unfinished)} task(s) unfinished at the deadline: "
                          f"{', '.join(self.unfinished[:5])}{' ...' if len(self.unfinished) > 5 else ''}")
-        super().__init__(
+        return (
             f"{'; '.join(parts)}; {len(self.indices)} prompt(s) have no result "
             "(their indices are in .indices; resubmit those)"
         )
@@ -143,7 +161,7 @@ class BadRequest(GatewayError, InvalidRequest):
 
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
-        super().__init__(message)
+        super().__init__(message, param)
 
 
 class Unauthorized(GatewayError):
@@ -165,10 +183,10 @@ class ResultTimeout(GatewayError, TimeoutError):
 class WeightSyncError(RolloutError):
     """A weight sync failed. ``phase`` and ``workers`` say where and who."""
 
-    def __init__(self, message: str, *, phase: str = "", workers: Iterable[str] = ()) -> None:
+    def __init__(self, message: str, phase: str = "", workers: Iterable[str] = ()) -> None:
         self.phase = phase
         self.workers = sorted(workers)
-        super().__init__(message)
+        super().__init__(message, phase, self.workers)
 
 
 class NoWorkers(WeightSyncError):

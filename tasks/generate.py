@@ -3,7 +3,8 @@
 Producers call ``generate.delay(prompts, params)``. Prompts and params are
 validated here, in the producer, before anything reaches Redis; the task
 message carries the canonical params and the signature (also as a header,
-so Flower and routers see it without parsing args).
+so Flower and routers see it without parsing args). Monitors show a one-line
+summary (:func:`task_summary`) where the args go, never the prompts.
 
 On a worker, :attr:`GenerateTask.executor` is installed at boot
 (``workers.service.GenerationService``); the task body only hands over.
@@ -49,9 +50,36 @@ class Executor(Protocol):
 
 def build_request(prompts: Any, params: SamplingParams | Mapping[str, Any] | None) -> GenerateRequest:
     """Validate prompts and params; raises ``pydantic.ValidationError`` naming the field."""
-    if isinstance(params, SamplingParams):
+    if params is None:
+        params = {}
+    elif isinstance(params, SamplingParams):
         params = params.canonical()
-    return GenerateRequest.model_validate({"prompts": prompts, "params": dict(params or {})})
+    elif isinstance(params, Mapping):
+        params = dict(params)
+    # Anything else goes to pydantic as is: its error names ``params``.
+    return GenerateRequest.model_validate({"prompts": prompts, "params": params})
+
+
+_KIND_WORD = {"text": "text", "chat": "chat", "tokens": "token"}
+
+
+def task_summary(request: GenerateRequest, signature: str) -> str:
+    """The task's ``argsrepr``: what Flower and task events show as its args.
+
+    ``64 text prompts · n=4 · max_tokens=256 · T=1.0 · min_version=3 · signature=…``:
+    short enough for a table cell. Celery's default (the args' repr, cut at
+    1 KB) showed the first prompts and cut the sampling params off.
+    """
+    params = request.params
+    count = len(request.prompts)
+    return " · ".join([
+        f"{count} {_KIND_WORD[request.kind]} prompt{'' if count == 1 else 's'}",
+        f"n={params.n}",
+        f"max_tokens={params.max_tokens}",
+        f"T={params.temperature}",
+        f"min_version={params.min_weight_version}",
+        f"signature={signature}",
+    ])
 
 
 class GenerateTask(Task):
@@ -84,8 +112,10 @@ class GenerateTask(Task):
         headers[SIGNATURE_HEADER] = signature(request.params)
         headers[MIN_VERSION_HEADER] = request.params.min_weight_version
         headers[SEQUENCES_HEADER] = len(request.prompts) * request.params.n
-        # Monitors (Flower, task events) show kwargsrepr where the kwargs go;
-        # this task's kwargs are always empty, so show the signature there.
+        # Monitors (Flower, task events) show argsrepr and kwargsrepr where the
+        # args and kwargs go; this task's kwargs are always empty, so the
+        # signature goes there too (Flower's kwargs column and search).
+        options.setdefault("argsrepr", task_summary(request, headers[SIGNATURE_HEADER]))
         options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))
         wire = request.model_dump(mode="json")
         try:

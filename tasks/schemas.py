@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -21,12 +22,38 @@ from pydantic import (
 
 PROTOCOL_VERSION = 3  # 3: the manifest travels by digest
 
+# What the engine can carry. vLLM holds token ids, top-k and token counts in
+# int32 tensors, and msgspec (its engine-core IPC) refuses ints beyond 64 bits
+# ("OverflowError: can't serialize ints"), so a larger value would pass here
+# and fail inside the engine, after the task's retries. Weight versions are
+# Redis counters (int64).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+# Heartbeats a worker may miss before readers call it dead (WorkerInfo.live_at):
+# one late beat on a loaded host is not a death.
+MISSED_HEARTBEATS = 3
+
 PauseMode = Literal["wait", "keep", "abort"]
 WorkerState = Literal["starting", "serving", "paused", "syncing", "fenced", "sleeping", "stopping"]
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def validation_summary(error: ValidationError, limit: int = 5) -> str:
+    """One line per refused field, ``params.max_tokens: <why> (got 0)``: a message for
+    an error that travels on (a task's stored failure), without pydantic's URLs."""
+    problems = []
+    for item in error.errors(include_url=False)[:limit]:
+        where = ".".join(str(part) for part in item["loc"]) or "message"
+        got = item.get("input")
+        shown = f" (got {got!r:.80})" if isinstance(got, (bool, int, float, str)) or got is None else ""
+        problems.append(f"{where}: {item['msg']}{shown}")
+    more = error.error_count() - limit
+    return "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
 
 
 # --------------------------------------------------------------------------
@@ -41,15 +68,14 @@ class SamplingParams(_Message):
 
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="None, 0 or -1: disabled")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="None, 0 or -1: disabled")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_tokens: int = Field(16, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     n: int = Field(1, ge=1, le=256)
     stop: list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    # int64: what the engine can carry (a larger seed fails inside vLLM).
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -62,7 +88,7 @@ class SamplingParams(_Message):
     regex: str | None = None
     choice: list[str] | None = None
     # Never start this task on a worker whose weights are older.
-    min_weight_version: int = Field(0, ge=0)
+    min_weight_version: int = Field(0, ge=0, le=INT64_MAX)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -140,7 +166,7 @@ class ChatMessage(_Message):
 
 
 TextPrompt = Annotated[str, Field(min_length=1)]
-TokenPrompt = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
 ChatPrompt = Annotated[list[ChatMessage], Field(min_length=1)]
 PromptKind = Literal["text", "chat", "tokens"]
 
@@ -256,10 +282,27 @@ class WorkerInfo(_Message):
     metrics_port: int | None = None
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    # Seconds between this worker's heartbeats (``heartbeat_at`` refreshes).
+    heartbeat_s: float = Field(2.0, gt=0.0)
 
     @property
     def ranks(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def dead_after_s(self) -> float:
+        """Heartbeat age at which readers call this worker dead (``live_at``)."""
+        return MISSED_HEARTBEATS * self.heartbeat_s
+
+    def live_at(self, now: float) -> bool:
+        """Whether its last heartbeat is recent at ``now`` (the reader's clock).
+
+        Sooner than the registry key's expiry (``registry_ttl_s``, 10 s): a
+        worker killed with ``kill -9`` is dead ``dead_after_s`` (6 s by
+        default) after its last heartbeat. Compares the worker's clock with the
+        reader's: on another host, keep clocks in sync (NTP).
+        """
+        return now - self.heartbeat_at <= self.dead_after_s
 
 
 # --------------------------------------------------------------------------

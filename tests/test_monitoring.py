@@ -1,8 +1,9 @@
 """Seeing and steering the fleet: Flower, status, control, metrics, generate_many, compose.
 
 Flower runs as a subprocess against the test Redis with the shared
-``gen_worker``; a real headless Chromium (Debian's ``chromium``, installed
-here if missing) loads its tasks page. Control commands that change a
+``gen_worker``, with the compose file's display flags; a real headless
+Chromium (Debian's ``chromium``: ``make setup`` installs it where it can,
+the tests that need it skip without it) loads its tasks page. Control commands that change a
 worker's intake (pause/resume) and the Prometheus endpoint use a private
 worker on its own queue and pool (``ops@tests``), so the shared worker is
 never disturbed.
@@ -11,7 +12,6 @@ never disturbed.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -28,10 +28,10 @@ import redis as redis_lib
 import yaml
 
 from tasks import control, generate, generate_many, keys
-from tasks.errors import BatchIncomplete, ControlFailed, ControlTimeout
+from tasks.errors import BatchIncomplete, ControlFailed, ControlTimeout, InvalidRequest
 from tasks.schemas import WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
-from tests.procs import ARTIFACTS, ROOT, Proc, free_port, python
+from tests.procs import ROOT, Proc, free_port, python
 
 TIMEOUT = 120.0
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -53,14 +53,21 @@ def registry_info(client: redis_lib.Redis, node: str) -> WorkerInfo:
 # --------------------------------------------------------------- fixtures
 
 
+def compose_flower_columns() -> str:
+    """The ``--tasks_columns=...`` flag of the compose-started Flower (what its task list shows)."""
+    command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["flower"]["command"]
+    (flag,) = [word for word in command if word.startswith("--tasks_columns=")]
+    return str(flag)
+
+
 @pytest.fixture(scope="module")
 def flower(redis_url: str) -> Iterator[str]:
-    """Flower (``celery -A tasks.app:app flower``) on a free port; yields its base URL."""
+    """Flower (``celery -A tasks.app:app flower``, compose's columns) on a free port; yields its base URL."""
     port = free_port()
     proc = Proc(
         "flower",
         [python(), "-m", "celery", "-A", "tasks.app:app", "flower",
-         f"--port={port}", "--address=127.0.0.1"],
+         f"--port={port}", "--address=127.0.0.1", compose_flower_columns()],
         env={"REDIS_URL": redis_url, "FLOWER_UNAUTHENTICATED_API": "true"},
     )
     base = f"http://127.0.0.1:{port}"
@@ -85,30 +92,19 @@ def flower_task(gen_worker: Proc, flower: str) -> dict[str, Any]:
     )
     async_result = generate.delay(["Flower shows this prompt"], GREEDY)
     result = async_result.get(timeout=TIMEOUT)
-    return {"id": async_result.id, "result": result}
+    summary = ("1 text prompt · n=1 · max_tokens=8 · T=0.0 · min_version=0 · "
+               f"signature={result['signature']}")
+    return {"id": async_result.id, "result": result, "summary": summary}
 
 
 @pytest.fixture(scope="session")
 def chromium() -> str:
-    """Debian's headless Chromium; installed with apt-get when missing (CI on a fresh machine)."""
+    """Debian's headless Chromium. ``make setup`` installs it (as root, with apt-get);
+    a test run never installs system packages itself."""
     found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found:
-        return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("chromium is not installed and cannot be installed here "
-                    "(needs root and apt-get: `apt-get install -y chromium`)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    log = ARTIFACTS / "logs" / "apt-chromium.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]):
-            done = subprocess.run(argv, check=False, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900)
-            if done.returncode != 0:
-                pytest.skip(f"installing chromium failed ({' '.join(argv)} exited "
-                            f"{done.returncode}; see {log})")
-    found = shutil.which("chromium")
     if found is None:
-        pytest.skip(f"apt-get installed chromium but no `chromium` binary is on PATH; see {log}")
+        pytest.skip("chromium is not installed: `make setup` as root installs it "
+                    "(`apt-get install -y --no-install-recommends chromium`)")
     return found
 
 
@@ -120,7 +116,8 @@ def headless(chromium: str, profile: str, *args: str) -> subprocess.CompletedPro
         # Let Flower's scripts fill the table from /tasks/datatable before the dump.
         "--virtual-time-budget=10000", *args,
     ]
-    return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
+    return subprocess.run(argv, check=False, capture_output=True, text=True, encoding="utf-8",
+                          errors="replace", timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -149,14 +146,14 @@ def test_flower_api_lists_the_worker_and_the_task_succeeded_with_its_signature(
     assert task["name"] == keys.GENERATE_TASK
     assert task["worker"] == "gen@tests"
     assert task["runtime"] > 0
-    assert "Flower shows this prompt" in task["args"]
+    assert task["args"] == flower_task["summary"]  # argsrepr: the summary, not the prompts
     signature = flower_task["result"]["signature"]
     assert signature in task["kwargs"], task["kwargs"]
     info = http_json(f"{flower}/api/task/info/{task_id}")
     assert info["state"] == "SUCCESS" and signature in info["kwargs"]
 
 
-def test_chromium_renders_flower_tasks_page_with_the_task_id_and_saves_a_screenshot(
+def test_chromium_shows_the_task_summary_in_flowers_task_list_and_saves_a_screenshot(
     flower: str, flower_task: dict[str, Any], chromium: str, artifacts: Path
 ) -> None:
     task_id = flower_task["id"]
@@ -164,6 +161,13 @@ def test_chromium_renders_flower_tasks_page_with_the_task_id_and_saves_a_screens
         dom = headless(chromium, profile, "--dump-dom", f"{flower}/tasks")
         assert dom.returncode == 0, dom.stderr[-2000:]
         assert task_id in dom.stdout, dom.stdout[-3000:]
+        # The args and kwargs columns (compose's --tasks_columns) and, in the
+        # task's row, its summary and signature as Flower's scripts filled them.
+        headers = re.findall(r'<th[^>]*data-column="(\w+)"', dom.stdout)
+        assert {"args", "kwargs"} <= set(headers), headers
+        row = next(r for r in re.findall(r"<tr[^>]*>.*?</tr>", dom.stdout, re.DOTALL) if task_id in r)
+        assert flower_task["summary"] in row, row
+        assert f"'signature': '{flower_task['result']['signature']}'" in row.replace("&#39;", "'"), row
         shot = artifacts / "flower-tasks.png"
         shot.unlink(missing_ok=True)
         done = headless(chromium, profile, f"--screenshot={shot}", f"{flower}/tasks")
@@ -179,8 +183,28 @@ def test_chromium_task_page_shows_the_signature(
         url = f"{flower}/task/{flower_task['id']}"
         dom = headless(chromium, profile, "--dump-dom", url)
         headless(chromium, profile, f"--screenshot={artifacts / 'flower-task.png'}", url)
-    assert flower_task["result"]["signature"] in dom.stdout
+    # The whole summary: Celery's default argsrepr cut a 64-prompt task's args
+    # off before the sampling params.
+    assert flower_task["summary"] in dom.stdout
     assert "gen@tests" in dom.stdout
+
+
+def test_a_task_refused_on_the_worker_fails_at_once_with_what_was_wrong(gen_worker: Proc) -> None:
+    """Sent around the producer's checks (``send_task``): once failed after two
+    engine retries with ``OverflowError``; then stored pydantic's error, which
+    came back as a bare ``Exception`` with an empty ``exc_message``."""
+    from tasks.app import app
+
+    sent = app.send_task(keys.GENERATE_TASK, args=(["hi"], {"max_tokens": 2**70}))
+    with pytest.raises(InvalidRequest) as caught:
+        sent.get(timeout=TIMEOUT)
+    assert "params.max_tokens: Input should be less than or equal to 2147483647" in str(caught.value)
+    # What the result backend keeps (what Flower and other readers see).
+    stored = app.backend.decode(app.backend.get(app.backend.get_key_for_task(sent.id)))
+    assert stored["status"] == "FAILURE"
+    assert stored["result"]["exc_type"] == "InvalidRequest"
+    assert str(caught.value) in stored["result"]["exc_message"]
+    assert stored["retries"] == 0  # refused, not retried as an engine failure
 
 
 # ------------------------------------------------------------------ status
@@ -224,6 +248,41 @@ def test_status_node_check_exits_0_for_a_live_worker_and_1_for_an_unknown_one(
     gone = subprocess.run(argv + ["nobody@tests"], check=False, **options)
     assert (live.returncode, gone.returncode) == (0, 1)
     assert "nobody@tests is not live" in gone.stdout
+
+
+def test_a_worker_is_live_for_three_heartbeat_intervals_after_its_last_heartbeat() -> None:
+    info = WorkerInfo(node="w@h", model="m", device="cpu", dtype="float32", heartbeat_at=100.0, heartbeat_s=2.0)
+    assert info.dead_after_s == 6.0
+    assert info.live_at(100.0) and info.live_at(106.0)
+    assert not info.live_at(106.01)
+
+
+def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lingers(
+    redis_url: str, redis_client: redis_lib.Redis
+) -> None:
+    """What a ``kill -9`` leaves: a registry key still within its TTL whose
+    ``heartbeat_at`` stopped moving. Written here, in a pool of its own."""
+    node, now = "stale@tests", time.time()
+    argv = [python(), "-m", "workers", "status", "--redis-url", redis_url]
+    options: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60, "cwd": ROOT}
+    silent = WorkerInfo(node=node, pool="stale", queues=["stale"], model="m", device="cpu",
+                        dtype="float32", state="serving", heartbeat_at=now - 7.0, heartbeat_s=2.0)
+    redis_client.set(keys.worker_key(node), silent.model_dump_json(), ex=120)
+    try:
+        dead = subprocess.run(argv + ["--node", node], check=False, **options)
+        table = subprocess.run(argv, check=False, **options)
+        # The bound follows the worker's own interval: 3 missed beats of 30 s.
+        slow = silent.model_copy(update={"heartbeat_s": 30.0})
+        redis_client.set(keys.worker_key(node), slow.model_dump_json(), ex=120)
+        beating = subprocess.run(argv + ["--node", node], check=False, **options)
+    finally:
+        redis_client.delete(keys.worker_key(node))
+    assert dead.returncode == 1, dead.stdout
+    assert re.search(rf"{node} is not live: its last heartbeat is \d+\.\ds old \(dead after 6s", dead.stdout)
+    assert status_rows(table.stdout)[node][6] == "dead"
+    assert re.search(r"workers \(\d+ live, 1 dead\)", table.stdout), table.stdout
+    assert beating.returncode == 0, beating.stdout
+    assert status_rows(beating.stdout)[node][6] == "serving"
 
 
 def test_status_without_redis_fails_with_exit_2_naming_the_url() -> None:
@@ -366,6 +425,27 @@ def test_metrics_count_requests_tokens_latency_and_report_weight_version_and_kv(
     assert after["rollout_queue_weight_sync_seconds_count{}"] == 0
     assert 0.0 <= after["rollout_queue_kv_cache_usage{}"] <= 1.0
     assert "vllm:kv_cache_usage_perc{}" in after  # vLLM's own metrics come along
+
+
+def listening_addresses(port: int) -> set[str]:
+    """IPv4 addresses a socket listens on at ``port``, from ``/proc/net/tcp``."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_metrics_listen_on_loopback_unless_metrics_host_says_otherwise(ops_worker: dict[str, Any]) -> None:
+    from workers.cli import parser
+
+    port = int(ops_worker["metrics"].rsplit(":", 1)[1].split("/")[0])
+    assert listening_addresses(port) == {"127.0.0.1"}
+    args = parser().parse_args(["worker", "--model", "m", "--metrics-port", "9400", "--metrics-host", "0.0.0.0"])
+    assert args.metrics_host == "0.0.0.0"
 
 
 def test_kv_cache_usage_and_requests_are_reported_while_generating(
@@ -515,6 +595,13 @@ def test_compose_file_parses_and_every_service_command_resolves_to_an_entry_poin
     assert resolved["worker-cpu"] == ["rollout-queue make-tiny-model", "rollout-queue worker"]
     assert resolved["api"] == ["rollout-queue api"]
     assert resolved["flower"] == ["celery flower"]
+    # Flower shows the args and kwargs columns, as compose starts it and as the docs say.
+    columns = compose_flower_columns()
+    assert {"args", "kwargs"} <= set(columns.split("=", 1)[1].split(","))
+    for doc in ("README.md", "docs/DEPLOYMENT.md"):
+        assert columns in (ROOT / doc).read_text(), f"{doc} does not document {columns}"
+    for worker in ("worker", "worker-cpu"):
+        assert "--metrics-host" in str(services[worker]["command"]), worker
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]

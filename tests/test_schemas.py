@@ -1,10 +1,15 @@
-"""Pure unit tests of the contract: ``SamplingParams`` ranges, request validation, signatures.
+"""Pure unit tests of the contract: ``SamplingParams`` ranges, request validation,
+signatures, and the error tree through Celery's JSON result encoding.
 
-No Redis, no engine: these run in milliseconds.
+No Redis, no engine: these run in milliseconds, except one that imports vLLM
+(a few seconds, paid once per session) to encode params at our bounds with
+the engine core's own encoder.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 from typing import Any
 
 import pydantic
@@ -12,8 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tasks import errors
+from tasks.errors import RolloutError
 from tasks.generate import build_request
-from tasks.schemas import SamplingParams
+from tasks.schemas import GenerateRequest, SamplingParams, validation_summary
 from tasks.signature import signature
 
 VALID = [
@@ -38,6 +45,10 @@ VALID = [
     {"regex": "[0-9]+"},
     {"choice": ["yes", "no"]},
     {"min_weight_version": 3},
+    # The largest values the engine carries (int32 counts and ids, int64 seeds).
+    {"max_tokens": 2**31 - 1, "min_tokens": 2**31 - 1, "top_k": 2**31 - 1},
+    {"stop_token_ids": [2**31 - 1], "seed": 2**63 - 1},
+    {"seed": -(2**63), "min_weight_version": 2**63 - 1},
 ]
 
 INVALID = [
@@ -62,6 +73,16 @@ INVALID = [
     ({"json_schema": {"x": object()}}, "json_schema"),
     ({"json_schema": {"x": float("nan")}}, "json_schema"),
     ({"min_weight_version": -1}, "min_weight_version"),
+    # Beyond what vLLM carries: they used to pass and fail in the engine
+    # ("OverflowError: can't serialize ints") after the task's retries.
+    ({"max_tokens": 2**70}, "max_tokens"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"min_tokens": 2**31}, "min_tokens"),
+    ({"top_k": 2**70}, "top_k"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"min_weight_version": 2**63}, "min_weight_version"),
     ({"temprature": 0.5}, "temprature"),
     ({"max_new_tokens": 5}, "max_new_tokens"),
 ]
@@ -116,6 +137,92 @@ def test_requests_accept_one_prompt_kind_per_task(prompts: Any) -> None:
 def test_requests_refuse_bad_prompts_with_a_clear_message(prompts: Any, message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message):
         build_request(prompts, {})
+
+
+def test_token_prompts_refuse_ids_beyond_int32_and_accept_the_largest() -> None:
+    assert build_request([[2**31 - 1]], {}).prompts == [[2**31 - 1]]
+    with pytest.raises(pydantic.ValidationError, match="less than or equal to 2147483647"):
+        build_request([[5, 2**31]], {})
+
+
+@pytest.mark.parametrize("params", ["temperature=0", 5, [("max_tokens", 3)], ""], ids=repr)
+def test_params_that_are_not_a_mapping_are_a_validation_error_naming_params(params: Any) -> None:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        build_request(["hi"], params)
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("params",) and "valid dictionary" in error["msg"]
+
+
+def test_validation_summary_names_each_refused_field_and_the_value_on_one_line() -> None:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        GenerateRequest.model_validate({"prompts": ["a"], "params": {"max_tokens": 2**70, "top_p": 0}})
+    text = validation_summary(caught.value)
+    assert "\n" not in text and "errors.pydantic.dev" not in text
+    assert f"params.max_tokens: Input should be less than or equal to 2147483647 (got {2**70})" in text
+    assert "params.top_p: Input should be greater than 0 (got 0)" in text
+
+
+def test_the_largest_accepted_values_cross_vllms_engine_core_encoder() -> None:
+    """Our bounds are what the engine carries: the params a task at the limits
+    becomes (``to_vllm_params``) encode with vLLM's own msgspec encoder, which
+    refused the values that used to pass."""
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from workers.engine import to_vllm_params
+
+    largest = SamplingParams(max_tokens=2**31 - 1, top_k=2**31 - 1, seed=2**63 - 1,
+                             stop_token_ids=[2**31 - 1])
+    encoder = MsgpackEncoder()
+    assert encoder.encode(to_vllm_params(largest))
+    too_large = to_vllm_params(SamplingParams())
+    too_large.max_tokens = 2**70  # what validation used to let through
+    with pytest.raises(OverflowError, match="can't serialize ints"):
+        encoder.encode(too_large)
+
+
+# --------------------------------------------------------------- errors
+
+
+def _error_classes(base: type[BaseException] = RolloutError) -> list[type[BaseException]]:
+    found = [base]
+    for sub in base.__subclasses__():
+        found += _error_classes(sub)
+    return found
+
+
+# One instance of every class of the tree, built the way the code raises it:
+# those whose constructor takes fields, then every other one from a message.
+ERROR_EXAMPLES: dict[type[BaseException], BaseException] = {
+    errors.Requeue: errors.Requeue("task needs weight_version >= 3; w has 2", countdown=1.0),
+    errors.ControlTimeout: errors.ControlTimeout("engine_stats", ["ghost@tests", "b@h"]),
+    errors.ControlFailed: errors.ControlFailed("sleep", {"a@h": "no sleep mode"}, {"b@h": True}),
+    errors.BatchIncomplete: errors.BatchIncomplete({"t1": "PromptTooLong('x')"}, ["t2"], [3, 1]),
+    errors.BadRequest: errors.BadRequest("temperature must be at most 100", param="temperature"),
+    errors.WorkerLost: errors.WorkerLost("w@h stopped answering", phase="receive", workers=["w@h"]),
+    errors.SyncRefused: errors.SyncRefused("bad signature", phase="trigger", workers=["b", "a"]),
+}
+for _cls in _error_classes():
+    if _cls.__module__ == "tasks.errors" and _cls not in ERROR_EXAMPLES:
+        ERROR_EXAMPLES[_cls] = _cls("prompt has 9123 tokens; this worker's max_model_len is 4096")
+
+
+@pytest.mark.parametrize("error", list(ERROR_EXAMPLES.values()), ids=lambda e: type(e).__name__)
+def test_every_error_class_comes_back_from_celerys_json_result_backend_whole(error: BaseException) -> None:
+    from tasks.app import app
+
+    stored = app.backend.prepare_exception(error, "json")
+    assert stored["exc_type"] == type(error).__name__
+    wire = json.loads(json.dumps(stored))  # what the result backend keeps in Redis
+    rebuilt = app.backend.exception_to_python(wire)
+    assert type(rebuilt) is type(error)
+    assert str(rebuilt) == str(error) and str(error)
+    assert vars(rebuilt) == vars(error)
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_the_error_examples_cover_the_whole_tree() -> None:
+    assert set(ERROR_EXAMPLES) == {c for c in _error_classes() if c.__module__ == "tasks.errors"}
+    assert len(ERROR_EXAMPLES) >= 25
 
 
 # --------------------------------------------------------------- signature

@@ -87,7 +87,7 @@ def run_worker(settings: WorkerSettings) -> int:
     if settings.metrics_port is not None:
         from workers.metrics import start_metrics
 
-        start_metrics(runtime, settings.metrics_port)
+        start_metrics(runtime, settings.metrics_port, settings.metrics_host)
 
     def on_ready(sender: Any = None, **_: Any) -> None:
         runtime.consumer = sender

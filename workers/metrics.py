@@ -1,4 +1,4 @@
-"""Prometheus ``/metrics`` of one worker node (``--metrics-port``).
+"""Prometheus ``/metrics`` of one worker node (``--metrics-port``, ``--metrics-host``).
 
 Two kinds of figures:
 - counted as tasks finish (``GenerationService.on_finished``): prompts,
@@ -133,7 +133,7 @@ class RuntimeCollector(Collector):
 
 
 def start_metrics(
-    runtime: WorkerRuntime, port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY
+    runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY
 ) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a daemon thread; hook task metrics in."""
     tasks = TaskMetrics(runtime.node, runtime.settings.pool, registry)

@@ -120,6 +120,7 @@ class WorkerRuntime:
             metrics_port=self.settings.metrics_port,
             started_at=self.started_at,
             heartbeat_at=time.time(),
+            heartbeat_s=self.settings.heartbeat_s,
         )
 
     def publish(self) -> None:

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Task
+from pydantic import ValidationError
 
 from tasks.errors import InvalidRequest, Requeue
 from tasks.generate import SENT_AT_HEADER, SIGNATURE_HEADER
-from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage
+from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
 from workers.engine import EngineHost
 
@@ -68,7 +69,13 @@ class GenerationService:
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
-        request = GenerateRequest.model_validate({"prompts": prompts, "params": params})
+        try:
+            request = GenerateRequest.model_validate({"prompts": prompts, "params": params})
+        except ValidationError as exc:
+            # Sent around the producer's checks (send_task, another client):
+            # refused with what was wrong, not pydantic's error (which Celery
+            # cannot rebuild on the producer, so its message was lost).
+            raise InvalidRequest(f"generate task refused: {validation_summary(exc)}") from exc
         needed = request.params.min_weight_version
         if self.fenced_reason is not None:
             raise Requeue(f"{self.node} is fenced ({self.fenced_reason}); requeued", countdown=1.0)

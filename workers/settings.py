@@ -43,12 +43,15 @@ class WorkerSettings(EngineSettings):
     intake_sequences: int | None = Field(None, ge=1)
     queues: list[str] = ["generate"]  # noqa: RUF012  pydantic copies defaults
     pool: str = "default"
-    heartbeat_s: float = 2.0
+    heartbeat_s: float = Field(2.0, gt=0.0)
     registry_ttl_s: float = 10.0
     # A node whose registry key has been gone this long is dead: the reaper
     # puts its unacknowledged tasks back in their queues (workers/reaper.py).
     reap_grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None = off
+    # Address /metrics listens on: loopback unless a scraper elsewhere needs it
+    # (0.0.0.0 in a container whose port only the compose network reaches).
+    metrics_host: str = "127.0.0.1"
     weight_sync_secret: SecretStr | None = None
     log_level: str = "INFO"
     # A fault for tests (FAULT_DIE_BEFORE_ACK=1): the worker kills itself with

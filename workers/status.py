@@ -4,8 +4,13 @@ A rich table of live workers (node, pool, model, device, TP, weight_version,
 state, in-flight, waiting, tokens/s, KV-cache usage, heartbeat age), the
 fleet version of each pool and the depth of each queue. ``--watch``
 redraws every ``interval`` seconds until Ctrl-C; ``--node NAME`` shows one
-worker and exits 1 when it is not live (a container healthcheck). Imports no
-vLLM: it runs anywhere that reaches Redis.
+worker and exits 1 when it is not live (a container healthcheck).
+
+Liveness is judged from each worker's ``heartbeat_at``, not from its registry
+key: a worker is dead once it has missed ``MISSED_HEARTBEATS`` heartbeats
+(``WorkerInfo.live_at``: 6 s with the default 2 s interval), while its key
+lingers until its TTL (10 s). Imports no vLLM: it runs anywhere that reaches
+Redis.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from rich.text import Text
 from tasks import keys
 from tasks.errors import BrokerUnavailable
 from tasks.registry import connect, fleet_version, live_workers, queue_depths
-from tasks.schemas import WorkerInfo
+from tasks.schemas import MISSED_HEARTBEATS, WorkerInfo
 from tasks.settings import ClientSettings
 
 STATE_STYLE = {
@@ -35,6 +40,7 @@ STATE_STYLE = {
     "starting": "dim",
     "stopping": "dim",
 }
+DEAD = "dead"  # shown as the state of a worker whose heartbeats stopped
 # kombu's Redis transport keeps delivered-but-unacknowledged messages here.
 UNACKED_KEY = "unacked"
 
@@ -68,7 +74,9 @@ def read_fleet(client: redis.Redis) -> FleetView:
 
 def render(view: FleetView) -> Group:
     """The workers table and the queues table, as one renderable."""
-    workers = Table(title=f"workers ({len(view.workers)} live)", title_justify="left")
+    dead = sum(not w.live_at(view.taken_at) for w in view.workers)
+    title = f"workers ({len(view.workers) - dead} live{f', {dead} dead' if dead else ''})"
+    workers = Table(title=title, title_justify="left")
     for name, justify in [
         ("node", "left"), ("pool", "left"), ("model", "left"), ("device", "left"),
         ("TP", "right"), ("weight_version", "right"), ("state", "left"), ("in-flight", "right"),
@@ -77,6 +85,7 @@ def render(view: FleetView) -> Group:
         workers.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for w in sorted(view.workers, key=lambda w: (w.pool, w.node)):
         behind = w.weight_version < view.fleet_versions.get(w.pool, 0)
+        live = w.live_at(view.taken_at)
         workers.add_row(
             w.node,
             w.pool,
@@ -84,7 +93,7 @@ def render(view: FleetView) -> Group:
             w.device,
             str(w.tensor_parallel_size),
             Text(str(w.weight_version), style="red" if behind else ""),
-            Text(w.state, style=STATE_STYLE.get(w.state, "")),
+            Text(w.state, style=STATE_STYLE.get(w.state, "")) if live else Text(DEAD, style="bold red"),
             f"{w.inflight_requests} ({w.inflight_tasks} tasks)",
             str(w.waiting_requests),
             f"{w.tokens_per_s:.1f}",
@@ -112,7 +121,8 @@ def run_status(
 ) -> int:
     """Print the fleet once (or redraw it every ``interval`` s with ``watch``).
 
-    With ``node``: only that worker; returns 1 if it is not in the registry.
+    With ``node``: only that worker; returns 1 if it is not in the registry
+    or its heartbeats stopped (``WorkerInfo.live_at``).
     """
     settings = ClientSettings(redis_url=SecretStr(redis_url)) if redis_url else ClientSettings()
     # Piped into a file or a test: wide enough that the table does not wrap.
@@ -125,6 +135,14 @@ def run_status(
             console.print(render(view))
             if not view.workers:
                 console.print(f"[red]{node} is not live (no heartbeat in the registry)[/]")
+                return 1
+            (info,) = view.workers
+            if not info.live_at(view.taken_at):
+                console.print(
+                    f"[red]{node} is not live: its last heartbeat is "
+                    f"{view.taken_at - info.heartbeat_at:.1f}s old (dead after {info.dead_after_s:g}s: "
+                    f"{MISSED_HEARTBEATS} missed heartbeats of {info.heartbeat_s:g}s)[/]"
+                )
                 return 1
             return 0
         if not watch:
