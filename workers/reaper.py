@@ -376,7 +376,9 @@ class Reaper:
         Redis restarted without persistence) the routing key is the queue
         name, as it is for every queue Celery declares for us.
         """
-        payload.setdefault("headers", {})["redelivered"] = True
+        if not isinstance(payload.get("headers"), dict):  # absent, or null
+            payload["headers"] = {}
+        payload["headers"]["redelivered"] = True
         payload.setdefault("properties", {}).setdefault("delivery_info", {})["redelivered"] = True
         queues = channel._lookup(exchange, routing_key) or [routing_key]
         priority = channel._get_message_priority(payload, reverse=False)
