@@ -250,14 +250,16 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]
 
     def create_task_handler(self, promise: Any = promise) -> Any:
         handle = super().create_task_handler(promise)
-        connection_errors = self.connection_errors
 
         def on_task_received(message: Any) -> Any:
             try:
                 return handle(message)
-            except connection_errors:
-                raise
+            except (redis.RedisError, OSError):
+                raise  # the broker's: Celery reconnects
             except Exception as exc:  # noqa: BLE001  any message-borne error: never the loop's
+                # Not ``self.connection_errors``: kombu's Redis transport counts
+                # KeyError among them, so a task message without an id would
+                # look like a lost connection and come back at every reconnect.
                 self.dead_letter(message, PoisonMessage(
                     "not-a-task", f"Celery could not read the task message: {type(exc).__name__}: {exc}"))
                 return None
