@@ -8,6 +8,8 @@
     ├── Requeue                   not this worker's to serve now; back to the queue
     ├── BrokerUnavailable         Redis could not be reached before the deadline
     ├── RedeliveryLimitReached    the task's worker died too often while holding it
+    ├── PoisonMessage             a queue item no worker can decode; dead-lettered
+    ├── DeadLetterNotFound        no dead letter with that id (``rollout-queue dead-letters``)
     ├── ControlError              a control command (sleep, pause, stats...) failed
     │   ├── ControlTimeout        workers did not answer in time
     │   └── ControlFailed         workers answered with an error
@@ -89,6 +91,23 @@ class RedeliveryLimitReached(RolloutError):
     by another worker's reaper; one that keeps killing its workers is failed
     with this error after ``task_max_redeliveries`` redeliveries.
     """
+
+
+class PoisonMessage(RolloutError):
+    """A queue item a worker cannot decode into a task (``workers.poison``).
+
+    ``kind`` is the short reason (``not-json``, ``no-delivery-tag``,
+    ``content-refused``...), used as a metric label; the message says what
+    was wrong with the item.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
+class DeadLetterNotFound(RolloutError, LookupError):
+    """No dead-letter entry has the id given to ``rollout-queue dead-letters``."""
 
 
 class ControlTimeout(ControlError, TimeoutError):

@@ -63,6 +63,21 @@ def node_of_processing_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:processing:")
 
 
+# Queue items no worker could decode (workers/poison.py): one list per queue,
+# newest first, bounded. Items whose queue cannot be read from them (a dead
+# node's processing list holds no queue name) go under UNKNOWN_QUEUE.
+DEAD_LETTERS_KEY_PATTERN = f"{PREFIX}:dead:*"
+UNKNOWN_QUEUE = "(unknown)"
+
+
+def dead_letters(queue: str) -> str:
+    return f"{PREFIX}:dead:{queue}"
+
+
+def queue_of_dead_letters_key(key: str) -> str:
+    return key.removeprefix(f"{PREFIX}:dead:")
+
+
 def reaper_lock(node: str) -> str:
     """Held by the one reaper restoring a dead node's messages."""
     return f"{PREFIX}:reaper:lock:{node}"

@@ -37,6 +37,16 @@ def _status(args: argparse.Namespace) -> int:
     return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url, node=args.node)
 
 
+def _dead_letters(args: argparse.Namespace) -> int:
+    from pydantic import SecretStr
+
+    from tasks.settings import ClientSettings
+    from workers.dead_letters import run_dead_letters
+
+    settings = ClientSettings(redis_url=SecretStr(args.redis_url)) if args.redis_url else ClientSettings()
+    return run_dead_letters(settings, queue=args.queue, requeue_id=args.requeue, drop_id=args.drop)
+
+
 def _api(args: argparse.Namespace) -> int:
     from api.server import run_api
 
@@ -96,6 +106,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--redis-url")
     s.add_argument("--node", help="show one worker; exit 1 when it is not live (healthcheck)")
     s.set_defaults(func=_status)
+
+    d = sub.add_parser("dead-letters", help="list, requeue or drop queue items no worker could decode")
+    d.add_argument("--queue", help="only this queue's dead letters")
+    action = d.add_mutually_exclusive_group()
+    action.add_argument("--requeue", metavar="ID", help="put it back on its queue (only if it now decodes)")
+    action.add_argument("--drop", metavar="ID", help="delete it")
+    d.add_argument("--redis-url")
+    d.set_defaults(func=_dead_letters)
 
     a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway")
     a.add_argument("--host", default=None)

@@ -41,11 +41,13 @@ def cpu_environment(weights: str = "packed") -> None:
 
 
 def use_reliable_fetch(node: str) -> None:
-    """Fetch through workers.reliable_redis: no message lost between queue and unacked."""
+    """Fetch through workers.reliable_redis: no message lost between queue and unacked,
+    and a poison item dead-lettered wherever it is found (workers.poison)."""
     from kombu.transport import TRANSPORT_ALIASES
 
     TRANSPORT_ALIASES.setdefault("rq-redis", "workers.reliable_redis:Transport")
     app.conf.broker_transport = "rq-redis"  # logs show rq-redis://:**@host
+    app.conf.worker_consumer = "workers.poison:DeadLetteringConsumer"
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
         "rq_processing_key": keys.processing_key(node),

@@ -1,6 +1,8 @@
 """Prometheus ``/metrics`` of one worker node (``--metrics-port``, ``--metrics-host``).
 
-Two kinds of figures:
+Three kinds of figures:
+- counted where it happens: queue items moved to a dead-letter list
+  (``rollout_queue_dead_letters_total{queue,reason}``, ``workers.poison``);
 - counted as tasks finish (``GenerationService.on_finished``): prompts,
   prompt and generated tokens, task latency and queueing histograms;
 - read from the runtime at scrape time (:class:`RuntimeCollector`): weight
@@ -37,6 +39,12 @@ log = logging.getLogger(__name__)
 PREFIX = "rollout_queue"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Module level, in the default registry that /metrics serves: the reliable
+# fetch, Celery's consumer and the reaper count into it (workers.poison).
+DEAD_LETTERS = Counter(
+    f"{PREFIX}_dead_letters", "Queue items no task could be decoded from, moved to rq:dead:<queue>",
+    ["queue", "reason"],
+)
 STATES = ("starting", "serving", "paused", "syncing", "fenced", "sleeping", "stopping")
 
 

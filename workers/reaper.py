@@ -29,6 +29,12 @@ incarnation's messages at start (:meth:`Reaper.reclaim_own`); a message left
 in a live worker's own processing list (a fetch whose reply was lost to a
 dropped connection) is restored after ``stale_fetch_s``.
 
+An item no message can be made of (``workers.poison.check_envelope``) is
+not restored: it moves to its queue's dead-letter list, in one script. Each
+item, and each node's reap, is on its own: an error on one is logged and
+the pass goes on with the others (the item stays where it was, for the next
+pass).
+
 Results are keyed by task id, so a task that runs twice (its worker was
 declared dead while it still ran) leaves one result, the last one written.
 """
@@ -43,10 +49,12 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
 from tasks import keys
-from tasks.errors import RedeliveryLimitReached
+from tasks.errors import PoisonMessage, RedeliveryLimitReached
+from workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +107,18 @@ class ReapReport:
     node: str
     restored: list[str] = field(default_factory=list)  # task ids put back in their queue
     failed: list[str] = field(default_factory=list)  # task ids failed for good
+    dead_lettered: list[str] = field(default_factory=list)  # poison: reasons (PoisonMessage.kind)
+    errors: int = 0  # items left in place by an unexpected error (retried next pass)
     gone: int = 0  # tags already acked or restored by someone else
 
-    def record(self, outcome: str, task_id: str) -> None:
+    def record(self, outcome: str, detail: str) -> None:
+        """``detail``: the task id, or the poison's kind when dead-lettered."""
         if outcome == "restored":
-            self.restored.append(task_id)
+            self.restored.append(detail)
         elif outcome == "failed":
-            self.failed.append(task_id)
+            self.failed.append(detail)
+        elif outcome == "dead-lettered":
+            self.dead_lettered.append(detail)
         else:
             self.gone += 1
 
@@ -135,7 +148,7 @@ class Reaper:
         self.counter_ttl_s = counter_ttl_s
         self.ledger = ledger
         self.stale_fetch_s = stale_fetch_s
-        self._fetch_seen: dict[str, float] = {}
+        self._fetch_seen: dict[bytes, float] = {}
         self._missing_since: dict[str, float] = {}
         self.reports: list[ReapReport] = []
         self._stop = threading.Event()
@@ -182,7 +195,13 @@ class Reaper:
                 continue
             first_seen = self._missing_since.setdefault(node, now)
             if now - first_seen >= self.grace_s:
-                report = self.reap(node)
+                try:
+                    report = self.reap(node)
+                except redis.RedisError:
+                    raise  # Redis away: the whole pass waits (see _loop)
+                except Exception:  # one node's trouble is not the others'
+                    log.exception("reaper: could not reap node %s; trying again next pass", node)
+                    continue
                 self._missing_since.pop(node, None)
                 if report is not None:
                     reports.append(report)
@@ -208,23 +227,37 @@ class Reaper:
             with self.app.connection_for_write() as conn:
                 channel = conn.default_channel
                 for item in channel.client.lrange(processing, 0, -1):
-                    report.record(*self._restore_fetched(channel, processing, item))
+                    self._isolated(report, self._restore_fetched, channel, processing, item)
                 for raw_tag in sorted(self.client.smembers(ledger)):
-                    report.record(*self._restore_one(channel, ledger, _text(raw_tag)))
-            self.client.delete(ledger)  # (an emptied processing list is gone by itself)
+                    self._isolated(report, self._restore_one, channel, ledger, _text(raw_tag))
+            if not report.errors:  # else the ledger still names what is left to restore
+                self.client.delete(ledger)  # (an emptied processing list is gone by itself)
         finally:
             try:
                 lock.release()
             except redis.exceptions.LockError:
                 pass
-        if report.restored or report.failed:
+        if report.restored or report.failed or report.dead_lettered or report.errors:
             log.warning(
                 "reaper: node %s is gone; redelivered %d task(s) %s, failed %d after %d "
-                "redeliveries %s", node, len(report.restored), report.restored,
-                len(report.failed), self.max_redeliveries, report.failed,
+                "redeliveries %s, dead-lettered %d poison item(s) %s, left %d after errors",
+                node, len(report.restored), report.restored, len(report.failed),
+                self.max_redeliveries, report.failed, len(report.dead_lettered),
+                report.dead_lettered, report.errors,
             )
         self.reports.append(report)
         return report
+
+    @staticmethod
+    def _isolated(report: ReapReport, restore: Any, *args: Any) -> None:
+        """One item's restore; an unexpected error there leaves it for the next pass."""
+        try:
+            report.record(*restore(*args))
+        except redis.RedisError:
+            raise
+        except Exception:  # one item never stops the others
+            report.errors += 1
+            log.exception("reaper: could not restore an item of %s; left in place", args[1])
 
     def check_own_fetches(self) -> int:
         """Restore messages stuck in this node's processing list; returns how many.
@@ -234,26 +267,38 @@ class Reaper:
         ``stale_fetch_s`` lost its reply to a dropped connection.
         """
         processing = keys.processing_key(self.node)
-        items = self.client.lrange(processing, 0, -1)
-        now = time.monotonic()
-        seen = {_text(item): self._fetch_seen.get(_text(item), now) for item in items}
-        self._fetch_seen = seen
-        stale = [item for item, first in seen.items() if now - first >= self.stale_fetch_s]
-        if not stale:
+        if not self.client.exists(processing):  # the usual case: no connection opened
+            self._fetch_seen = {}
             return 0
         with self.app.connection_for_write() as conn:
             channel = conn.default_channel
+            # Bytes, not this client's decoded text: an item need not be UTF-8.
+            items = channel.client.lrange(processing, 0, -1)
+            now = time.monotonic()
+            seen = {item: self._fetch_seen.get(item, now) for item in items}
+            self._fetch_seen = seen
+            stale = [item for item, first in seen.items() if now - first >= self.stale_fetch_s]
+            report = ReapReport(node=self.node)
             for item in stale:
-                outcome, task_id = self._restore_fetched(channel, processing, item.encode())
-                log.warning("reaper: a fetch of task %s by this node never completed; %s",
-                            task_id, outcome)
+                self._isolated(report, self._restore_fetched, channel, processing, item)
                 self._fetch_seen.pop(item, None)
+        if stale:
+            log.warning("reaper: %d fetch(es) by this node never completed; redelivered %s, "
+                        "dead-lettered %s, %d gone, %d left after errors", len(stale),
+                        report.restored, report.dead_lettered, report.gone, report.errors)
         return len(stale)
 
     def _restore_fetched(self, channel: Any, processing: str, item: bytes) -> tuple[str, str]:
-        """Move one message from a processing list back to its queue, atomically."""
+        """Move one message from a processing list back to its queue, atomically
+        (a poison item to its dead-letter list)."""
         client = channel.client
-        payload = loads(_text(item))
+        try:
+            payload = check_envelope(item)
+        except PoisonMessage as poison:
+            # A processing list does not say which queue an item came from.
+            moved = dead_letter_fetched(client, processing, item, queue=keys.UNKNOWN_QUEUE,
+                                        node=keys.node_of_processing_key(processing), poison=poison)
+            return ("dead-lettered" if moved else "gone"), poison.kind
         task_id = str((payload.get("headers") or {}).get("id") or "")
         delivery = (payload.get("properties") or {}).get("delivery_info") or {}
         exchange, routing_key = delivery.get("exchange", ""), delivery.get("routing_key", "")
@@ -294,7 +339,14 @@ class Reaper:
                         pipe.srem(ledger, tag)
                         pipe.execute()
                         return "gone", ""
-                    payload, exchange, routing_key = loads(_text(raw))
+                    try:
+                        payload, exchange, routing_key = _unacked_entry(raw)
+                    except PoisonMessage as poison:
+                        pipe.unwatch()
+                        moved = dead_letter_unacked(
+                            client, tag, raw, ledger=ledger, queue=_queue_of_unacked(raw),
+                            node=keys.node_of_inflight_key(ledger), poison=poison)
+                        return ("dead-lettered" if moved else "gone"), poison.kind
                     task_id = str((payload.get("headers") or {}).get("id") or tag)
                     counter = keys.redeliveries(task_id)
                     pipe.watch(counter)
@@ -324,7 +376,9 @@ class Reaper:
         Redis restarted without persistence) the routing key is the queue
         name, as it is for every queue Celery declares for us.
         """
-        payload.setdefault("headers", {})["redelivered"] = True
+        if not isinstance(payload.get("headers"), dict):  # absent, or null
+            payload["headers"] = {}
+        payload["headers"]["redelivered"] = True
         payload.setdefault("properties", {}).setdefault("delivery_info", {})["redelivered"] = True
         queues = channel._lookup(exchange, routing_key) or [routing_key]
         priority = channel._get_message_priority(payload, reverse=False)
@@ -348,6 +402,27 @@ class Reaper:
             pipe.hdel(keys.KOMBU_UNACKED, tag)
             pipe.srem(ledger, tag)
             pipe.execute()
+
+
+def _unacked_entry(raw: bytes | str) -> tuple[dict[str, Any], str, str]:
+    """kombu's unacked record: ``[envelope, exchange, routing_key]``, checked."""
+    try:
+        entry = loads(bytes_to_str(raw))
+    except Exception as exc:  # JSONDecodeError, or kombu's "__type__" hook
+        raise PoisonMessage("not-json", f"unacked record is not JSON: {exc}") from exc
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[1], str)
+            and isinstance(entry[2], str)):
+        raise PoisonMessage("bad-envelope", "unacked record is not [envelope, exchange, routing_key]")
+    return check_envelope(dumps(entry[0])), entry[1], entry[2]
+
+
+def _queue_of_unacked(raw: bytes | str) -> str:
+    """The routing key (for our queues, the queue name) of an unacked record, if readable."""
+    try:
+        routing_key = loads(bytes_to_str(raw))[2]
+    except Exception:  # noqa: BLE001  unreadable: no queue to name
+        return keys.UNKNOWN_QUEUE
+    return routing_key if isinstance(routing_key, str) and routing_key else keys.UNKNOWN_QUEUE
 
 
 def _text(value: Any) -> str:

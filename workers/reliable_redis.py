@@ -19,7 +19,14 @@ This transport closes that gap with the "processing list" pattern:
 
 So at every instant a message is in its queue, in a processing list, or in
 ``unacked`` with its tag in a node's in-flight set; the reaper
-(``workers.reaper``) restores what a dead node holds in either. Producers,
+(``workers.reaper``) restores what a dead node holds in either.
+
+An item kombu could not make a message of (``workers.poison.check_envelope``:
+not JSON, no properties or delivery tag, a body its encoding cannot decode)
+never reaches kombu: it moves from the processing list to the queue's
+dead-letter list in one script, and the fetch goes on. Messages Celery's
+consumer cannot make a task of are dead-lettered from ``unacked``
+(``rq_dead_letter_delivered``, called by ``workers.poison.DeadLetteringConsumer``). Producers,
 acks, restores and everything else are kombu's own. Selected by the worker
 (``broker_transport``), with ``rq_processing_key`` / ``rq_inflight_key``
 in the transport options; ``global_keyprefix`` is not supported.
@@ -45,7 +52,11 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
+
+from tasks import keys
+from tasks.errors import PoisonMessage
+from workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +132,10 @@ class Channel(kombu_redis.Channel):
             raise ValueError("the reliable Redis transport does not support global_keyprefix")
         # delivery tag → the exact bytes in the processing list (for LREM).
         self.rq_fetched: dict[str, bytes] = {}
+        self.rq_node = keys.node_of_processing_key(self.rq_processing_key)
+        # The queue of the message being handed to the consumer: Celery's
+        # consumer decides on it synchronously, inside that call.
+        self.rq_delivering: str | None = None
         self._rq_pending: tuple[str, str | None] = ("EVAL", None)
         self._rq_block_next = False
 
@@ -166,8 +181,7 @@ class Channel(kombu_redis.Channel):
                 self._rq_block_next = command == "EVAL"
                 raise virtual.Empty()
             self._rq_block_next = False
-            self._deliver_fetched(bytes_to_str(source), item)
-            return True
+            return self._deliver_fetched(bytes_to_str(source), item)
         finally:
             self._in_poll = None  # type: ignore[assignment]
             flush = getattr(self, "_flush_brpop_reauth", None)
@@ -177,21 +191,49 @@ class Channel(kombu_redis.Channel):
     # Synchronous fetch (basic_get, drain without an event loop).
 
     def _get(self, queue: str, timeout: float | None = None) -> Any:
-        with self.conn_or_acquire() as client:
-            reply = client.eval(FETCH_SCRIPT, len(self.priority_steps) + 1,
-                                *self._fetch_keys([queue]), self.rq_processing_key)
-        if not reply:
-            raise virtual.Empty()
-        payload = loads(bytes_to_str(reply[1]))
-        self.rq_fetched[payload["properties"]["delivery_tag"]] = reply[1]
-        return payload
+        while True:  # past any poison, to the first message or an empty queue
+            with self.conn_or_acquire() as client:
+                reply = client.eval(FETCH_SCRIPT, len(self.priority_steps) + 1,
+                                    *self._fetch_keys([queue]), self.rq_processing_key)
+            if not reply:
+                raise virtual.Empty()
+            payload = self._check_fetched(queue, reply[1])
+            if payload is not None:
+                return payload
 
-    def _deliver_fetched(self, source: str, item: bytes) -> None:
-        payload = loads(bytes_to_str(item))
-        self.rq_fetched[payload["properties"]["delivery_tag"]] = item
+    def _deliver_fetched(self, source: str, item: bytes) -> bool:
+        """Hand a fetched item to the consumer; False if it was poison (dead-lettered)."""
         queue = source.rsplit(self.sep, 1)[0]
         self._queue_cycle.rotate(queue)
-        self.connection._deliver(payload, queue)
+        payload = self._check_fetched(queue, item)
+        if payload is None:
+            return False
+        self.rq_delivering = queue
+        try:
+            self.connection._deliver(payload, queue)
+        finally:
+            self.rq_delivering = None
+        return True
+
+    def _check_fetched(self, queue: str, item: bytes) -> dict[str, Any] | None:
+        """The envelope of a fetched item, or None once a poison item is dead-lettered."""
+        try:
+            payload = check_envelope(item)
+        except PoisonMessage as poison:
+            with self.conn_or_acquire() as client:
+                dead_letter_fetched(client, self.rq_processing_key, item, queue=queue,
+                                    node=self.rq_node, poison=poison)
+            return None
+        self.rq_fetched[payload["properties"]["delivery_tag"]] = item
+        return payload
+
+    def rq_dead_letter_delivered(self, message: Any, poison: PoisonMessage) -> None:
+        """Move a delivered message no task can be read from to its queue's dead letters."""
+        with self.conn_or_acquire() as client:
+            dead_letter_unacked(client, message.delivery_tag, dumps(message._raw),
+                                ledger=self.rq_inflight_key or keys.inflight_key(self.rq_node),
+                                queue=self.rq_delivering or keys.UNKNOWN_QUEUE,
+                                node=self.rq_node, poison=poison)
 
 
 class Transport(kombu_redis.Transport):
