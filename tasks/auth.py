@@ -104,48 +104,47 @@ class CommandVerifier:
         self._seen: dict[str, float] = {}  # nonce → when it stops being valid
         self._lock = threading.Lock()
 
-    @property
-    def enforcing(self) -> bool:
-        return self._secret is not None
-
-    def verify(self, command: str, arguments: Mapping[str, Any], auth: Any) -> None:
+    def verify(self, command: str, arguments: Mapping[str, Any], auth: Any, what: str | None = None) -> None:
         """Return if ``command(**arguments)`` with ``auth`` may run here; else raise
-        :class:`ControlRefused` saying why and what to do."""
+        :class:`ControlRefused` saying why and what to do (naming ``what``, default
+        the command)."""
         if self._secret is None:
             return
+        label = what or command
         if auth is None:
             raise ControlRefused(
-                f"{command} is unsigned; this worker accepts state-changing commands only when "
+                f"{label} is unsigned; this worker accepts state-changing commands only when "
                 "signed with its WEIGHT_SYNC_SECRET: set the same WEIGHT_SYNC_SECRET where the "
                 "command is sent from (tasks.control / sync_weights sign with it)"
             )
         try:
             parsed = ControlAuth.model_validate(auth)
         except ValidationError as exc:
-            raise ControlRefused(f"{command} carries a malformed signature: {exc.errors()[0]['msg']}") from exc
+            raise ControlRefused(f"{label} carries a malformed signature: {exc.errors()[0]['msg']}") from exc
         expected = _mac(self._secret, signing_payload(
             command, arguments, parsed.issued_at, parsed.nonce, parsed.destination))
         if not hmac.compare_digest(parsed.hmac, expected):
             raise ControlRefused(
-                f"{command} is wrongly signed (another key, or altered on the way); the sender "
+                f"{label} is wrongly signed (another key, or altered on the way); the sender "
                 "must use the same WEIGHT_SYNC_SECRET as the workers"
             )
         if parsed.destination is not None and self.node not in parsed.destination:
-            raise ControlRefused(f"{command} was signed for {', '.join(parsed.destination)}, not {self.node}")
+            raise ControlRefused(f"{label} was signed for {', '.join(parsed.destination)}, not {self.node}")
         now = self._clock()
         age = now - parsed.issued_at
         if abs(age) > self.max_age_s:
+            when = f"{age:.1f} s ago" if age > 0 else f"{-age:.1f} s ahead of this worker's clock"
             raise ControlRefused(
-                f"{command} was signed {age:+.1f} s from this worker's clock, outside the "
-                f"{self.max_age_s:g} s window (a replay, or clocks out of step: sync them with NTP)"
+                f"{label} was signed {when}, outside the {self.max_age_s:g} s window "
+                "(a replay, or clocks out of step: sync them with NTP)"
             )
         with self._lock:
             for nonce in [n for n, until in self._seen.items() if until < now]:
                 del self._seen[nonce]
             if parsed.nonce in self._seen:
-                raise ControlRefused(f"{command} replayed: its nonce was already accepted")
+                raise ControlRefused(f"{label} replayed: its nonce was already accepted")
             if len(self._seen) >= self._max_nonces:
                 raise ControlRefused(
-                    f"{command} refused: {len(self._seen)} signed commands within "
+                    f"{label} refused: {len(self._seen)} signed commands within "
                     f"{self.max_age_s:g} s; retry shortly")
             self._seen[parsed.nonce] = parsed.issued_at + self.max_age_s

@@ -244,10 +244,10 @@ class ControlAuth(_Message):
     ``destination`` that does not name it (None: every worker).
     """
 
-    issued_at: float
-    nonce: str = Field(min_length=16, max_length=64)
+    issued_at: float = Field(allow_inf_nan=False)
+    nonce: str = Field(pattern=r"^[0-9A-Za-z_-]{16,64}$")
     destination: list[str] | None = None
-    hmac: str = Field(min_length=64, max_length=64)
+    hmac: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 # --------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def _rt() -> WorkerRuntime:
 def rq_weight_sync(state: Any, plan: dict[str, Any], auth: dict[str, Any] | None = None) -> dict[str, Any]:
     runtime = _rt()
     try:
-        runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth)
+        runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
     except ControlRefused as exc:
         # No "accepted" ack for a command we cannot trust: a forger replaying a
         # real sync's id must not be able to drop a worker from that sync.
@@ -146,8 +146,11 @@ def rq_engine(
     runtime = _rt()
     try:
         if op not in READ_ONLY_OPS:
-            runtime.verifier.verify(keys.CONTROL_ENGINE, {"op": op, "args": args}, auth)
+            runtime.verifier.verify(keys.CONTROL_ENGINE, {"op": op, "args": args}, auth, what=op)
         return {"ok": True, "node": runtime.node, "result": engine_op(runtime, op, args or {})}
+    except ControlRefused as exc:
+        log.warning("engine op %s refused: %s", op, exc)
+        return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001  answered to the caller, who raises naming this node
         log.warning("engine op %s failed: %s", op, exc)
         return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
