@@ -41,7 +41,8 @@ READ_ONLY_OPS = frozenset({"info", "stats", "world_size", "weight_checksum", "la
 
 # Celery built-ins of type "control" that stay on: revoke only drops tasks (how
 # producers cancel them), enable_events and heartbeat only make the worker send
-# events (Flower calls enable_events). Every other built-in control command
+# events (Flower calls enable_events). (The inspect command "hello" can also add
+# revoked ids: the same power as revoke.) Every other built-in control command
 # (shutdown, pool_restart, pool_grow/shrink, autoscale, add/cancel_consumer,
 # rate_limit, time_limit, terminate, election, disable_events...) is refused
 # unless the worker runs with --allow-celery-control.
