@@ -2,8 +2,9 @@
 
 The trigger arrives as a remote-control command (``workers.control``), which
 checks its signature (``tasks.auth``) and calls :meth:`SyncParticipant.accept`
-in Celery's consumer loop: it checks the plan and the manifest, answers at once, and hands the rest to a thread
-(:meth:`SyncParticipant.run`), which reports through Redis:
+in Celery's consumer loop: it checks the plan and the manifest, answers at
+once, and hands the rest to a thread (:meth:`SyncParticipant.run`), which
+reports through Redis:
 
     accept   (HMAC checked before) protocol, membership,
              manifest names/shapes/dtype                       → push "accepted" ack
