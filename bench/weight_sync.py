@@ -93,6 +93,8 @@ def main() -> int:
         os.environ["REDIS_URL"] = url
         from tasks import app, keys, sync_weights, transport
         from tasks.app import configure
+        from tasks.app import settings as client_settings
+        from tasks.auth import signed_arguments
         from tasks.settings import ClientSettings, SyncSettings
 
         configure(ClientSettings())
@@ -140,8 +142,10 @@ def main() -> int:
 
         def engine_op(op: str, op_args: dict, timeout: float) -> list:
             """One control round trip to the worker's engine; its results."""
+            arguments = signed_arguments(keys.CONTROL_ENGINE, {"op": op, "args": op_args},
+                                         client_settings().weight_sync_secret, destination=[worker])
             replies = app.control.broadcast(
-                keys.CONTROL_ENGINE, arguments={"op": op, "args": op_args},
+                keys.CONTROL_ENGINE, arguments=arguments,
                 destination=[worker], reply=True, timeout=timeout, limit=1,
             )
             bodies = [body for r in replies or [] for body in r.values()]

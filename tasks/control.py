@@ -10,6 +10,12 @@ given) or to the named ``workers``, waits for one reply per worker until
     ...                               # optimizer step
     control.wake_up(["weights"]); sync_weights.broadcast(model); control.wake_up(["kv_cache"])
 
+Commands that change a worker's state are signed with ``WEIGHT_SYNC_SECRET``
+(``ClientSettings.weight_sync_secret``, see ``tasks.auth``); a worker refuses
+them unsigned or wrongly signed, and that refusal comes back as
+:class:`ControlFailed`. Read-only ones (``engine_stats``, ``world_size``)
+travel unsigned.
+
 Raises :class:`ControlTimeout` naming the workers that did not answer,
 :class:`ControlFailed` naming those that answered with an error (the others'
 replies ride along), and :class:`ControlError` when there is nobody to ask.
@@ -24,6 +30,7 @@ from typing import Any
 
 from tasks import keys, registry
 from tasks.app import app, settings
+from tasks.auth import signed_arguments
 from tasks.errors import ControlError, ControlFailed, ControlTimeout
 
 DEFAULT_TIMEOUT = 10.0
@@ -71,9 +78,11 @@ def engine_command(
 ) -> dict[str, Any]:
     """Send ``rq_engine(op, args)`` and collect ``{node: result}`` from every target."""
     destination = _destination(workers, pool)
+    arguments = signed_arguments(keys.CONTROL_ENGINE, {"op": op, "args": dict(args or {})},
+                                 settings().weight_sync_secret, destination=destination)
     replies = app.control.broadcast(
         keys.CONTROL_ENGINE,
-        arguments={"op": op, "args": dict(args or {})},
+        arguments=arguments,
         destination=destination,
         reply=True,
         timeout=timeout,

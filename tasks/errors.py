@@ -12,7 +12,8 @@
     ├── DeadLetterNotFound        no dead letter with that id (``rollout-queue dead-letters``)
     ├── ControlError              a control command (sleep, pause, stats...) failed
     │   ├── ControlTimeout        workers did not answer in time
-    │   └── ControlFailed         workers answered with an error
+    │   ├── ControlFailed         workers answered with an error
+    │   └── ControlRefused        (worker side) unsigned, wrongly signed, expired or replayed command
     ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
     ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
     ├── GatewayError              the HTTP gateway refused or gave up on a request
@@ -82,6 +83,11 @@ class BrokerUnavailable(RolloutError, ConnectionError):
 
 class ControlError(RolloutError):
     """A control command sent to workers failed (or found no worker to send to)."""
+
+
+class ControlRefused(ControlError):
+    """A worker refused a control command: unsigned, wrongly signed, expired, replayed,
+    addressed to other workers, or a Celery built-in this worker has disabled."""
 
 
 class RedeliveryLimitReached(RolloutError):

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-PROTOCOL_VERSION = 3  # 3: the manifest travels by digest
+PROTOCOL_VERSION = 4  # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth)
 
 # What the engine can carry. vLLM holds token ids, top-k and token counts in
 # int32 tensors, and msgspec (its engine-core IPC) refuses ints beyond 64 bits
@@ -256,6 +256,27 @@ class GenerationResult(_Message):
 
 
 # --------------------------------------------------------------------------
+# Remote control
+# --------------------------------------------------------------------------
+
+
+class ControlAuth(_Message):
+    """The signature a state-changing control command carries (its ``auth`` argument).
+
+    ``hmac`` is HMAC-SHA256, keyed with ``WEIGHT_SYNC_SECRET``, over the
+    command's name, its other arguments and the fields below
+    (``tasks.auth.signing_payload``). A worker refuses it outside a short
+    window around ``issued_at``, a ``nonce`` it has already seen, and a
+    ``destination`` that does not name it (None: every worker).
+    """
+
+    issued_at: float = Field(allow_inf_nan=False)
+    nonce: str = Field(pattern=r"^[0-9A-Za-z_-]{16,64}$")
+    destination: list[str] | None = None
+    hmac: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+# --------------------------------------------------------------------------
 # Worker registry
 # --------------------------------------------------------------------------
 
@@ -351,7 +372,7 @@ class Manifest(_Message):
 
 
 class SyncPlan(_Message):
-    """The one broadcast that triggers a sync. Signed when a secret is set."""
+    """The one broadcast that triggers a sync (signed with the command: ``ControlAuth``)."""
 
     protocol: int = PROTOCOL_VERSION
     epoch: int
@@ -372,11 +393,6 @@ class SyncPlan(_Message):
     manifest_digest: str
     manifest: Manifest | None = Field(default=None, exclude=True)
     issued_at: float
-    hmac: str | None = None
-
-    def signing_payload(self) -> bytes:
-        body = self.model_dump(mode="json", exclude={"hmac"})
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 class SyncAccepted(_Message):

@@ -50,6 +50,9 @@ class ClientSettings(BaseSettings):
     redis_tls_ca_file: str | None = None
     redis_tls_certfile: str | None = None
     redis_tls_keyfile: str | None = None
+    # HMAC key of every state-changing control command (tasks/auth.py): workers
+    # refuse commands not signed with it. The same value on every process.
+    weight_sync_secret: SecretStr | None = None
 
     @model_validator(mode="after")
     def _visibility_above_time_limit(self) -> ClientSettings:
@@ -99,5 +102,6 @@ class SyncSettings(BaseSettings):
     # A worker loading directly (CUDA) receives them straight into the
     # parameters that hold them (workers/inplace.py).
     direct_bytes: int = Field(default=16 << 20, ge=0)
+    # HMAC key the sync trigger is signed with; the workers' WEIGHT_SYNC_SECRET.
     weight_sync_secret: SecretStr | None = None
     timeouts: SyncTimeouts = SyncTimeouts()

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from tasks import keys, transport
 from tasks.app import app
 from tasks.app import settings as client_settings
-from tasks.auth import sign_plan
+from tasks.auth import signed_arguments
 from tasks.errors import (
     ManifestMismatch,
     NoWorkers,
@@ -312,15 +312,13 @@ class WeightSender:
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
             manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
         )
-        secret = self.settings.weight_sync_secret
-        if secret is not None:
-            plan = plan.model_copy(update={"hmac": sign_plan(plan, secret.get_secret_value())})
+        arguments = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
+                                     self.settings.weight_sync_secret, destination=list(plan.members))
         timeout = min(self.settings.timeouts.trigger, max(deadline - time.monotonic(), 0.1))
         self._acks = {}
         t = time.monotonic()
         app.control.broadcast(
-            keys.CONTROL_SYNC, arguments={"plan": plan.model_dump(mode="json")},
-            destination=list(plan.members), reply=False,
+            keys.CONTROL_SYNC, arguments=arguments, destination=list(plan.members), reply=False,
         )
         published = time.monotonic()
         answers = self._collect(plan, "accepted", set(plan.members), time.monotonic() + timeout)
@@ -341,7 +339,9 @@ class WeightSender:
         if len(missing) == len(plan.members):
             self._decide(plan, SyncDecision(go=False, reason="no worker answered"))
             raise WorkerLost(
-                f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))}",
+                f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))} "
+                "(a worker does not answer a trigger that is not signed with its WEIGHT_SYNC_SECRET: "
+                "check that the trainer has the workers' secret)",
                 phase="trigger", workers=missing,
             )
         return plan, {node: "did not answer the trigger" for node in missing}

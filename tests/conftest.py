@@ -26,6 +26,9 @@ TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 
 def pytest_configure(config: pytest.Config) -> None:
     install_guard()  # an interrupted run leaves no worker or Redis behind
+
+# Workers and this process's producer share it: control commands are signed.
+CONTROL_SECRET = "tests-control-secret-5f0c2a"
 MODELS = ROOT / ".models"
 MAX_MODEL_LEN = 512
 
@@ -65,7 +68,7 @@ def redis_url() -> Iterator[str]:
     from tasks.app import configure
     from tasks.settings import ClientSettings
 
-    configure(ClientSettings())
+    configure(ClientSettings(weight_sync_secret=CONTROL_SECRET))
     yield url
     if proc is not None:
         proc.stop()
@@ -131,7 +134,8 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--name", name, "--max-inflight", str(max_inflight),
             "--queues", queue, "--pool", pool,
         ] + (extra or [])
-        proc = Proc(name.replace("@", "-"), argv, env={"REDIS_URL": url or redis_url, **(env or {})})
+        proc = Proc(name.replace("@", "-"), argv,
+                    env={"REDIS_URL": url or redis_url, "WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)
         if wait:
             client = redis_client if url is None else redis_lib.Redis.from_url(url, decode_responses=True)

@@ -1,5 +1,8 @@
 """Security: no pickle, Redis behind a password (and TLS where the machine's
-redis-server has it), secrets out of logs and reprs, signed sync commands.
+redis-server has it), secrets out of logs and reprs, a signed control plane
+(every state-changing command refused unsigned, wrongly signed, expired,
+replayed or misaddressed; Celery's own state-changing commands disabled), and
+no worker without a secret unless it is told ``--insecure-control``.
 
 One worker (``sec@tests``, queue and pool ``sec``) runs against a private
 server that requires a password, over TLS with a self-signed certificate
@@ -10,8 +13,11 @@ test is skipped, saying so). The worker has a ``WEIGHT_SYNC_SECRET``.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pickle
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +33,14 @@ from pydantic import SecretStr
 
 from tasks import keys
 from tasks.app import redis_tls_options
-from tasks.errors import BrokerUnavailable, InvalidRequest
+from tasks.auth import CommandVerifier, sign_command, signed_arguments
+from tasks.errors import BrokerUnavailable, ControlRefused, InvalidRequest
 from tasks.registry import connect
 from tasks.schemas import Manifest, SyncPlan, WorkerInfo
 from tasks.settings import ClientSettings
 from tests.conftest import WorkerStarter
 from tests.private_redis import RedisServer, client_app, tls_redis_binary
-from tests.procs import Proc, free_port
+from tests.procs import Proc, free_port, python
 from workers.settings import WorkerSettings
 
 QUEUE = POOL = "sec"
@@ -206,39 +213,285 @@ def test_producers_send_json_only_and_refuse_pickle_payloads() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Signed weight-sync commands
+# The signed control plane
 # ---------------------------------------------------------------------------
 
 
-def test_an_unsigned_or_wrongly_signed_sync_command_is_refused_and_logged(
+def send(app: Any, command: str, arguments: dict[str, Any], timeout: float = 10) -> Any:
+    """One control command to the module's worker; its answer."""
+    replies = app.control.broadcast(command, arguments=arguments, destination=[NODE], reply=True,
+                                    timeout=timeout, limit=1)
+    assert replies, f"{NODE} did not answer {command} within {timeout}s"
+    return replies[0][NODE]
+
+
+def signed(command: str, arguments: dict[str, Any], secret: str = SYNC_SECRET, **how: Any) -> dict[str, Any]:
+    """``arguments`` with an ``auth`` (``how``: destination, issued_at, nonce)."""
+    how.setdefault("destination", [NODE])
+    return {**arguments, "auth": sign_command(command, arguments, secret, **how).model_dump()}
+
+
+def worker_state(server: RedisServer) -> WorkerInfo:
+    return WorkerInfo.model_validate_json(server.client().get(keys.worker_key(NODE)))
+
+
+def assert_serving(server: RedisServer, producer: Any, sec_worker: Proc, what: str) -> None:
+    """The worker is alive, registered as serving, and completes a generate task."""
+    assert sec_worker.alive(), f"{NODE} died after {what}:\n{sec_worker.tail()}"
+    info = worker_state(server)
+    assert info.state == "serving" and info.weight_version == 0, (what, info)
+    assert run(producer, [f"after {what}"], {"max_tokens": 2})["worker"] == NODE
+
+
+# State-changing rq_engine ops and arguments they would take.
+ENGINE_OPS: dict[str, dict[str, Any]] = {
+    "pause": {},
+    "resume": {},
+    "reset_prefix_cache": {},
+    "sleep": {"level": 1},
+    "wake_up": {"tags": None},
+    "receive_one": {"name": "model.embed_tokens.weight", "dtype": "float32", "shape": [4, 4]},
+    "receive_raw": {"sizes": [1024]},
+}
+
+
+def test_the_verifier_refuses_unsigned_wrong_tampered_expired_replayed_and_misaddressed_commands() -> None:
+    now = [1000.0]
+    verifier = CommandVerifier(NODE, "k" * 32, max_age_s=30.0, clock=lambda: now[0])
+    args = {"op": "pause", "args": {}}
+
+    def auth(**how: Any) -> dict[str, Any]:
+        how.setdefault("issued_at", now[0])
+        secret = how.pop("secret", "k" * 32)
+        return sign_command(keys.CONTROL_ENGINE, args, secret, **how).model_dump()
+
+    good = auth(destination=[NODE])
+    verifier.verify(keys.CONTROL_ENGINE, args, good)
+    cases = {
+        "unsigned": (args, None),
+        "wrongly signed": (args, auth(secret="other")),
+        "wrongly signed ": ({"op": "resume", "args": {}}, auth()),  # signed for pause, sent as resume
+        "malformed": (args, {"hmac": "x"}),
+        "outside the 30 s window": (args, auth(issued_at=now[0] - 31)),
+        "outside the 30 s window ": (args, auth(issued_at=now[0] + 31)),  # from the future
+        "replayed": (args, good),
+        "signed for other@tests": (args, auth(destination=["other@tests"])),
+    }
+    for reason, (arguments, signature) in cases.items():
+        with pytest.raises(ControlRefused, match=reason.strip()):
+            verifier.verify(keys.CONTROL_ENGINE, arguments, signature)
+    verifier.verify(keys.CONTROL_ENGINE, args, auth())  # a fresh nonce, no destination: accepted
+    now[0] += 31  # the first nonce has expired from memory; its replay is now refused by the window
+    with pytest.raises(ControlRefused, match="window"):
+        verifier.verify(keys.CONTROL_ENGINE, args, good)
+    # Read from the wire as they travel: a signature survives Celery's JSON.
+    wire = json.loads(json.dumps(signed_arguments(keys.CONTROL_ENGINE, args, "k" * 32, destination=[NODE])))
+    CommandVerifier(NODE, "k" * 32).verify(keys.CONTROL_ENGINE, args, wire["auth"])
+    CommandVerifier(NODE, None).verify(keys.CONTROL_ENGINE, args, None)  # --insecure-control
+
+
+@pytest.mark.parametrize("op", sorted(ENGINE_OPS))
+def test_a_state_changing_engine_op_is_refused_unsigned_wrongly_signed_expired_or_misaddressed(
+    sec_worker: Proc, producer: Any, secure_server: RedisServer, op: str
+) -> None:
+    app, _ = producer
+    base = {"op": op, "args": ENGINE_OPS[op]}
+    forged = {
+        "unsigned": base,
+        "wrongly signed": signed(keys.CONTROL_ENGINE, base, secret="not-the-secret"),
+        "wrongly signed ": {**signed(keys.CONTROL_ENGINE, {"op": "info", "args": {}}), "op": op,
+                            "args": ENGINE_OPS[op]},  # a signature lifted from another command
+        "window": signed(keys.CONTROL_ENGINE, base, issued_at=time.time() - 120),  # a replay, 2 min on
+        "signed for other@tests": signed(keys.CONTROL_ENGINE, base, destination=["other@tests"]),
+    }
+    for reason, arguments in forged.items():
+        answer = send(app, keys.CONTROL_ENGINE, arguments)
+        assert answer["ok"] is False, (reason, answer)
+        assert answer["error"].startswith("ControlRefused:") and reason.strip() in answer["error"], answer
+    assert_serving(secure_server, producer, sec_worker, f"forged {op} commands")
+
+
+def test_rightly_signed_pause_and_resume_work_once_and_their_replay_is_refused(
     sec_worker: Proc, producer: Any, secure_server: RedisServer
 ) -> None:
     app, _ = producer
-    plan = SyncPlan(
-        epoch=424242, sync_id=uuid.uuid4().hex, version=99, pause="wait", store_host="127.0.0.1", store_port=1,
-        members={NODE: 1}, backend="gloo", manifest_digest=Manifest(tensors=[], bucket_sizes=[]).wire()[1],
-        issued_at=time.time(),
-    ).model_dump(mode="json")
-    from tasks.auth import sign_plan
+    pause = signed(keys.CONTROL_ENGINE, {"op": "pause", "args": {}})
+    resume = signed(keys.CONTROL_ENGINE, {"op": "resume", "args": {}})
+    try:
+        assert send(app, keys.CONTROL_ENGINE, pause) == {"ok": True, "node": NODE, "result": "paused"}
+        assert worker_state(secure_server).state == "paused"
+        assert send(app, keys.CONTROL_ENGINE, resume)["result"] == "serving"
+        for replay in (pause, resume):
+            answer = send(app, keys.CONTROL_ENGINE, replay)
+            assert answer["ok"] is False and "replayed" in answer["error"], answer
+    finally:
+        send(app, keys.CONTROL_ENGINE, signed(keys.CONTROL_ENGINE, {"op": "resume", "args": {}}))
+    assert_serving(secure_server, producer, sec_worker, "a signed pause, resume and their replays")
 
-    for forged in (None, "0" * 64, sign_plan(SyncPlan.model_validate(plan), "not-the-secret")):
-        replies = app.control.broadcast(
-            keys.CONTROL_SYNC, arguments={"plan": {**plan, "hmac": forged}},
-            destination=[NODE], reply=True, timeout=5,
-        )
-        answer = replies[0][NODE]
-        assert answer["ok"] is False and "signed" in answer["error"]
-    # Rightly signed, but naming a manifest that was never stored: refused, and said why.
-    signed = sign_plan(SyncPlan.model_validate(plan), SYNC_SECRET)
-    replies = app.control.broadcast(
-        keys.CONTROL_SYNC, arguments={"plan": {**plan, "hmac": signed}}, destination=[NODE], reply=True, timeout=5,
-    )
-    answer = replies[0][NODE]
-    assert answer["ok"] is False and "not in Redis" in answer["error"]
+
+def test_rightly_signed_cache_reset_sleep_and_wake_reach_the_engine(
+    sec_worker: Proc, producer: Any, secure_server: RedisServer
+) -> None:
+    app, _ = producer
+    reset = signed(keys.CONTROL_ENGINE, {"op": "reset_prefix_cache", "args": {}})
+    assert send(app, keys.CONTROL_ENGINE, reset) == {"ok": True, "node": NODE, "result": True}
+    # vLLM's CPU platform has no sleep mode: past the signature, the engine says so.
+    for op in ("sleep", "wake_up"):
+        answer = send(app, keys.CONTROL_ENGINE, signed(keys.CONTROL_ENGINE, {"op": op, "args": ENGINE_OPS[op]}))
+        assert answer["ok"] is False and answer["error"].startswith("EngineError:"), answer
+        assert "sleep mode is not supported" in answer["error"]
+    assert_serving(secure_server, producer, sec_worker, "signed reset, sleep and wake")
+
+
+def test_read_only_engine_ops_answer_unsigned(sec_worker: Proc, producer: Any) -> None:
+    app, _ = producer
+    for op in ("info", "stats", "world_size"):
+        answer = send(app, keys.CONTROL_ENGINE, {"op": op, "args": {}})
+        assert answer["ok"] is True, answer
+    assert send(app, keys.CONTROL_ENGINE, {"op": "stats", "args": {}})["result"]["state"] == "serving"
+
+
+def _forged_plan(**changes: Any) -> dict[str, Any]:
+    return SyncPlan(
+        epoch=424242, sync_id=uuid.uuid4().hex, version=99, pause="abort", store_host="127.0.0.1",
+        store_port=1, members={NODE: 1}, backend="gloo",
+        manifest_digest=Manifest(tensors=[], bucket_sizes=[]).wire()[1], issued_at=time.time(),
+    ).model_dump(mode="json") | changes
+
+
+def test_an_unsigned_abort_sync_is_refused_and_requests_in_flight_finish(
+    sec_worker: Proc, producer: Any, secure_server: RedisServer
+) -> None:
+    app, task = producer
+    long = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+    handle = task.apply_async((["in flight"] * 8, long), queue=QUEUE)
+
+    def in_flight() -> bool:  # the live count (read-only op), not the heartbeat's
+        return bool(send(app, keys.CONTROL_ENGINE, {"op": "info", "args": {}})["result"]["inflight_requests"])
+
+    sec_worker.wait_until(in_flight, 60, "the requests to be in flight")
+    plan = _forged_plan()
+    forged = {
+        "unsigned": {"plan": plan},
+        "wrongly signed": signed(keys.CONTROL_SYNC, {"plan": plan}, secret="not-the-secret"),
+        "window": signed(keys.CONTROL_SYNC, {"plan": plan}, issued_at=time.time() - 120),
+        "signed for other@tests": signed(keys.CONTROL_SYNC, {"plan": plan}, destination=["other@tests"]),
+    }
+    for reason, arguments in forged.items():
+        answer = send(app, keys.CONTROL_SYNC, arguments)
+        assert answer["ok"] is False and reason in answer["error"], answer
+    result = handle.get(timeout=120)
+    assert all(o["samples"][0]["finish_reason"] == "length" for o in result["outputs"])  # none aborted
+    assert all(len(o["samples"][0]["token_ids"]) == 400 for o in result["outputs"])
+    assert secure_server.client().llen(keys.sync_acks(plan["sync_id"], "accepted")) == 0  # no ack
     log = sec_worker.log_path.read_text(errors="replace")
-    assert "weight sync epoch 424242 refused" in log
-    info = WorkerInfo.model_validate_json(secure_server.client().get(keys.worker_key(NODE)))
-    assert info.weight_version == 0 and info.state == "serving"
+    assert "weight sync epoch 424242 refused: " in log
+    assert_serving(secure_server, producer, sec_worker, "forged sync plans")
+
+
+def test_a_rightly_signed_sync_gets_past_the_signature_once(
+    sec_worker: Proc, producer: Any, secure_server: RedisServer
+) -> None:
+    app, _ = producer
+    # Rightly signed, but naming a manifest that was never stored: refused, and said why.
+    arguments = signed(keys.CONTROL_SYNC, {"plan": _forged_plan(pause="wait")})
+    answer = send(app, keys.CONTROL_SYNC, arguments)
+    assert answer["ok"] is False and "not in Redis" in answer["error"], answer
+    replay = send(app, keys.CONTROL_SYNC, arguments)
+    assert replay["ok"] is False and "replayed" in replay["error"], replay
+    assert_serving(secure_server, producer, sec_worker, "a signed sync naming no stored manifest")
+
+
+# Celery's state-changing built-ins and arguments they take.
+CELERY_COMMANDS: dict[str, dict[str, Any]] = {
+    "shutdown": {},
+    "pool_restart": {"reload": False},
+    "pool_grow": {"n": 1},
+    "pool_shrink": {"n": 1},
+    "autoscale": {"max": 8, "min": 1},
+    "add_consumer": {"queue": "stolen"},
+    "cancel_consumer": {"queue": QUEUE},
+    "rate_limit": {"task_name": keys.GENERATE_TASK, "rate_limit": "1/h"},
+    "time_limit": {"task_name": keys.GENERATE_TASK, "soft": 1, "hard": 2},
+    "terminate": {"signal": "SIGKILL", "task_id": "x"},
+    "disable_events": {},
+}
+
+
+def test_celery_state_changing_builtins_are_disabled_but_inspect_and_revoke_stay(
+    sec_worker: Proc, producer: Any, secure_server: RedisServer
+) -> None:
+    from celery.worker.control import Panel
+
+    from workers.control import disabled_celery_commands
+
+    disabled = set(disabled_celery_commands(Panel.meta, Panel.data))
+    assert set(CELERY_COMMANDS) <= disabled
+    assert not disabled & {"revoke", "ping", "stats", "active", "registered", "active_queues",
+                           "enable_events", keys.CONTROL_ENGINE, keys.CONTROL_SYNC}
+    app, _ = producer
+    for command, arguments in CELERY_COMMANDS.items():
+        answer = send(app, command, arguments)
+        assert "disabled on this worker" in answer.get("error", ""), (command, answer)
+    # Celery's own helper, fire-and-forget as Flower sends it.
+    app.control.shutdown(destination=[NODE])
+    inspect = app.control.inspect(destination=[NODE], timeout=10)
+    assert inspect.ping() == {NODE: {"ok": "pong"}}  # answered after the shutdown: it was refused
+    queues = [q["name"] for q in (inspect.active_queues() or {})[NODE]]
+    assert queues == [QUEUE]
+    assert NODE in (inspect.stats() or {}) and keys.GENERATE_TASK in (inspect.registered() or {})[NODE]
+    revoked = app.control.revoke(uuid.uuid4().hex, destination=[NODE], reply=True, timeout=10)
+    assert "revoked" in revoked[0][NODE]["ok"]
+    assert_serving(secure_server, producer, sec_worker, "Celery's shutdown and friends")
+
+
+# ---------------------------------------------------------------------------
+# No secret, no start
+# ---------------------------------------------------------------------------
+
+
+def _worker_cli(*flags: str, secret: str | None = None, timeout: float = 120) -> tuple[int, str, float]:
+    env = {k: v for k, v in os.environ.items() if k not in ("WEIGHT_SYNC_SECRET", "RQ_INSECURE_CONTROL")}
+    if secret is not None:
+        env["WEIGHT_SYNC_SECRET"] = secret
+    argv = [python(), "-m", "workers", "worker", "--model", "/nonexistent/model", "--device", "cpu",
+            "--name", "nosecret@tests", "--queues", "nosecret", "--pool", "nosecret",
+            "--redis-url", "redis://127.0.0.1:1/0", *flags]
+    t = time.monotonic()
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    return out.returncode, out.stdout + out.stderr, time.monotonic() - t
+
+
+def test_a_worker_without_a_secret_exits_2_before_loading_the_engine() -> None:
+    for secret in (None, ""):
+        code, output, seconds = _worker_cli(secret=secret)
+        assert code == 2, output
+        lines = output.strip().splitlines()
+        assert len(lines) == 1 and "WEIGHT_SYNC_SECRET is not set" in lines[0]
+        assert "--insecure-control" in lines[0]
+        assert seconds < 30, f"took {seconds:.1f}s: the check must come before the engine loads"
+
+
+def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workers.cli import parser
+
+    monkeypatch.delenv("WEIGHT_SYNC_SECRET", raising=False)
+    monkeypatch.delenv("RQ_INSECURE_CONTROL", raising=False)
+    assert WorkerSettings(model="m").insecure_start_refusal() is not None
+    assert WorkerSettings(model="m", weight_sync_secret=SYNC_SECRET).insecure_start_refusal() is None
+    flags = vars(parser().parse_args(["worker", "--model", "m", "--insecure-control"]))
+    assert flags["insecure_control"] is True
+    assert WorkerSettings(model="m", insecure_control=True).insecure_start_refusal() is None
+    monkeypatch.setenv("RQ_INSECURE_CONTROL", "1")
+    assert WorkerSettings(model="m").insecure_start_refusal() is None
+    # The real CLI with the flag gets past the check to the engine (which fails
+    # on the missing model: exit 3, not 2). The quickstart test starts a whole
+    # worker this way (workers/localstack.py passes --insecure-control).
+    code, output, _ = _worker_cli("--insecure-control")
+    assert code == 3 and "could not load model '/nonexistent/model'" in output, output
+    assert "control commands are NOT signed" in output and "WEIGHT_SYNC_SECRET is not set" not in output
 
 
 # ---------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tasks import keys, transport
-from tasks.auth import plan_signature_ok, sign_plan
-from tasks.errors import WeightSyncError
+from tasks.auth import CommandVerifier, signed_arguments
+from tasks.errors import ControlRefused, WeightSyncError
 from tasks.schemas import Manifest, SyncAck, SyncPlan
 from tasks.sync_weights import named_tensors
 from tests.procs import ROOT, free_port
@@ -119,16 +119,22 @@ def _plan(**updates: object) -> SyncPlan:
     return plan.model_copy(update=updates)
 
 
-def test_plan_signature_detects_any_change_and_a_wrong_secret() -> None:
-    plan = _plan()
-    signed = plan.model_copy(update={"hmac": sign_plan(plan, "s3cret")})
-    assert plan_signature_ok(signed, "s3cret")
-    assert not plan_signature_ok(signed, "other")
-    assert not plan_signature_ok(plan, "s3cret")  # unsigned
-    tampered = signed.model_copy(update={"version": 4})
-    assert not plan_signature_ok(tampered, "s3cret")
-    other_manifest = signed.model_copy(update={"manifest_digest": "0" * 64})
-    assert not plan_signature_ok(other_manifest, "s3cret")
+def test_sync_trigger_signature_detects_any_change_to_the_plan_and_a_wrong_secret() -> None:
+    plan = _plan(issued_at=time.time()).model_dump(mode="json")
+
+    def check(secret: str, arguments: dict[str, Any]) -> None:
+        verifier = CommandVerifier("w@h", secret)
+        verifier.verify(keys.CONTROL_SYNC, {"plan": arguments["plan"]}, arguments.get("auth"))
+
+    signed = signed_arguments(keys.CONTROL_SYNC, {"plan": plan}, "s3cret", destination=["w@h"])
+    check("s3cret", signed)
+    with pytest.raises(ControlRefused, match="wrongly signed"):
+        check("other", signed)
+    with pytest.raises(ControlRefused, match="unsigned"):
+        check("s3cret", {"plan": plan})
+    for change in ({"version": 4}, {"manifest_digest": "0" * 64}, {"pause": "abort"}, {"members": {"x@h": 1}}):
+        with pytest.raises(ControlRefused, match="wrongly signed"):
+            check("s3cret", {**signed, "plan": {**plan, **change}})
 
 
 def test_the_manifest_travels_by_digest_and_a_changed_one_is_refused() -> None:
@@ -393,7 +399,7 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker(redis_client: Any)
             self.calls.append(("resume", version))
 
     host, states, fences = Host(), [], []
-    participant = SyncParticipant(host, "w@h", redis_client, None, states.append, fences.append)  # type: ignore[arg-type]
+    participant = SyncParticipant(host, "w@h", redis_client, states.append, fences.append)  # type: ignore[arg-type]
     plan = _plan(sync_id=f"pause-fails-{time.time()}")
     participant.run(plan)
     assert host.calls == [("pause", "wait"), ("resume", None)]

@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tasks import app, generate, keys, sync_weights, transport
+from tasks.auth import signed_arguments
 from tasks.errors import ManifestMismatch, WorkerLost
 from tasks.registry import fleet_version, live_workers
 from tasks.settings import SyncSettings, SyncTimeouts
@@ -189,7 +190,7 @@ def test_sync_refuses_a_wrong_manifest_before_any_weight_changes(
     assert all(tokens(r) == references["B"] for r in results_from_both_workers(GREEDY))
 
 
-def test_an_unsigned_sync_command_is_refused(
+def test_an_unsigned_or_wrongly_signed_sync_command_is_refused(
     sync_workers: Any, sender: Any, weights: Any, redis_client: Any
 ) -> None:
     manifest, _ = sender.manifest(list(weights["A"].items()), live_workers(redis_client, POOL), "gloo")
@@ -198,13 +199,14 @@ def test_an_unsigned_sync_command_is_refused(
         "store_port": 1, "members": {"sync0@tests": 1, "sync1@tests": 1}, "backend": "gloo",
         "manifest_digest": manifest.wire()[1], "issued_at": time.time(),
     }
-    for forged in (None, "0" * 64):
+    nodes = ["sync0@tests", "sync1@tests"]
+    wrong = signed_arguments(keys.CONTROL_SYNC, {"plan": plan}, "not-the-secret", destination=nodes)
+    for arguments in ({"plan": plan}, wrong):
         replies = app.control.broadcast(
-            keys.CONTROL_SYNC, arguments={"plan": {**plan, "hmac": forged}},
-            destination=["sync0@tests", "sync1@tests"], reply=True, limit=2, timeout=30,
+            keys.CONTROL_SYNC, arguments=arguments, destination=nodes, reply=True, limit=2, timeout=30,
         )
         answers = {node: body for reply in replies for node, body in reply.items()}
-        assert set(answers) == {"sync0@tests", "sync1@tests"}
+        assert set(answers) == set(nodes)
         assert all(not a["ok"] and "signed" in a["error"] for a in answers.values())
     assert set(pool_versions(redis_client).values()) == {2}
 

@@ -89,6 +89,12 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--queues", type=lambda s: s.split(","), help="queues to consume, comma-separated")
     w.add_argument("--redis-url")
     w.add_argument("--log-level")
+    w.add_argument("--insecure-control", action="store_true", default=None,
+                   help="start without WEIGHT_SYNC_SECRET: accept unsigned control commands from any "
+                        "Redis client (loopback-only setups; env RQ_INSECURE_CONTROL=1)")
+    w.add_argument("--allow-celery-control", action="store_true", default=None,
+                   help="accept Celery's unsigned state-changing control commands (shutdown, "
+                        "pool_restart, add_consumer...; env RQ_ALLOW_CELERY_CONTROL=1)")
     w.set_defaults(func=_worker)
 
     m = sub.add_parser("make-tiny-model", help="write a small random model for tests")

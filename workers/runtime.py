@@ -1,7 +1,7 @@
 """``WorkerRuntime``: one worker node's parts, their state, and its heartbeat.
 
 Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
-through, the ``SyncParticipant``, the registry heartbeat (a thread writing
+through, the ``SyncParticipant``, the ``CommandVerifier`` of signed control commands, the registry heartbeat (a thread writing
 ``WorkerInfo`` with a TTL) and fencing: a worker whose weights are older than
 the fleet's stops consuming the generate queue until a sync catches it up.
 It also owns the in-flight ledger and the reaper (``workers.reaper``) that
@@ -19,6 +19,7 @@ import redis
 
 from tasks import keys
 from tasks.app import app
+from tasks.auth import CommandVerifier
 from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo, WorkerState
 from workers.dedup import DuplicateGuard
@@ -56,8 +57,9 @@ class WorkerRuntime:
             counter_ttl_s=settings.result_expires,
             ledger=self.ledger,
         )
-        secret = settings.weight_sync_secret.get_secret_value() if settings.weight_sync_secret else None
-        self.sync = SyncParticipant(host, self.node, self.client, secret, self.set_state, self.set_fenced)
+        # Checks the signature of every state-changing control command (workers/control.py).
+        self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s)
+        self.sync = SyncParticipant(host, self.node, self.client, self.set_state, self.set_fenced)
         self.consumer: Any = None
         self._consuming = True
         self._stop = threading.Event()

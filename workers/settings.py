@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field
 
 from tasks.settings import ClientSettings
 
@@ -52,8 +52,33 @@ class WorkerSettings(EngineSettings):
     # Address /metrics listens on: loopback unless a scraper elsewhere needs it
     # (0.0.0.0 in a container whose port only the compose network reaches).
     metrics_host: str = "127.0.0.1"
-    weight_sync_secret: SecretStr | None = None
+    # Without WEIGHT_SYNC_SECRET a worker refuses to start, unless told that an
+    # open control plane is intended (loopback-only setups, the quickstart):
+    # then any Redis client can pause it, sleep it or sync weights into it.
+    insecure_control: bool = Field(
+        False, validation_alias=AliasChoices("insecure_control", "rq_insecure_control"))
+    # Celery's own state-changing control commands (shutdown, pool_restart,
+    # add_consumer, rate_limit...) are unsigned: off unless enabled.
+    allow_celery_control: bool = Field(
+        False, validation_alias=AliasChoices("allow_celery_control", "rq_allow_celery_control"))
+    # A signed command is valid this long either side of its issue time.
+    control_max_age_s: float = Field(30.0, gt=0.0)
     log_level: str = "INFO"
     # A fault for tests (FAULT_DIE_BEFORE_ACK=1): the worker kills itself with
     # SIGKILL when it would ack a task it ran, its result already stored.
     fault_die_before_ack: bool = False
+
+    def control_secret(self) -> str | None:
+        """The HMAC key of signed commands; None when unset or empty."""
+        secret = self.weight_sync_secret.get_secret_value() if self.weight_sync_secret else ""
+        return secret or None
+
+    def insecure_start_refusal(self) -> str | None:
+        """Why this worker must not start (no secret, no ``--insecure-control``), or None."""
+        if self.control_secret() is not None or self.insecure_control:
+            return None
+        return (
+            "rollout-queue worker: WEIGHT_SYNC_SECRET is not set, so any Redis client could pause, "
+            "sleep or load weights into this worker; set WEIGHT_SYNC_SECRET (the same on trainers "
+            "and workers), or pass --insecure-control (RQ_INSECURE_CONTROL=1) for a loopback-only setup"
+        )

@@ -1,11 +1,13 @@
 """The worker's side of a weight sync, driven from the host process.
 
 The trigger arrives as a remote-control command (``workers.control``), which
-calls :meth:`SyncParticipant.accept` in Celery's consumer loop: it checks the
-signature and the manifest, answers at once, and hands the rest to a thread
-(:meth:`SyncParticipant.run`), which reports through Redis:
+checks its signature (``tasks.auth``) and calls :meth:`SyncParticipant.accept`
+in Celery's consumer loop: it checks the plan and the manifest, answers at
+once, and hands the rest to a thread (:meth:`SyncParticipant.run`), which
+reports through Redis:
 
-    accept   HMAC, membership, manifest names/shapes/dtype     → push "accepted" ack
+    accept   (HMAC checked before) protocol, membership,
+             manifest names/shapes/dtype                       → push "accepted" ack
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
              (an idle engine is not paused; its prefix-cache reset starts here)
     decide   wait for the trainer's decision in its TCPStore
@@ -31,7 +33,6 @@ from typing import Any
 import redis
 
 from tasks import keys, transport
-from tasks.auth import plan_signature_ok
 from tasks.errors import ManifestMismatch, SyncRefused
 from tasks.schemas import PROTOCOL_VERSION, Manifest, SyncAccepted, SyncAck, SyncDecision, SyncPlan
 from workers.checkpoint import checkpoint_shapes
@@ -46,14 +47,12 @@ class SyncParticipant:
         host: EngineHost,
         node: str,
         client: redis.Redis,
-        secret: str | None,
         set_state: Callable[[str], None],
         set_fenced: Callable[[str | None], None],
     ) -> None:
         self.host = host
         self.node = node
         self.client = client
-        self.secret = secret
         self.set_state = set_state
         self.set_fenced = set_fenced
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
@@ -73,6 +72,8 @@ class SyncParticipant:
     def accept(self, raw_plan: Any) -> dict[str, Any]:
         """Validate the trigger and start the sync thread; the answer is immediate.
 
+        Called with a plan whose signature the control command has checked.
+
         The answer goes to the trainer as an "accepted" ack (ok=False: refused),
         in the list its "ready" acks follow on; it is also the control reply.
         """
@@ -81,7 +82,6 @@ class SyncParticipant:
         plan: SyncPlan | None = None
         try:
             plan = SyncPlan.model_validate(raw_plan)
-            self._check_signature(plan)
             if plan.protocol != PROTOCOL_VERSION:
                 raise SyncRefused(f"protocol {plan.protocol}; this worker speaks {PROTOCOL_VERSION}")
             if self.node not in plan.members:
@@ -99,19 +99,10 @@ class SyncParticipant:
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync epoch %s refused: %s", epoch, exc)
             error = f"{type(exc).__name__}: {exc}"
-            if plan is not None and (self.secret is None or plan_signature_ok(plan, self.secret)):
-                self._ack(plan, "accepted", False, error=error)  # a forged plan gets no ack
+            if plan is not None:
+                self._ack(plan, "accepted", False, error=error)
             return SyncAccepted(node=self.node, epoch=epoch, ok=False, error=error).model_dump()
         return SyncAccepted(node=self.node, epoch=plan.epoch, ok=True).model_dump()
-
-    def _check_signature(self, plan: SyncPlan) -> None:
-        if self.secret is None:
-            return
-        if not plan_signature_ok(plan, self.secret):
-            raise SyncRefused(
-                "the sync command is unsigned or wrongly signed; the trainer must use the "
-                "same WEIGHT_SYNC_SECRET as the workers"
-            )
 
     def _manifest(self, digest: str) -> Manifest:
         """The manifest a plan names: from the last few seen, or from Redis."""
