@@ -27,6 +27,7 @@ TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 def pytest_configure(config: pytest.Config) -> None:
     install_guard()  # an interrupted run leaves no worker or Redis behind
 
+
 # Workers and this process's producer share it: control commands are signed.
 CONTROL_SECRET = "tests-control-secret-5f0c2a"
 MODELS = ROOT / ".models"
