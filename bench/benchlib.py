@@ -5,6 +5,12 @@ the same ``EngineSettings`` (``workers.offline``), in the same run, with both
 engines loaded side by side and the legs alternated, so a noisy machine
 slows both alike. Each prints exactly one JSON line on stdout; logs go to
 stderr (vLLM's included) and to ``.run/bench/``.
+
+A bench process never runs torch on the CPU itself: on CUDA, vLLM *forks*
+its EngineCore from it, and a fork of a process whose OpenMP pool has started
+deadlocks in libgomp at the child's first parallel op (seen: the offline
+engine hung in ``InputBatch.__init__ -> torch.zeros``). Models are therefore
+built in a child process (:func:`build_model`).
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import json
 import os
 import platform
 import random
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -29,7 +37,7 @@ from pydantic import SecretStr
 
 from tasks.app import configure
 from tasks.settings import ClientSettings
-from workers.localstack import LocalStack, WorkerSpec, default_tiny_model
+from workers.localstack import TINY_MODEL_SEED, LocalStack, WorkerSpec
 from workers.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,16 +102,34 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.model is None:
-        if args.device == "cuda":
-            from workers.tiny_model import make_tiny_model
-
-            path = ROOT / ".models" / "tiny-qwen2-0.5b-seed1"
-            if not (path / "model.safetensors").exists():
-                make_tiny_model(path, seed=1, kind="qwen2-0.5b")
-            args.model = str(path)
-        else:
-            args.model = str(default_tiny_model(ROOT / ".models").resolve())
+        kind = "qwen2-0.5b" if args.device == "cuda" else "llama"
+        args.model = str(build_model(ROOT / ".models", kind, TINY_MODEL_SEED).resolve())
     return args
+
+
+def build_model(models_dir: Path, kind: str, seed: int) -> Path:
+    """The tiny model ``kind``/``seed`` in ``models_dir``, built once, in a child process.
+
+    The child (``python -m workers make-tiny-model``) does the torch CPU work
+    (random init, safetensors) and takes its OpenMP threads with it when it
+    exits: this process stays safe for vLLM to fork from. Built in a scratch
+    folder and renamed into place, so a concurrent reader never sees half a model.
+    """
+    path = models_dir / f"tiny-{kind}-seed{seed}"
+    if (path / "model.safetensors").exists():
+        return path
+    models_dir.mkdir(parents=True, exist_ok=True)
+    scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
+    log(f"building {kind} (seed {seed}) into {path} in a child process")
+    subprocess.run(
+        [sys.executable, "-m", "workers", "make-tiny-model", str(scratch), "--kind", kind, "--seed", str(seed)],
+        cwd=ROOT, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr,  # stdout: the JSON line only
+    )
+    try:
+        scratch.rename(path)
+    except OSError:  # someone else finished first: theirs is the same model
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:

@@ -109,7 +109,11 @@ class PoisonMessage(RolloutError):
 
     def __init__(self, kind: str, message: str) -> None:
         self.kind = kind
-        super().__init__(message)
+        # args = what the constructor takes: Celery rebuilds errors as cls(*args).
+        super().__init__(kind, message)
+
+    def __str__(self) -> str:
+        return str(self.args[1])
 
 
 class DeadLetterNotFound(RolloutError, LookupError):

@@ -200,6 +200,7 @@ ERROR_EXAMPLES: dict[type[BaseException], BaseException] = {
     errors.BadRequest: errors.BadRequest("temperature must be at most 100", param="temperature"),
     errors.WorkerLost: errors.WorkerLost("w@h stopped answering", phase="receive", workers=["w@h"]),
     errors.SyncRefused: errors.SyncRefused("bad signature", phase="trigger", workers=["b", "a"]),
+    errors.PoisonMessage: errors.PoisonMessage("not-json", "item is not JSON: b'[1,'"),
 }
 for _cls in _error_classes():
     if _cls.__module__ == "tasks.errors" and _cls not in ERROR_EXAMPLES:
