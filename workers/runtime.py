@@ -39,7 +39,7 @@ class WorkerRuntime:
         self.state: WorkerState = "starting"
         self.started_at = time.time()
         self.service = GenerationService(
-            host, self.node, settings.task_soft_time_limit, settings.task_time_limit
+            host, self.node, settings.task_soft_time_limit, settings.task_time_limit, self.client
         )
         self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
         self.reaper = Reaper(
