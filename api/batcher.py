@@ -46,6 +46,7 @@ from typing import Any
 from api.metrics import GatewayMetrics
 from api.results import ResultWatcher
 from tasks.errors import (
+    BadRequest,
     BrokerUnavailable,
     GatewaySaturated,
     GenerationTimeout,
@@ -231,7 +232,7 @@ class SignatureBatcher:
                 return
             except Exception as exc:  # noqa: BLE001 - whatever it is, some waiter must get it
                 self._metrics.failed_tasks.labels(error=type(exc).__name__).inc()
-                at_fault = _at_fault(exc, waiters)
+                at_fault = _at_fault(exc, waiters, "messages" if batch.kind == "chat" else "prompt")
                 if at_fault is not None:
                     waiter, error = at_fault
                     if not waiter.future.done():
@@ -306,7 +307,9 @@ class SignatureBatcher:
         await asyncio.gather(*self._running, return_exceptions=True)
 
 
-def _at_fault(exc: Exception, waiters: list[_Waiter]) -> tuple[_Waiter, Exception] | None:
+def _at_fault(
+    exc: Exception, waiters: list[_Waiter], param: str
+) -> tuple[_Waiter, Exception] | None:
     """The waiter whose prompt the worker refused, and the error in its own numbering."""
     if not isinstance(exc, (InvalidRequest, PromptTooLong)):
         return None
@@ -317,7 +320,5 @@ def _at_fault(exc: Exception, waiters: list[_Waiter]) -> tuple[_Waiter, Exceptio
     index = int(found.group(1))
     for waiter in waiters:
         if waiter.offset <= index < waiter.offset + len(waiter.prompts):
-            own = f"prompt {index - waiter.offset}{message[found.end():]}"
-            error_type = type(exc) if type(exc) in (InvalidRequest, PromptTooLong) else InvalidRequest
-            return waiter, error_type(own)
+            return waiter, BadRequest(f"prompt {index - waiter.offset}{message[found.end():]}", param)
     return None

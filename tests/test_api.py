@@ -571,35 +571,44 @@ def _engine_stats() -> dict[str, Any]:
     return control.engine_stats([WORKER], timeout=10)[WORKER]
 
 
+def _raw_post(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
+    )
+
+
 def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gateway) -> None:
-    max_tokens, dropped_prompts = 480, 32
+    max_tokens, dropped_prompts = 96, 8
     params = {"model": MODEL, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     before = _engine_stats()
     assert before["inflight_requests"] == 0, before
 
-    async def scenario() -> httpx.Response:
+    async def scenario() -> dict[str, Any]:
         host, port = gateway.base.removeprefix("http://").split(":")
-        _, writer = await asyncio.open_connection(host, int(port))
-        body = json.dumps({**params, "stream": True,
-                           "prompt": [f"story {i}" for i in range(dropped_prompts)]}).encode()
-        writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
-        )
-        await writer.drain()
-        async with httpx.AsyncClient(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
-            kept = asyncio.ensure_future(_post(client, "completions", json={**params, "prompt": "kept"}))
-            # Drop the streaming request once its prompts are generating.
-            deadline = time.monotonic() + 60
-            while (await asyncio.to_thread(_engine_stats))["running_requests"] < dropped_prompts:
-                assert time.monotonic() < deadline and not kept.done(), "the batch never ran"
-            writer.close()
-            return await kept
+        (_, dropped), (kept_reader, kept) = [await asyncio.open_connection(host, int(port)) for _ in "ab"]
+        # Written back to back: both land in one batch window, so they share a task.
+        dropped.write(_raw_post({**params, "stream": True, "prompt": [f"story {i}" for i in range(dropped_prompts)]}))
+        kept.write(_raw_post({**params, "prompt": "kept"}))
+        await asyncio.gather(dropped.drain(), kept.drain())
+        answer = asyncio.ensure_future(kept_reader.read())  # until the gateway closes: the whole response
+        # Drop the streaming request once its prompts are generating.
+        deadline = time.monotonic() + 60
+        while (await asyncio.to_thread(_engine_stats))["running_requests"] < dropped_prompts + 1:
+            assert time.monotonic() < deadline and not answer.done(), "the batch never ran"
+            await asyncio.sleep(0.1)
+        dropped.close()
+        head, _, body = (await asyncio.wait_for(answer, RESULT_TIMEOUT)).partition(b"\r\n\r\n")
+        kept.close()
+        assert head.startswith(b"HTTP/1.1 200"), head + body
+        return dict(json.loads(body))
 
     kept = asyncio.run(scenario())
-    assert kept.status_code == 200, kept.text
-    assert kept.json()["rollout"]["batch_prompts"] == dropped_prompts + 1  # it shared the task
-    assert kept.json()["usage"]["completion_tokens"] == max_tokens
+    assert kept["rollout"]["batch_prompts"] == dropped_prompts + 1  # it shared the dropped one's task
+    assert kept["usage"]["completion_tokens"] == max_tokens
+    assert kept["choices"][0]["finish_reason"] == "length"
     gateway.proc.wait_until(lambda: _engine_stats()["inflight_requests"] == 0, 60, "the task to end")
     generated = _engine_stats()["generated_tokens"] - before["generated_tokens"]
     dropped_full = dropped_prompts * max_tokens
