@@ -181,6 +181,8 @@ def check_regex(pattern: str | None, param: str) -> None:
     parsed = sre_parse.parse(pattern)
     if parsed.state.groupdict:
         _unsupported(param, "named groups ((?P<name>...))")
+    if parsed.state.flags & ~re.UNICODE:  # set by (?i), (?s), (?x)...; UNICODE is a str's default
+        _unsupported(param, "inline flags ((?i), (?s)...)")
     _walk(parsed, param)
 
 
@@ -189,6 +191,8 @@ _UNSUPPORTED = {
     "ASSERT_NOT": "negative lookahead or lookbehind ((?!...), (?<!...))",
     "GROUPREF": "backreferences (\\1)",
     "GROUPREF_EXISTS": "conditional groups ((?(1)...))",
+    "ATOMIC_GROUP": "atomic groups ((?>...))",
+    "POSSESSIVE_REPEAT": "possessive quantifiers (*+, ++, ?+)",
 }
 _BOUNDARIES = {"AT_BOUNDARY", "AT_NON_BOUNDARY"}
 
@@ -200,6 +204,8 @@ def _walk(parsed: Any, param: str) -> None:
             _unsupported(param, _UNSUPPORTED[name])
         if name == "AT" and str(arg) in _BOUNDARIES:
             _unsupported(param, "word boundaries (\\b, \\B)")
+        if name == "SUBPATTERN" and (arg[1] or arg[2]):  # (?i:...): flags for a group
+            _unsupported(param, "inline flags ((?i:...)...)")
         for sub in _subpatterns(arg):
             _walk(sub, param)
 

@@ -435,13 +435,17 @@ class EngineHost:
         """The error for a request vLLM would not add.
 
         vLLM refuses a request it finds invalid (a regex its grammar backend
-        cannot compile, a token out of range...) with a ``ValueError``: the
-        request's fault, never retried. When earlier prompts of the task were
+        cannot compile, a token out of range...) with a ``VLLMClientError`` or
+        a ``ValueError``: the request's fault, never retried. When earlier prompts of the task were
         accepted, the refusal is about this prompt, and the message names it
         (``prompt <i>``, its index in the task), so a sender that batched
         several requests can tell whose prompt it was.
         """
-        if not isinstance(exc, ValueError) or isinstance(exc, (InvalidRequest, PromptTooLong)):
+        from vllm.exceptions import VLLMClientError
+
+        if not isinstance(exc, (ValueError, VLLMClientError)) or isinstance(
+            exc, (InvalidRequest, PromptTooLong)
+        ):
             return cls._engine_error(exc)
         if position == 0:
             return InvalidRequest(f"the engine refused the request: {exc}")
