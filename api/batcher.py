@@ -182,7 +182,7 @@ class SignatureBatcher:
             return
         if waiter.task_id is not None:
             indices = list(range(waiter.offset, waiter.offset + len(waiter.prompts)))
-            self._metrics.rejected.labels(reason="client_disconnected").inc()
+            self._metrics.aborted.inc()
             self._spawn(self._abort_quietly(waiter.task_id, indices))
 
     async def _abort_quietly(self, task_id: str, indices: list[int]) -> None:

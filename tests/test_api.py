@@ -628,7 +628,7 @@ def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gatew
     dropped_full = dropped_prompts * max_tokens
     # The dropped prompts generated something (they were running), far from all of it.
     assert max_tokens < generated < max_tokens + dropped_full // 2, (generated, dropped_full)
-    assert gateway.metric("rq_api_rejected_total") >= 1
+    assert gateway.metric("rq_api_aborted_requests_total") >= 1
 
 
 _good_prompt = st.text(alphabet="abcdefghij klmnop=+?", min_size=1, max_size=24)
