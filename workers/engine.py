@@ -34,7 +34,7 @@ T = TypeVar("T")
 EXTENSION_CLS = "workers.extension.WeightReceiver"
 # How often a running task reads which of its prompts were given up by their
 # client, and how long an aborted request may take to hand back its output.
-ABORT_POLL_S = 0.5
+ABORT_POLL_S = 0.2
 ABORT_GRACE_S = 10.0
 
 
