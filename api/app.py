@@ -2,46 +2,65 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. ``/v1`` routes need ``Authorization: Bearer <API_TOKEN>``
-when a token is set; ``/health`` and ``/metrics`` are open (probes, scrapers).
+``GET /metrics``; ``/docs``, ``/redoc`` and ``/openapi.json`` only with
+``API_DOCS``. Those and the ``/v1`` routes need ``Authorization: Bearer
+<API_TOKEN>`` when a token is set; ``/health`` and ``/metrics`` are open
+(probes, scrapers).
 
-A request is translated (``api.translate``), handed to the signature
-batcher (``api.batcher``), which sends one ``generate`` task per batch and
-waits on the results (``api.results``) without blocking the loop. Streams
-are sent once the task is done: the whole text arrives in one content chunk
-per choice (the queue returns finished results, not tokens as they come).
+A request is translated (``api.translate``), checked alone (``api.checks``),
+handed to the signature batcher (``api.batcher``), which sends one
+``generate`` task per batch and waits on the results (``api.results``)
+without blocking the loop. Meanwhile the route listens for the client's
+disconnect: a client that goes away has its prompts aborted. Streams are
+sent once the task is done: the whole text arrives in one content chunk per
+choice (the queue returns finished results, not tokens as they come).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
+import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from kombu.exceptions import OperationalError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api import errors, translate
+from api import checks, errors, translate
 from api.batcher import SignatureBatcher
+from api.checks import LimitsReader
 from api.metrics import GatewayMetrics
+from api.middleware import BodyLimit, RequestMetrics
 from api.results import ResultWatcher
 from api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.settings import ApiSettings
 from api.tokens import TokenNamer
+from tasks import keys
 from tasks.app import app as celery_app
 from tasks.app import settings as client_settings_in_force
-from tasks.errors import BrokerUnavailable, ModelNotFound, RolloutError, Unauthorized
+from tasks.errors import (
+    BrokerUnavailable,
+    ClientDisconnected,
+    ModelNotFound,
+    RolloutError,
+    Unauthorized,
+)
 from tasks.generate import generate
 from tasks.registry import connect, live_workers
-from tasks.schemas import SamplingParams
+from tasks.schemas import PromptKind, SamplingParams
 from tasks.settings import ClientSettings
+
+T = TypeVar("T")
 
 log = logging.getLogger("rollout_queue.api")
 
@@ -61,6 +80,7 @@ class Gateway:
         )
         self.batcher = SignatureBatcher(
             self.send,
+            self.abort,
             self.watcher,
             self.metrics,
             window_s=settings.batch_window_ms / 1000.0,
@@ -70,6 +90,8 @@ class Gateway:
         )
         self.namer = TokenNamer(None)
         self._registry = connect(client)
+        self.limits = LimitsReader(self._live_workers, settings.queue, None, settings.limits_refresh_s)
+        self._redis: aioredis.Redis | None = None  # abort sets
 
     def send(self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float) -> None:
         """Enqueue one generate task (runs in a worker thread: kombu blocks)."""
@@ -77,9 +99,41 @@ class Gateway:
             (prompts, params), task_id=task_id, queue=self.settings.queue, expires=expires_s
         )
 
+    async def abort(self, task_id: str, indices: list[int]) -> None:
+        """Ask the task's worker to abort these prompts (their client went away)."""
+        if self._redis is None:
+            self._redis = aioredis.from_url(
+                self.client.redis_url.get_secret_value(), socket_connect_timeout=5
+            )
+        key = keys.abort_key(task_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(key, *indices)
+            pipe.expire(key, int(self.settings.request_timeout_s) + 60)
+            await pipe.execute()
+
+    def _live_workers(self) -> list[Any]:
+        return live_workers(self._registry)
+
+    async def admit(
+        self, body: BaseModel, kind: PromptKind, prompts: list[Any], params: SamplingParams
+    ) -> None:
+        """Every check a request passes alone before it may share a task (``api.checks``)."""
+        settings = self.settings
+        checks.check_prompts(
+            kind, prompts, await self.limits.current(), settings.max_prompt_chars,
+            settings.max_prompt_tokens,
+        )
+        for param in ("regex", "guided_regex"):
+            checks.check_regex(getattr(body, param), param)
+        checks.check_task(kind, prompts, params, "messages" if kind == "chat" else "prompt")
+
     async def start(self) -> None:
         await self.watcher.start()
         self.namer = await asyncio.to_thread(TokenNamer.load, self.settings.tokenizer)
+        self.limits = LimitsReader(
+            self._live_workers, self.settings.queue, self.namer.vocab_size,
+            self.settings.limits_refresh_s,
+        )
         try:  # open the broker connection now, not on the first request
             await asyncio.to_thread(self._warm_broker)
         except (OperationalError, OSError) as exc:  # Redis may come up later; requests say so
@@ -92,6 +146,8 @@ class Gateway:
     async def close(self) -> None:
         await self.batcher.close()
         await self.watcher.close()
+        if self._redis is not None:
+            await self._redis.aclose()
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_name:
@@ -117,10 +173,15 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
         finally:
             await gateway.close()
 
-    app = FastAPI(title="rollout-queue gateway", lifespan=lifespan)
+    # The generated docs are off unless asked for, then behind the token (below).
+    app = FastAPI(
+        title="rollout-queue gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None,
+    )
     app.state.gateway = gateway
     _install_error_handlers(app, settings)
-    _install_metrics_middleware(app, gateway.metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetrics, metrics=gateway.metrics, endpoints=_ENDPOINTS)
 
     # An empty API_TOKEN (compose passes one through unset) means no auth.
     token = settings.token.get_secret_value() if settings.token is not None else None
@@ -139,11 +200,13 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     auth = [Depends(authorized)]
 
     @app.post("/v1/completions", dependencies=auth)
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.check_model(body.model)
+        checks.check_unicode(body.model_dump(exclude_defaults=True))
         kind, prompts = translate.completion_prompts(body)
         params = translate.completion_params(body)
-        share = await gateway.batcher.submit(kind, prompts, params)
+        await gateway.admit(body, kind, prompts, params)
+        share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params))
         result = translate.completion_response(
             body, share, gateway.namer, translate.new_id("cmpl"), translate.now()
         )
@@ -152,11 +215,13 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
         return JSONResponse(translate.to_json(result))
 
     @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.check_model(body.model)
+        checks.check_unicode(body.model_dump(exclude_defaults=True))
         prompts = translate.chat_prompts(body)
         params = translate.chat_params(body, settings.default_max_tokens)
-        share = await gateway.batcher.submit("chat", prompts, params)
+        await gateway.admit(body, "chat", prompts, params)
+        share = await _unless_disconnected(request, gateway.batcher.submit("chat", prompts, params))
         result = translate.chat_response(
             body, share, gateway.namer, translate.new_id("chatcmpl"), translate.now()
         )
@@ -186,7 +251,47 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=gateway.metrics.content_type)
 
+    if settings.docs:
+        @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", dependencies=auth, include_in_schema=False)
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+        @app.get("/redoc", dependencies=auth, include_in_schema=False)
+        async def redoc() -> HTMLResponse:
+            return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
     return app
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled.
+
+    Cancelling the batcher's ``submit`` takes the request out of its batch,
+    or aborts its prompts in the task already sent.
+    """
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not job.done():
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+        gone.cancel()
+    if job.cancelled():
+        raise ClientDisconnected("the client closed its connection; its prompts were aborted")
+    return job.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is already read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(events: Any) -> StreamingResponse:
@@ -208,18 +313,8 @@ def _install_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return errors.error_response(exc.status_code, str(exc.detail), kind)
 
+    # Other exceptions become a 500 in api.middleware.RequestMetrics (a handler
+    # for Exception would sit in ServerErrorMiddleware, which closes the connection).
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(RolloutError, on_rollout_error)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_rollout_error)
-
-
-def _install_metrics_middleware(app: FastAPI, metrics: GatewayMetrics) -> None:
-    @app.middleware("http")
-    async def count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        started = time.perf_counter()
-        path = request.url.path if request.url.path in _ENDPOINTS else "other"
-        response = await call_next(request)
-        metrics.requests.labels(endpoint=path, status=str(response.status_code)).inc()
-        metrics.request_seconds.labels(endpoint=path).observe(time.perf_counter() - started)
-        return response

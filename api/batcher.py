@@ -15,6 +15,20 @@ Bound: open batches plus tasks awaiting results never exceed
 refused at once with ``GatewaySaturated``; a request that joins an open
 batch adds no task and is always admitted.
 
+A request's errors stay with it. Requests are checked alone before they
+join a batch (``api.checks``); if a task still fails because of one prompt
+(the worker's ``InvalidRequest`` / ``PromptTooLong`` name it: ``prompt <i>``),
+that prompt's request gets the error and the others are sent again without
+it. A shared task that fails for a reason naming no prompt (an engine
+error...) is run again once per request, alone, so each gets its own answer.
+Timeouts and an unreachable Redis are shared: every request gets them. Such
+reruns use the batch's slot; they add no task to the in-flight bound.
+
+A request whose client went away (``submit`` cancelled) leaves its open
+batch; once sent, its prompt indices are added to the task's abort set
+(``keys.abort_key``), which the worker reads while generating: it aborts
+those prompts' engine requests and finishes the others.
+
 Sending (a Redis round trip in kombu) runs in a worker thread; results come
 back through ``ResultWatcher`` on the event loop.
 """
@@ -23,14 +37,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.metrics import GatewayMetrics
 from api.results import ResultWatcher
-from tasks.errors import GatewaySaturated
+from tasks.errors import (
+    BadRequest,
+    BrokerUnavailable,
+    GatewaySaturated,
+    GenerationTimeout,
+    InvalidRequest,
+    PromptTooLong,
+    ResultTimeout,
+)
 from tasks.schemas import GenerationResult, PromptKind, PromptOutput, SamplingParams
 from tasks.signature import signature
 
@@ -38,6 +61,14 @@ log = logging.getLogger("rollout_queue.api")
 
 # (prompts, params, task_id, expires_s) -> None; sends one generate task.
 Sender = Callable[[list[Any], SamplingParams, str, float], None]
+# (task_id, prompt indices) -> None; asks the task's worker to abort those prompts.
+Aborter = Callable[[str, list[int]], Awaitable[None]]
+
+# Failures every request of a task shares: running the requests again alone
+# would only repeat them.
+_SHARED_FAILURES = (ResultTimeout, GenerationTimeout, BrokerUnavailable)
+# How workers name the prompt at fault: "prompt <index in the task> ...".
+_PROMPT_AT_FAULT = re.compile(r"^prompt (\d+)\b")
 
 
 @dataclass(frozen=True)
@@ -56,6 +87,8 @@ class Share:
 class _Waiter:
     prompts: list[Any]
     future: asyncio.Future[Share]
+    task_id: str | None = None  # the task its prompts travel in now
+    offset: int = 0  # the index of its first prompt in that task
 
 
 @dataclass
@@ -76,6 +109,7 @@ class SignatureBatcher:
     def __init__(
         self,
         send: Sender,
+        abort: Aborter,
         watcher: ResultWatcher,
         metrics: GatewayMetrics,
         *,
@@ -85,6 +119,7 @@ class SignatureBatcher:
         timeout_s: float,
     ) -> None:
         self._send = send
+        self._abort = abort
         self._watcher = watcher
         self._metrics = metrics
         self.window_s = window_s
@@ -128,7 +163,38 @@ class SignatureBatcher:
         batch.prompts += len(prompts)
         if batch.prompts >= self.max_batch_prompts:
             self._flush(batch)
-        return await waiter.future
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            self._abandon(batch, waiter)
+            raise
+
+    def _abandon(self, batch: _Batch, waiter: _Waiter) -> None:
+        """The request went away: leave its open batch, or abort its prompts in the task."""
+        if self._open.get(batch.key) is batch:
+            batch.waiters.remove(waiter)
+            batch.prompts -= len(waiter.prompts)
+            if not batch.waiters:
+                del self._open[batch.key]
+                if batch.timer is not None:
+                    batch.timer.cancel()
+                self._update_gauges()
+            return
+        if waiter.task_id is not None:
+            indices = list(range(waiter.offset, waiter.offset + len(waiter.prompts)))
+            self._metrics.aborted.inc()
+            self._spawn(self._abort_quietly(waiter.task_id, indices))
+
+    async def _abort_quietly(self, task_id: str, indices: list[int]) -> None:
+        try:
+            await self._abort(task_id, indices)
+        except Exception as exc:  # noqa: BLE001  the task then runs to its end; nothing else breaks
+            log.warning("could not abort %d prompts of %s: %s", len(indices), task_id, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     def _flush(self, batch: _Batch) -> None:
         if self._open.get(batch.key) is not batch:
@@ -148,40 +214,70 @@ class SignatureBatcher:
         task.add_done_callback(self._running.discard)
 
     async def _run(self, batch: _Batch) -> None:
-        prompts = [p for w in batch.waiters for p in w.prompts]
-        task_id = self._watcher.new_task_id()
-        self._metrics.tasks.labels(kind=batch.kind).inc()
-        self._metrics.batch_prompts.observe(len(prompts))
-        self._metrics.batch_requests.observe(len(batch.waiters))
-        started = time.monotonic()
         try:
-            self._watcher.expect(task_id)
-            try:
-                await asyncio.to_thread(self._send, prompts, batch.params, task_id, self.timeout_s)
-            except BaseException:
-                self._watcher.forget(task_id)
-                raise
-            result = await self._watcher.wait(task_id, self.timeout_s)
-            self._metrics.task_seconds.observe(time.monotonic() - started)
-            self._split(batch, task_id, result, len(prompts))
-        except Exception as exc:  # noqa: BLE001 - whatever it is, each waiter must get it
-            self._metrics.failed_tasks.labels(error=type(exc).__name__).inc()
-            for waiter in batch.waiters:
-                if not waiter.future.done():
-                    waiter.future.set_exception(exc)
+            await self._serve(batch, batch.waiters, rerun_alone=True)
         finally:
             self._inflight -= 1
             self._update_gauges()
 
-    def _split(self, batch: _Batch, task_id: str, result: GenerationResult, total: int) -> None:
+    async def _serve(self, batch: _Batch, waiters: list[_Waiter], *, rerun_alone: bool) -> None:
+        """Send ``waiters``' prompts as one task until each waiter has its answer."""
+        while True:
+            waiters = [w for w in waiters if not w.future.done()]
+            if not waiters:
+                return
+            try:
+                task_id, result, total = await self._task(batch, waiters)
+                self._split(waiters, task_id, result, total)
+                return
+            except Exception as exc:  # noqa: BLE001 - whatever it is, some waiter must get it
+                self._metrics.failed_tasks.labels(error=type(exc).__name__).inc()
+                at_fault = _at_fault(exc, waiters, "messages" if batch.kind == "chat" else "prompt")
+                if at_fault is not None:
+                    waiter, error = at_fault
+                    if not waiter.future.done():
+                        waiter.future.set_exception(error)
+                    waiters = [w for w in waiters if w is not waiter]
+                    continue  # the others, again, without it
+                if rerun_alone and len(waiters) > 1 and not isinstance(exc, _SHARED_FAILURES):
+                    log.info("a task of %d requests failed (%s); running each alone", len(waiters), exc)
+                    await asyncio.gather(*(self._serve(batch, [w], rerun_alone=False) for w in waiters))
+                    return
+                for waiter in waiters:
+                    if not waiter.future.done():
+                        waiter.future.set_exception(exc)
+                return
+
+    async def _task(
+        self, batch: _Batch, waiters: list[_Waiter]
+    ) -> tuple[str, GenerationResult, int]:
+        """Send one task with every waiter's prompts; its id, result and prompt count."""
+        task_id = self._watcher.new_task_id()
+        prompts: list[Any] = []
+        for waiter in waiters:
+            waiter.task_id, waiter.offset = task_id, len(prompts)
+            prompts.extend(waiter.prompts)
+        self._metrics.tasks.labels(kind=batch.kind).inc()
+        self._metrics.batch_prompts.observe(len(prompts))
+        self._metrics.batch_requests.observe(len(waiters))
+        started = time.monotonic()
+        self._watcher.expect(task_id)
+        try:
+            await asyncio.to_thread(self._send, prompts, batch.params, task_id, self.timeout_s)
+        except BaseException:
+            self._watcher.forget(task_id)
+            raise
+        result = await self._watcher.wait(task_id, self.timeout_s)
+        self._metrics.task_seconds.observe(time.monotonic() - started)
+        return task_id, result, len(prompts)
+
+    def _split(self, waiters: list[_Waiter], task_id: str, result: GenerationResult, total: int) -> None:
         if len(result.outputs) != total:
             raise RuntimeError(
                 f"task {task_id} returned {len(result.outputs)} outputs for {total} prompts"
             )
-        offset = 0
-        for waiter in batch.waiters:
-            part = result.outputs[offset : offset + len(waiter.prompts)]
-            offset += len(waiter.prompts)
+        for waiter in waiters:
+            part = result.outputs[waiter.offset : waiter.offset + len(waiter.prompts)]
             if not waiter.future.done():
                 waiter.future.set_result(
                     Share(
@@ -209,3 +305,20 @@ class SignatureBatcher:
         for task in list(self._running):
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
+
+
+def _at_fault(
+    exc: Exception, waiters: list[_Waiter], param: str
+) -> tuple[_Waiter, Exception] | None:
+    """The waiter whose prompt the worker refused, and the error in its own numbering."""
+    if not isinstance(exc, (InvalidRequest, PromptTooLong)):
+        return None
+    message = str(exc)
+    found = _PROMPT_AT_FAULT.match(message)
+    if found is None:
+        return None
+    index = int(found.group(1))
+    for waiter in waiters:
+        if waiter.offset <= index < waiter.offset + len(waiter.prompts):
+            return waiter, BadRequest(f"prompt {index - waiter.offset}{message[found.end():]}", param)
+    return None

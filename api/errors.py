@@ -3,7 +3,9 @@
 Every error the gateway answers with is ``{"error": {"message", "type",
 "param", "code"}}`` with the status an OpenAI client expects: 400 for a
 request it cannot serve, 401 without the right token, 404 for another
-model, 429 (or 503) when saturated, 503 without Redis, 504 on timeout.
+model, 413 past a size limit, 429 (or 503) when saturated, 503 without
+Redis, 504 on timeout; 499 (nginx's "client closed request") is only
+counted, its client is gone.
 The error classes live in ``tasks.errors``; only the mapping is here.
 """
 
@@ -14,16 +16,19 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from api.schemas import ErrorDetail, ErrorResponse
 from tasks.errors import (
     BadRequest,
     BrokerUnavailable,
+    ClientDisconnected,
     GatewaySaturated,
     GenerationTimeout,
     InvalidRequest,
     ModelNotFound,
     PromptTooLong,
+    RequestTooLarge,
     ResultTimeout,
     Unauthorized,
 )
@@ -56,6 +61,12 @@ def from_exception(exc: BaseException, saturated_status: int = 429) -> JSONRespo
     """The response for an error raised while serving a request (or by its task)."""
     if isinstance(exc, BadRequest):
         return error_response(400, str(exc), "invalid_request_error", exc.param)
+    if isinstance(exc, RequestTooLarge):
+        return error_response(413, str(exc), "invalid_request_error", exc.param, "request_too_large")
+    if isinstance(exc, ValidationError):  # a model built from request data refused it
+        return from_validation(exc)
+    if isinstance(exc, ClientDisconnected):  # nobody reads it; logged and counted as 499
+        return error_response(499, str(exc), "client_closed_request")
     if isinstance(exc, (InvalidRequest, PromptTooLong)) or type(exc).__name__ in _CLIENT_ERRORS:
         return error_response(400, str(exc), "invalid_request_error")
     if isinstance(exc, Unauthorized):
@@ -78,17 +89,31 @@ def from_exception(exc: BaseException, saturated_status: int = 429) -> JSONRespo
     return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
-def from_validation(exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's body validation → one 400 naming the first field at fault."""
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _field_path(loc: Any) -> str | None:
+    """``("body", "prompt", "list[int]", 0)`` → ``"prompt.0"``: union branch tags dropped."""
+    parts = [
+        str(part)
+        for part in loc
+        if part != "body" and not (isinstance(part, str) and ("[" in part or part in _TYPE_TAGS))
+    ]
+    return ".".join(parts) or None
+
+
+def from_validation(exc: RequestValidationError | ValidationError) -> JSONResponse:
+    """Body validation → one short 400 naming the first field at fault (never a dump)."""
     errors = exc.errors()
     if not errors:
         return error_response(400, "invalid request", "invalid_request_error")
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid value"))
+    param = _field_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return error_response(400, f"the body is not valid JSON: {message}", "invalid_request_error")
-    extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    # Errors of one field's union branches are one mistake, not several.
+    others = {_field_path(e.get("loc", ())) for e in errors[1:]} - {param}
+    extra = f" (and errors in {len(others)} more fields)" if others else ""
     text = f"{param}: {message}{extra}" if param else f"{message}{extra}"
-    return error_response(400, text, "invalid_request_error", param)
+    return error_response(400, text[:1000], "invalid_request_error", param)

@@ -54,6 +54,11 @@ class GatewayMetrics:
         self.rejected = Counter(
             "rq_api_rejected", "Requests refused before a task was sent", ["reason"], registry=r
         )
+        self.aborted = Counter(
+            "rq_api_aborted_requests",
+            "Requests whose client went away after their task was sent; their prompts were aborted",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

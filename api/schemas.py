@@ -2,16 +2,26 @@
 
 Requests forbid unknown fields (a typo is a 400 naming the field, never a
 silent default). Ranges are not re-checked here: the translation into
-``tasks.SamplingParams`` (``api.translate``) is the one place they are.
+``tasks.SamplingParams`` (``api.translate``) is the one place they are. What
+is checked here is that every integer fits what the engine can carry (int32
+counts and token ids, int64 seeds and versions: vLLM's msgpack and tensors
+overflow past them) and that token ids are not negative.
 vLLM's extra sampling fields arrive top-level (the ``openai`` client merges
 ``extra_body`` into the body) and are declared on ``_Sampling``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+# Counts (tokens, samples, logprobs): anything larger cannot reach the engine.
+Count = Annotated[int, Field(le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 # --------------------------------------------------------------------------
 # Requests
@@ -43,11 +53,11 @@ class _Sampling(_Request):
     """Sampling fields shared by completions and chat, OpenAI's and vLLM's."""
 
     model: str
-    n: int = 1
+    n: Count = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -56,29 +66,44 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used
     # vLLM extras (extra_body): each maps to one tasks.SamplingParams field.
-    top_k: int | None = None
+    top_k: Count | None = None
     min_p: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Count | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_json: dict[str, Any] | str | None = None
     # rollout-queue extras: never served by older weights; token ids back.
-    min_weight_version: int | None = None
+    min_weight_version: Annotated[int, Field(le=INT64_MAX)] | None = None
     return_token_ids: bool = False
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Count | None = 16
+    logprobs: Count | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Count | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _token_ids_in_range(cls, value: Any) -> Any:
+        # Checked here, not in the union's int type, so the error is one line.
+        lists = [value] if value and isinstance(value[0], int) else value
+        for i, ids in enumerate(lists if isinstance(value, list) else []):
+            for token in ids if isinstance(ids, list) else []:
+                if not 0 <= token <= INT32_MAX:
+                    where = "prompt" if lists is not value else f"prompt[{i}]"
+                    raise ValueError(
+                        f"{where} has token id {token}; a token id is at least 0 and "
+                        "less than the model's vocabulary size"
+                    )
+        return value
 
 
 class ContentPart(_Request):
@@ -94,10 +119,10 @@ class ChatMessageIn(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
 
 
 # --------------------------------------------------------------------------

@@ -47,6 +47,17 @@ class ApiSettings(BaseSettings):
     # Safety net under the result pub/sub: pending results are also read
     # directly this often (seconds).
     result_poll_s: float = Field(1.0, gt=0.0)
+    # Size limits, checked before anything reaches Redis (413 past them): the
+    # body in bytes; one prompt in characters (a text prompt, or a chat
+    # conversation's contents together) and in token ids (a token prompt).
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_prompt_chars: int = Field(500_000, ge=1)
+    max_prompt_tokens: int = Field(131_072, ge=1)
+    # The workers' max_model_len (prompts must fit it) is read from the worker
+    # registry at most this often (seconds).
+    limits_refresh_s: float = Field(5.0, gt=0.0)
+    # Serve /docs, /redoc and /openapi.json (behind API_TOKEN when it is set).
+    docs: bool = False
     log_level: str = "info"
     # One uvicorn log line per request (off: it costs throughput).
     access_log: bool = False

@@ -50,6 +50,11 @@ class TokenNamer:
 
         return cls(AutoTokenizer.from_pretrained(name))
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Ids below this are tokens of the tokenizer (None: no tokenizer loaded)."""
+        return None if self._tokenizer is None else len(self._tokenizer)
+
     def name(self, token_id: int) -> str:
         return self._entry(token_id)[0]
 

@@ -18,10 +18,12 @@
     ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
     ├── GatewayError              the HTTP gateway refused or gave up on a request
     │   ├── BadRequest            an OpenAI request it cannot serve; names the param (400)
+    │   ├── RequestTooLarge       a body or prompt past the gateway's size limits (413)
     │   ├── Unauthorized          missing or wrong bearer token (401)
     │   ├── ModelNotFound         the request names a model the gateway does not serve (404)
     │   ├── GatewaySaturated      the gateway's bound on in-flight tasks is reached (429)
-    │   └── ResultTimeout         no result before the gateway's request timeout (504)
+    │   ├── ResultTimeout         no result before the gateway's request timeout (504)
+    │   └── ClientDisconnected    the client went away first; its prompts were aborted (499)
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
         ├── RendezvousTimeout     a worker did not join the process group in time
@@ -191,6 +193,18 @@ class BadRequest(GatewayError, InvalidRequest):
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
         super().__init__(message, param)
+
+
+class RequestTooLarge(GatewayError):
+    """A body or prompt past the gateway's size limits (``API_MAX_BODY_BYTES``...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class ClientDisconnected(GatewayError):
+    """The client closed its connection before its answer was ready."""
 
 
 class Unauthorized(GatewayError):

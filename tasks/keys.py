@@ -50,6 +50,15 @@ def node_of_inflight_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:inflight:")
 
 
+def abort_key(task_id: str) -> str:
+    """Prompt indices of a running ``generate`` task whose requester went away.
+
+    The gateway adds to this set when a client disconnects; the worker serving
+    the task reads it while it generates and aborts those prompts' requests.
+    """
+    return f"{PREFIX}:abort:{task_id}"
+
+
 # Messages a worker has taken off a queue but not yet recorded in kombu's
 # unacked hash (the atomic fetch of workers/reliable_redis.py): a list per node.
 PROCESSING_KEY_PATTERN = f"{PREFIX}:processing:*"

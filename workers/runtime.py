@@ -42,7 +42,7 @@ class WorkerRuntime:
         self.state: WorkerState = "starting"
         self.started_at = time.time()
         self.service = GenerationService(
-            host, self.node, settings.task_soft_time_limit, settings.task_time_limit
+            host, self.node, settings.task_soft_time_limit, settings.task_time_limit, self.client
         )
         self.duplicates = DuplicateGuard(app.backend)
         budget = settings.intake_sequences or host.max_num_seqs

@@ -9,19 +9,24 @@ the ``GenerationResult``.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Task
 from pydantic import ValidationError
 
+from tasks import keys
 from tasks.errors import InvalidRequest, Requeue
 from tasks.generate import SENT_AT_HEADER, SIGNATURE_HEADER
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
 from workers.engine import EngineHost
+
+log = logging.getLogger(__name__)
 
 
 def time_limit(timelimit: Any, soft_default: float, hard_default: float) -> float:
@@ -42,9 +47,16 @@ def time_limit(timelimit: Any, soft_default: float, hard_default: float) -> floa
 
 class GenerationService:
     def __init__(
-        self, host: EngineHost, node: str, soft_time_limit: float, hard_time_limit: float | None = None
+        self,
+        host: EngineHost,
+        node: str,
+        soft_time_limit: float,
+        hard_time_limit: float | None = None,
+        client: redis.Redis | None = None,
     ) -> None:
         self.host = host
+        # Reads the prompts a task's requester gave up on (keys.abort_key); None: never.
+        self.client = client
         self.node = node
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
@@ -66,6 +78,23 @@ class GenerationService:
                 f"stop_token_ids has {bad[0]}; this model's vocabulary has {vocab} tokens "
                 f"(ids 0..{vocab - 1})"
             )
+
+    def _aborted_reader(self, task_id: str | None) -> Any:
+        """A callable giving the indices of this task's prompts nobody waits for (or None)."""
+        client = self.client
+        if client is None or not task_id:
+            return None
+        key = keys.abort_key(task_id)
+
+        def aborted() -> set[int]:
+            try:
+                members = client.smembers(key)
+            except redis.RedisError as exc:  # keep generating; the next poll retries
+                log.warning("could not read %s: %s", key, exc)
+                return set()
+            return {int(m) for m in members if str(m).isdigit()}  # type: ignore[union-attr]
+
+        return aborted
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
@@ -97,7 +126,9 @@ class GenerationService:
         callback = self.on_submitted
         submitted = None if callback is None else functools.partial(callback, task_id)
         try:
-            outputs, version = self.host.generate(request, deadline, submitted)
+            outputs, version = self.host.generate(
+                request, deadline, self._aborted_reader(task.request.id), submitted
+            )
             ok = True
         finally:
             with self._lock:

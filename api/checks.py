@@ -1,0 +1,226 @@
+"""What the gateway checks about one request before it joins a batch.
+
+A batch is one ``generate`` task, and a task the worker refuses fails every
+request in it; so each request is checked here first, alone, with what the
+gateway knows:
+
+- every string is valid Unicode (a lone surrogate such as ``"\\ud800"`` has no
+  UTF-8 form): 400 naming the field;
+- size limits, before anything reaches Redis: a text prompt (or a chat
+  conversation's contents) of more than ``API_MAX_PROMPT_CHARS`` characters, a
+  token prompt of more than ``API_MAX_PROMPT_TOKENS`` ids: 413;
+- token ids below the vocabulary size (known when ``API_TOKENIZER`` is set)
+  and token prompts shorter than the serving workers' ``max_model_len`` (read
+  from the worker registry, ``ModelLimits``): 400;
+- a structured-output ``regex`` in the subset the workers' grammar backend
+  (xgrammar) compiles: no lookaround, backreferences, named groups, ``\\b``;
+- the prompts and params exactly as one ``generate`` task validates them
+  (``tasks.generate.build_request``).
+
+What only a worker can know (how many tokens a text prompt has) can still fail
+a batch; the batcher then serves the other requests without it
+(``api.batcher``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from tasks.errors import BadRequest, BrokerUnavailable, RequestTooLarge
+from tasks.generate import build_request
+from tasks.schemas import PromptKind, SamplingParams, WorkerInfo
+
+try:  # the regex parser of ``re`` itself: private, there since 3.11
+    sre_parse: Any = importlib.import_module("re._parser")
+except ImportError:  # pragma: no cover - an interpreter without it: compile check only
+    sre_parse = None
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the serving model allows; None: not known here (the worker checks it)."""
+
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+
+
+class LimitsReader:
+    """``ModelLimits`` for one queue: vocabulary from the tokenizer, context from the registry.
+
+    ``max_model_len`` is the smallest of the live workers consuming the queue
+    (a prompt must fit whichever worker takes it), re-read at most every
+    ``refresh_s`` seconds, in a thread (the registry client blocks).
+    """
+
+    def __init__(
+        self,
+        read_workers: Callable[[], list[WorkerInfo]],
+        queue: str,
+        vocab_size: int | None,
+        refresh_s: float,
+    ) -> None:
+        self._read_workers = read_workers
+        self._queue = queue
+        self._vocab_size = vocab_size
+        self._refresh_s = refresh_s
+        self._limits = ModelLimits(vocab_size=vocab_size)
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+
+    async def current(self) -> ModelLimits:
+        if time.monotonic() - self._read_at < self._refresh_s:
+            return self._limits
+        async with self._lock:
+            if time.monotonic() - self._read_at >= self._refresh_s:
+                self._read_at = time.monotonic()
+                try:
+                    workers = await asyncio.to_thread(self._read_workers)
+                except BrokerUnavailable:
+                    return self._limits  # keep the last known; sending will say Redis is away
+                lengths = [w.max_model_len for w in workers if self._queue in w.queues and w.max_model_len]
+                self._limits = ModelLimits(self._vocab_size, min(lengths) if lengths else None)
+        return self._limits
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """Refuse strings without a UTF-8 form (lone surrogates), naming where they are."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start : exc.end].encode("unicode_escape").decode()
+            raise BadRequest(
+                f"{path or 'the body'} holds {bad}, a lone surrogate, which is not valid "
+                "Unicode; send each character as itself or as a surrogate pair",
+                path or None,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}.{i}" if path else str(i))
+
+
+def check_prompts(
+    kind: PromptKind, prompts: list[Any], limits: ModelLimits, max_chars: int, max_tokens: int
+) -> None:
+    """Size, vocabulary and context checks of one request's prompts (param ``prompt``)."""
+    many = len(prompts) > 1
+    for i, prompt in enumerate(prompts):
+        where = f"prompt[{i}]" if many else "prompt"
+        if kind == "tokens":
+            _check_token_prompt(where, prompt, limits, max_tokens)
+        else:
+            chars = len(prompt) if kind == "text" else sum(len(m["content"]) for m in prompt)
+            if chars > max_chars:
+                what = "the conversation" if kind == "chat" else where
+                raise RequestTooLarge(
+                    f"{what} has {chars} characters; this gateway takes at most {max_chars} "
+                    "per prompt (API_MAX_PROMPT_CHARS)",
+                    "messages" if kind == "chat" else "prompt",
+                )
+
+
+def _check_token_prompt(where: str, ids: list[int], limits: ModelLimits, max_tokens: int) -> None:
+    if len(ids) > max_tokens:
+        raise RequestTooLarge(
+            f"{where} has {len(ids)} token ids; this gateway takes at most {max_tokens} "
+            "per prompt (API_MAX_PROMPT_TOKENS)",
+            "prompt",
+        )
+    vocab = limits.vocab_size
+    if vocab is not None:
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise BadRequest(
+                f"{where} has token id {bad}; this model's vocabulary has {vocab} tokens "
+                f"(ids 0..{vocab - 1})",
+                "prompt",
+            )
+    context = limits.max_model_len
+    if context is not None and len(ids) >= context:
+        raise BadRequest(
+            f"{where} has {len(ids)} tokens; the workers' max_model_len is {context} "
+            "(prompt plus at least one generated token must fit)",
+            "prompt",
+        )
+
+
+def check_task(kind: PromptKind, prompts: list[Any], params: SamplingParams, param: str) -> None:
+    """The request's prompts as one ``generate`` task of their own would take them."""
+    try:
+        build_request(prompts, params)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        message = str(error["msg"]).removeprefix("Value error, ")
+        raise BadRequest(f"{param}: {message}", param) from None
+
+
+def check_regex(pattern: str | None, param: str) -> None:
+    """Refuse a regex that does not compile, or uses what xgrammar cannot match."""
+    if pattern is None:
+        return
+    if "\x00" in pattern:
+        raise BadRequest(f"{param} must not contain a NUL character", param)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise BadRequest(f"{param} is not a valid regular expression: {exc}", param) from None
+    if sre_parse is None:
+        return
+    parsed = sre_parse.parse(pattern)
+    if parsed.state.groupdict:
+        _unsupported(param, "named groups ((?P<name>...))")
+    if parsed.state.flags & ~re.UNICODE:  # set by (?i), (?s), (?x)...; UNICODE is a str's default
+        _unsupported(param, "inline flags ((?i), (?s)...)")
+    _walk(parsed, param)
+
+
+_UNSUPPORTED = {
+    "ASSERT": "lookahead or lookbehind ((?=...), (?<=...))",
+    "ASSERT_NOT": "negative lookahead or lookbehind ((?!...), (?<!...))",
+    "GROUPREF": "backreferences (\\1)",
+    "GROUPREF_EXISTS": "conditional groups ((?(1)...))",
+    "ATOMIC_GROUP": "atomic groups ((?>...))",
+    "POSSESSIVE_REPEAT": "possessive quantifiers (*+, ++, ?+)",
+}
+_BOUNDARIES = {"AT_BOUNDARY", "AT_NON_BOUNDARY"}
+
+
+def _walk(parsed: Any, param: str) -> None:
+    for op, arg in parsed:
+        name = str(op)
+        if name in _UNSUPPORTED:
+            _unsupported(param, _UNSUPPORTED[name])
+        if name == "AT" and str(arg) in _BOUNDARIES:
+            _unsupported(param, "word boundaries (\\b, \\B)")
+        if name == "SUBPATTERN" and (arg[1] or arg[2]):  # (?i:...): flags for a group
+            _unsupported(param, "inline flags ((?i:...)...)")
+        for sub in _subpatterns(arg):
+            _walk(sub, param)
+
+
+def _subpatterns(arg: Any) -> list[Any]:
+    if isinstance(arg, sre_parse.SubPattern):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [sub for item in arg for sub in _subpatterns(item)]
+    return []
+
+
+def _unsupported(param: str, what: str) -> None:
+    raise BadRequest(
+        f"{param} uses {what}, which structured output (xgrammar) cannot match; "
+        "rewrite the pattern without it",
+        param,
+    )
