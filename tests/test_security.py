@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 import redis as redis_lib
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from kombu import Connection, Queue
 from kombu.exceptions import ContentDisallowed
 from kombu.serialization import loads
@@ -40,10 +42,11 @@ from tasks.schemas import Manifest, SyncPlan, WorkerInfo
 from tasks.settings import ClientSettings
 from tests.conftest import WorkerStarter
 from tests.private_redis import RedisServer, client_app, tls_redis_binary
-from tests.procs import Proc, free_port, python
+from tests.procs import ARTIFACTS, Proc, free_port, python
 from workers.settings import WorkerSettings
 
 QUEUE = POOL = "sec"
+FUZZ_FIGURES = ARTIFACTS / "figures" / "control_fuzz.json"
 NODE = "sec@tests"
 PASSWORD = f"pw-{uuid.uuid4().hex}"
 SYNC_SECRET = f"sync-{uuid.uuid4().hex}"
@@ -443,6 +446,58 @@ def test_celery_state_changing_builtins_are_disabled_but_inspect_and_revoke_stay
     revoked = app.control.revoke(uuid.uuid4().hex, destination=[NODE], reply=True, timeout=10)
     assert "revoked" in revoked[0][NODE]["ok"]
     assert_serving(secure_server, producer, sec_worker, "Celery's shutdown and friends")
+
+
+# Anything JSON can carry, as argument values.
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_FORGED_AUTH = st.one_of(
+    st.none(), _JSON,
+    st.fixed_dictionaries({"hmac": st.text(max_size=70), "issued_at": _JSON, "nonce": _JSON,
+                           "destination": _JSON}),
+)
+_COMMANDS = st.sampled_from([keys.CONTROL_ENGINE, keys.CONTROL_SYNC, *CELERY_COMMANDS])
+_ENGINE_ARGS = st.fixed_dictionaries(
+    {"op": st.sampled_from([*ENGINE_OPS, "info", "stats"]) | st.text(max_size=12),
+     "args": st.dictionaries(st.text(max_size=8), _JSON, max_size=3) | _JSON},
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(command=_COMMANDS, body=_ENGINE_ARGS | st.dictionaries(st.text(max_size=10), _JSON, max_size=4),
+       auth=_FORGED_AUTH)
+def test_fuzzed_control_messages_never_change_the_workers_state_or_stop_it(
+    sec_worker: Proc, producer: Any, secure_server: RedisServer, fuzz_counter: dict[str, int],
+    command: str, body: dict[str, Any], auth: Any,
+) -> None:
+    app, _ = producer
+    arguments = dict(body)
+    if auth is not None:
+        arguments["auth"] = auth
+    if command == keys.CONTROL_SYNC and "plan" not in arguments:
+        arguments["plan"] = body
+    fuzz_counter["tried"] += 1
+    # Fire and forget, as an attacker would; what matters is what follows.
+    app.control.broadcast(command, arguments=arguments, destination=[NODE], reply=False)
+    info = app.control.inspect(destination=[NODE], timeout=30).ping()
+    assert info == {NODE: {"ok": "pong"}}, (command, arguments, sec_worker.tail())
+    state = worker_state(secure_server)
+    assert state.state == "serving" and state.weight_version == 0, (command, arguments, state)
+
+
+@pytest.fixture(scope="module")
+def fuzz_counter(sec_worker: Proc, producer: Any, secure_server: RedisServer) -> Iterator[dict[str, int]]:
+    counter = {"tried": 0}
+    yield counter
+    # After every fuzzed message: still serving, a task completes, intake open.
+    assert_serving(secure_server, producer, sec_worker, f"{counter['tried']} fuzzed control messages")
+    FUZZ_FIGURES.parent.mkdir(parents=True, exist_ok=True)
+    FUZZ_FIGURES.write_text(json.dumps({"control_messages_tried": counter["tried"]}) + "\n")
 
 
 # ---------------------------------------------------------------------------
