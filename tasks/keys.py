@@ -87,6 +87,11 @@ def queue_of_dead_letters_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:dead:")
 
 
+# One reaper of the fleet sweeps for dead nodes at a time: its node name,
+# renewed every pass, expiring a few passes after it stops (workers/reaper.py).
+REAPER_SWEEP_LEASE = f"{PREFIX}:reaper:sweep-lease"
+
+
 def reaper_lock(node: str) -> str:
     """Held by the one reaper restoring a dead node's messages."""
     return f"{PREFIX}:reaper:lock:{node}"

@@ -461,6 +461,21 @@ def _reaper(quiet: Any, max_redeliveries: int = 3, grace_s: float = 0.0) -> Reap
                   ledger=InflightLedger(client, "reaper@tests", ttl_s=600))
 
 
+def test_one_reaper_of_the_fleet_sweeps_and_another_takes_over_when_it_stops(quiet: Any) -> None:
+    client = quiet[0].client(decode_responses=True)
+    client.delete(keys.REAPER_SWEEP_LEASE)
+    first, second = _reaper(quiet), _reaper(quiet)
+    second.node = "reaper-2@tests"
+    first.interval_s = second.interval_s = 0.2  # a lease of 0.6 s
+    assert first.holds_sweep_lease() and first.holds_sweep_lease(), "taken, then renewed"
+    assert not second.holds_sweep_lease()
+    assert client.get(keys.REAPER_SWEEP_LEASE) == "reaper@tests"
+    # The holder stops renewing (it died): the lease runs out, the other takes it.
+    wait_for(lambda: second.holds_sweep_lease(), 10, "the second reaper to take the lease")
+    assert not first.holds_sweep_lease()
+    client.delete(keys.REAPER_SWEEP_LEASE)
+
+
 def test_reaper_puts_a_dead_nodes_unacked_task_back_in_its_queue_once(quiet: Any) -> None:
     client = quiet[0].client(decode_responses=True)
     queue, node = f"reap-{uuid.uuid4().hex[:6]}", "ghost-1@tests"

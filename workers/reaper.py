@@ -58,6 +58,21 @@ from workers.poison import check_envelope, dead_letter_fetched, dead_letter_unac
 
 log = logging.getLogger(__name__)
 
+# KEYS[1] the lease, ARGV[1] this node, ARGV[2] its TTL in ms: take it when
+# free, renew it when ours; 1 when held by us afterwards.
+SWEEP_LEASE_SCRIPT = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
 
 class InflightLedger:
     """This worker's set of delivery tags it holds (received, not yet acked).
@@ -167,7 +182,10 @@ class Reaper:
             try:
                 self.ledger.prune()
                 self.check_own_fetches()
-                self.sweep()
+                if self.holds_sweep_lease():
+                    self.sweep()
+                else:
+                    self._missing_since.clear()  # another reaper is watching
             except redis.RedisError as exc:
                 # Redis away: forget what we saw, a node that did not beat
                 # while Redis was down is not dead for that.
@@ -178,6 +196,20 @@ class Reaper:
                 log.exception("reaper pass failed")
 
     # ------------------------------------------------------------ detection
+
+    def holds_sweep_lease(self) -> bool:
+        """Take or renew the fleet's sweep lease; True while this reaper holds it.
+
+        A sweep SCANs the whole keyspace (task results included): with every
+        worker sweeping every heartbeat, Redis's idle CPU grew with the square
+        of the fleet (bench/control_plane.py: SCAN was 95 % of it at 256
+        workers). One holder at a time keeps it linear. The lease lasts three
+        passes, so a dead holder is replaced within that, and the new holder's
+        grace period starts when it takes over.
+        """
+        ttl_ms = int(self.interval_s * 3 * 1000)
+        held = self.client.eval(SWEEP_LEASE_SCRIPT, 1, keys.REAPER_SWEEP_LEASE, self.node, ttl_ms)
+        return bool(held)
 
     def sweep(self) -> list[ReapReport]:
         """One pass: reap every node dead for longer than ``grace_s``."""
