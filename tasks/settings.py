@@ -37,6 +37,12 @@ class ClientSettings(BaseSettings):
     # Per-task time limits (seconds); the soft one aborts the engine requests.
     task_soft_time_limit: float = 3600.0
     task_time_limit: float = 3660.0
+    # A generate call with more prompts than this is split into subtasks of at
+    # most this many (tasks/split.py), so one big call spreads over the
+    # workers. 128: two fill a CPU engine's batch (max_num_seqs 256), eight an
+    # H200's (1024), and the per-subtask cost (one message, one result) is
+    # small next to generating 128 prompts.
+    task_max_prompts: int = Field(default=128, ge=1)
     # Redeliveries of a task whose worker died, before it fails for good.
     task_max_redeliveries: int = 3
     # How long a producer retries an unreachable broker before giving up

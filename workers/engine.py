@@ -263,11 +263,14 @@ class EngineHost:
 
     # ------------------------------------------------------------ generation
 
-    def prompt_token_ids(self, request: GenerateRequest) -> list[list[int]]:
-        """Tokenize (chat template for conversations) and check every prompt fits."""
+    def prompt_token_ids(self, request: GenerateRequest, first_index: int = 0) -> list[list[int]]:
+        """Tokenize (chat template for conversations) and check every prompt fits.
+
+        Errors name a prompt by its index in the caller's call: ``first_index``
+        is where this task's prompts start in it (a part of a split call)."""
         tok = self.tokenizer
         ids: list[list[int]] = []
-        for i, prompt in enumerate(request.prompts):
+        for i, prompt in enumerate(request.prompts, start=first_index):
             if request.kind == "text":
                 tokens = list(tok(prompt).input_ids)
             elif request.kind == "chat":
@@ -298,13 +301,18 @@ class EngineHost:
             raise GenerationTimeout("the task's time limit passed while a weight sync held intake")
 
     def generate(
-        self, request: GenerateRequest, deadline: float, on_submitted: Callable[[], None] | None = None
+        self,
+        request: GenerateRequest,
+        deadline: float,
+        on_submitted: Callable[[], None] | None = None,
+        first_index: int = 0,
     ) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version.
 
         ``on_submitted`` is called once every request is in the engine (the
-        worker's intake then counts them there, not as waiting to go in)."""
-        prompt_ids = self.prompt_token_ids(request)
+        worker's intake then counts them there, not as waiting to go in);
+        ``first_index``: see :meth:`prompt_token_ids`."""
+        prompt_ids = self.prompt_token_ids(request, first_index)
         sampling = to_vllm_params(request.params)
         batch = uuid.uuid4().hex[:12]
         rids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
