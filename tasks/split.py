@@ -21,6 +21,16 @@ The join runs in the caller's process (nothing runs on the workers but the
 parts, which are plain ``generate`` tasks), over the result backend's pub/sub
 like a single task's ``.get()``. A failed part fails the call with that
 part's error; the parts not finished yet are revoked.
+
+Why not a Celery chord: its join (the chord body) is a task that must run on
+a worker. Ours consume only their queues and fetch by engine room
+(``workers.intake``), so a join task would wait behind generation for a
+free slot, and the Redis backend's chord counter adds writes per part. A
+failed part would reach the caller as ``ChordError``, not its own error, and
+revoking the chord's result revokes only the body. Joining in the caller
+keeps the error class, revokes every part, and changes nothing on workers.
+The group is saved in the result backend (``result_expires``, like any
+result) so :meth:`SplitResult.restore` finds the call by its id.
 """
 
 from __future__ import annotations
