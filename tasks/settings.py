@@ -40,8 +40,8 @@ class ClientSettings(BaseSettings):
     # A generate call with more prompts than this is split into subtasks of at
     # most this many (tasks/split.py), so one big call spreads over the
     # workers. 128: two fill a CPU engine's batch (max_num_seqs 256), eight an
-    # H200's (1024), and the per-subtask cost (one message, one result) is
-    # small next to generating 128 prompts.
+    # H200's (1024). Measured on CPU (bench/split.py, 256 prompts on one
+    # worker): 2 parts of 128 cost +1 % over one task, 8 parts of 32 +75 %.
     task_max_prompts: int = Field(default=128, ge=1)
     # Redeliveries of a task whose worker died, before it fails for good.
     task_max_redeliveries: int = 3
