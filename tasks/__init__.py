@@ -14,11 +14,13 @@ from tasks.generate import generate
 from tasks.producer import generate_many
 from tasks.schemas import GenerationResult, SamplingParams, SyncReport, WorkerInfo
 from tasks.signature import signature
+from tasks.split import SplitResult
 
 __all__ = [
     "GenerationResult",
     "RolloutError",
     "SamplingParams",
+    "SplitResult",
     "SyncReport",
     "WeightSyncError",
     "WorkerInfo",

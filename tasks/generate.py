@@ -6,6 +6,11 @@ message carries the canonical params and the signature (also as a header,
 so Flower and routers see it without parsing args). Monitors show a one-line
 summary (:func:`task_summary`) where the args go, never the prompts.
 
+A call with more than ``TASK_MAX_PROMPTS`` prompts (``ClientSettings``) is
+split into several such tasks and returns a ``tasks.split.SplitResult``
+whose ``.get()`` joins them into one result; smaller calls (and calls that
+name their ``task_id``) are one task, as always.
+
 On a worker, :attr:`GenerateTask.executor` is installed at boot
 (``workers.service.GenerationService``); the task body only hands over.
 """
@@ -13,6 +18,7 @@ On a worker, :attr:`GenerateTask.executor` is installed at boot
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -22,7 +28,7 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from tasks import keys
-from tasks.app import app
+from tasks.app import app, settings
 from tasks.errors import (
     BrokerUnavailable,
     EngineError,
@@ -34,12 +40,16 @@ from tasks.errors import (
 from tasks.schemas import GenerateRequest, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
+from tasks.split import SplitResult, plan_parts
 
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
 MIN_VERSION_HEADER = "rq_min_weight_version"
 # Prompts x n: what the task holds of an engine's running batch (workers.intake).
 SEQUENCES_HEADER = "rq_sequences"
+# A part of a split call: the index of its first prompt in the whole call, so
+# errors name prompts by their index in what the caller sent.
+FIRST_PROMPT_HEADER = "rq_first_prompt"
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
 
@@ -92,7 +102,9 @@ class GenerateTask(Task):
     track_started = True
     throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> AsyncResult:
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> AsyncResult | SplitResult:
         arguments = dict(kwargs or {})
         positional = list(args or ())
         prompts = positional[0] if positional else arguments.pop("prompts", None)
@@ -109,9 +121,21 @@ class GenerateTask(Task):
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
         headers.setdefault(SENT_AT_HEADER, time.time())
+        limit = settings().task_max_prompts
+        if len(request.prompts) <= limit or "task_id" in options:
+            # A caller that names the task id watches that task's result
+            # itself (the gateway does): never split.
+            return self.send(request, headers, options)
+        return self._send_split(request, headers, options, limit)
+
+    def send(self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]) -> AsyncResult:
+        """Enqueue ``request`` as one task, whatever its size (``generate_many``'s chunks)."""
+        headers = dict(headers)
+        headers.setdefault(SENT_AT_HEADER, time.time())
         headers[SIGNATURE_HEADER] = signature(request.params)
         headers[MIN_VERSION_HEADER] = request.params.min_weight_version
         headers[SEQUENCES_HEADER] = len(request.prompts) * request.params.n
+        options = dict(options)
         # Monitors (Flower, task events) show argsrepr and kwargsrepr where the
         # args and kwargs go; this task's kwargs are always empty, so the
         # signature goes there too (Flower's kwargs column and search).
@@ -127,6 +151,36 @@ class GenerateTask(Task):
             if isinstance(exc, RuntimeError) and not isinstance(exc.__cause__, RedisError):
                 raise
             raise self._unavailable(exc) from exc
+
+    def _send_split(
+        self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any], limit: int
+    ) -> SplitResult:
+        """One task per part of ``plan_parts``, same params, headers and options (time
+        limits, queue, expiry apply to each part); ``tasks.split`` joins them."""
+        refused = sorted({"link", "link_error", "chain", "chord", "group_id"} & set(options))
+        if refused:
+            raise InvalidRequest(
+                f"{', '.join(refused)} cannot be used with a split generate call "
+                f"({len(request.prompts)} prompts > TASK_MAX_PROMPTS={limit}); send at most "
+                f"{limit} prompts per call, or raise TASK_MAX_PROMPTS"
+            )
+        split_id = str(uuid.uuid4())
+        app = self._get_app()
+        parts: list[AsyncResult] = []
+        with app.producer_or_acquire(options.pop("producer", None)) as producer:
+            for index, prompts in enumerate(plan_parts(len(request.prompts), limit)):
+                part = request.model_copy(update={"prompts": request.prompts[prompts.start : prompts.stop]})
+                parts.append(self.send(
+                    part,
+                    {**headers, FIRST_PROMPT_HEADER: prompts.start},
+                    {**options, "producer": producer, "group_id": split_id, "group_index": index},
+                ))
+        result = SplitResult(split_id, parts, app=app)
+        try:
+            result.save()
+        except (RedisError, OperationalError) as exc:
+            raise self._unavailable(exc) from exc
+        return result
 
     def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
         conf = self._get_app().conf

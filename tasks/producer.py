@@ -116,8 +116,9 @@ def generate_many(
     sent: dict[str, tuple[int, int]] = {}  # task id → (first index, prompt count)
     results: list[AsyncResult] = []
     for start, request in zip(starts, requests):
-        wire = request.model_dump(mode="json")
-        async_result = generate.apply_async((wire["prompts"], wire["params"]), **options)
+        # Each chunk is one task, whatever TASK_MAX_PROMPTS says: results
+        # stream per task here, and chunk_size is the caller's split.
+        async_result = generate.send(request, {}, options)
         sent[async_result.id] = (start, len(request.prompts))
         results.append(async_result)
 

@@ -273,11 +273,14 @@ class EngineHost:
 
     # ------------------------------------------------------------ generation
 
-    def prompt_token_ids(self, request: GenerateRequest) -> list[list[int]]:
-        """Tokenize (chat template for conversations) and check every prompt fits."""
+    def prompt_token_ids(self, request: GenerateRequest, first_index: int = 0) -> list[list[int]]:
+        """Tokenize (chat template for conversations) and check every prompt fits.
+
+        Errors name a prompt by its index in the caller's call: ``first_index``
+        is where this task's prompts start in it (a part of a split call)."""
         tok = self.tokenizer
         ids: list[list[int]] = []
-        for i, prompt in enumerate(request.prompts):
+        for i, prompt in enumerate(request.prompts, start=first_index):
             if request.kind == "text":
                 tokens = list(tok(prompt).input_ids)
             elif request.kind == "chat":
@@ -313,6 +316,7 @@ class EngineHost:
         deadline: float,
         aborted: Callable[[], set[int]] | None = None,
         on_submitted: Callable[[], None] | None = None,
+        first_index: int = 0,
     ) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version.
 
@@ -323,9 +327,10 @@ class EngineHost:
         and hold what was generated until then.
 
         ``on_submitted`` is called once every request is in the engine (the
-        worker's intake then counts them there, not as waiting to go in).
+        worker's intake then counts them there, not as waiting to go in);
+        ``first_index``: see :meth:`prompt_token_ids`.
         """
-        prompt_ids = self.prompt_token_ids(request)
+        prompt_ids = self.prompt_token_ids(request, first_index)
         sampling = to_vllm_params(request.params)
         batch = uuid.uuid4().hex[:12]
         skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}

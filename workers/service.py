@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from tasks import keys
 from tasks.errors import InvalidRequest, Requeue
-from tasks.generate import SENT_AT_HEADER, SIGNATURE_HEADER
+from tasks.generate import FIRST_PROMPT_HEADER, SENT_AT_HEADER, SIGNATURE_HEADER
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
 from workers.engine import EngineHost
@@ -43,6 +43,14 @@ def time_limit(timelimit: Any, soft_default: float, hard_default: float) -> floa
     hard, soft = (list(timelimit) + [None, None])[:2] if timelimit else (None, None)
     given = [float(v) for v in (soft, hard) if v]
     return min(given) if given else min(soft_default, hard_default)
+
+
+def first_prompt(headers: dict[str, Any]) -> int:
+    """Index of the task's first prompt in its call (``rq_first_prompt``; 0 unless split)."""
+    try:
+        return max(0, int(headers.get(FIRST_PROMPT_HEADER) or 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 class GenerationService:
@@ -127,7 +135,8 @@ class GenerationService:
         submitted = None if callback is None else functools.partial(callback, task_id)
         try:
             outputs, version = self.host.generate(
-                request, deadline, self._aborted_reader(task.request.id), submitted
+                request, deadline, self._aborted_reader(task.request.id), submitted,
+                first_prompt(headers),
             )
             ok = True
         finally:

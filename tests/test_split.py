@@ -1,0 +1,197 @@
+"""Split calls: more than TASK_MAX_PROMPTS prompts go out as several generate tasks
+and come back as one result (tasks/split.py).
+
+The split threshold is set to 4 for these tests (``configure``); the calls go
+through the shared ``gen_worker`` (model A, default queue) and a real Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from celery import states
+from celery.exceptions import TaskRevokedError
+from celery.result import AsyncResult
+
+from tasks import generate
+from tasks.errors import PromptTooLong
+from tasks.schemas import GenerationResult, PromptOutput, Sample, Timing, Usage
+from tasks.signature import signature
+from tasks.split import SplitResult, join_results, plan_parts
+from tests.conftest import MAX_MODEL_LEN, wait_for
+from tests.procs import Proc
+
+MAX_PROMPTS = 4
+TIMEOUT = 180.0
+# 3 x MAX_PROMPTS + 1 distinct token-id prompts: four parts of 4, 3, 3, 3.
+PROMPTS = [[11 + p, 200 + 3 * p, 7, 5 + p] for p in range(3 * MAX_PROMPTS + 1)]
+GREEDY = {"temperature": 0, "max_tokens": 8}
+
+
+@pytest.fixture
+def max_prompts(redis_url: str) -> Iterator[int]:
+    """TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
+    from tasks.app import configure, settings
+
+    before = settings()
+    configure(before.model_copy(update={"task_max_prompts": MAX_PROMPTS}))
+    yield MAX_PROMPTS
+    configure(before)
+
+
+def unsplit(prompts: list[Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The same call as one task (TASK_MAX_PROMPTS above its size)."""
+    from tasks.app import configure, settings
+
+    before = settings()
+    configure(before.model_copy(update={"task_max_prompts": len(prompts)}))
+    try:
+        handle = generate.delay(prompts, params)
+    finally:
+        configure(before)
+    assert isinstance(handle, AsyncResult)
+    return handle.get(timeout=TIMEOUT)
+
+
+def token_ids(result: dict[str, Any]) -> list[list[list[int]]]:
+    return [[s["token_ids"] for s in out["samples"]] for out in result["outputs"]]
+
+
+# ------------------------------------------------------------- pure logic
+
+
+def test_plan_parts_covers_every_prompt_once_in_parts_within_one_of_each_other() -> None:
+    assert plan_parts(13, 4) == [range(4), range(4, 7), range(7, 10), range(10, 13)]
+    assert plan_parts(4, 4) == [range(4)]
+    for prompts in (1, 5, 128, 129, 1000, 1024):
+        for limit in (1, 3, 64, 128):
+            parts = plan_parts(prompts, limit)
+            assert [i for part in parts for i in part] == list(range(prompts))
+            sizes = [len(part) for part in parts]
+            assert max(sizes) <= limit and max(sizes) - min(sizes) <= 1
+            assert len(parts) == -(-prompts // limit)
+
+
+def _part(worker: str, version: int, first_token: int, queued: float, generate_s: float) -> GenerationResult:
+    sample = Sample(text="x", token_ids=[first_token, 2], finish_reason="length",
+                    weight_versions=[(0, version)])
+    return GenerationResult(
+        signature="sig", weight_version=version, worker=worker,
+        outputs=[PromptOutput(prompt_token_ids=[first_token], samples=[sample])],
+        usage=Usage(prompt_tokens=1, completion_tokens=2),
+        timing=Timing(queued_s=queued, generate_s=generate_s),
+    )
+
+
+def test_join_results_keeps_part_order_sums_usage_and_takes_the_lowest_weight_version() -> None:
+    joined = join_results([
+        _part("w@a", 3, 10, queued=0.5, generate_s=2.0),   # ends at 2.5
+        _part("w@b", 2, 20, queued=0.1, generate_s=1.0),   # starts first
+        _part("w@a", 3, 30, queued=1.0, generate_s=3.0),   # ends last, at 4.0
+    ])
+    assert [o.prompt_token_ids for o in joined.outputs] == [[10], [20], [30]]
+    assert joined.worker == "w@a,w@b"
+    assert joined.weight_version == 2
+    assert [o.samples[0].weight_versions for o in joined.outputs] == [[(0, 3)], [(0, 2)], [(0, 3)]]
+    assert joined.usage == Usage(prompt_tokens=3, completion_tokens=6)
+    assert joined.timing.queued_s == pytest.approx(0.1)
+    assert joined.timing.generate_s == pytest.approx(3.9)
+
+
+# --------------------------------------------------------- what is enqueued
+
+
+def test_a_small_call_is_one_task_and_a_big_one_parts_carrying_params_limits_and_offsets(
+    redis_client: redis_lib.Redis, max_prompts: int
+) -> None:
+    queue = f"unconsumed-{uuid.uuid4().hex[:8]}"  # no worker reads it: what lands stays
+    params = {**GREEDY, "min_weight_version": 7}
+    try:
+        small = generate.apply_async((PROMPTS[:max_prompts], params), queue=queue)
+        assert isinstance(small, AsyncResult)  # not a SplitResult
+        assert redis_client.llen(queue) == 1
+        redis_client.delete(queue)
+
+        big = generate.apply_async((PROMPTS, params), queue=queue, soft_time_limit=30, time_limit=40)
+        assert isinstance(big, SplitResult)
+        messages = [json.loads(raw) for raw in reversed(redis_client.lrange(queue, 0, -1))]
+        assert len(messages) == len(big.results) == 4
+        headers = [m["headers"] for m in messages]
+        assert [h["id"] for h in headers] == [part.id for part in big.results]
+        assert [h["rq_first_prompt"] for h in headers] == [0, 4, 7, 10]
+        assert [h["rq_sequences"] for h in headers] == [4, 3, 3, 3]
+        assert {h["rq_signature"] for h in headers} == {signature(params)}
+        assert {h["rq_min_weight_version"] for h in headers} == {7}
+        assert all(h["timelimit"] == [40, 30] for h in headers)  # per part
+        assert {h["group"] for h in headers} == {big.id}
+        assert len({h["rq_sent_at"] for h in headers}) == 1
+        # The group is stored: another process finds the call by its id.
+        restored = SplitResult.restore(big.id)
+        assert restored is not None and [p.id for p in restored.results] == [p.id for p in big.results]
+        assert big.state == states.PENDING and not big.ready()
+    finally:
+        redis_client.delete(queue)
+
+
+# ------------------------------------------------------------- end to end
+
+
+def test_split_call_returns_one_result_equal_to_the_unsplit_call_in_prompt_order(
+    gen_worker: Proc, max_prompts: int
+) -> None:
+    handle = generate.delay(PROMPTS, GREEDY)
+    assert isinstance(handle, SplitResult) and len(handle.results) == 4
+    result = handle.get(timeout=TIMEOUT)
+    parsed = GenerationResult.model_validate(result)
+    reference = unsplit(PROMPTS, GREEDY)
+    assert [o["prompt_token_ids"] for o in result["outputs"]] == PROMPTS
+    assert token_ids(result) == token_ids(reference)
+    assert all(per_prompt[0] for per_prompt in token_ids(result))
+    assert parsed.usage == Usage.model_validate(reference["usage"])
+    assert parsed.signature == reference["signature"] == signature(GREEDY)
+    assert parsed.worker == "gen@tests" and parsed.weight_version == 0
+    assert parsed.timing.generate_s > 0
+    assert handle.state == states.SUCCESS and handle.ready() and handle.successful()
+
+
+def test_split_call_keeps_each_prompts_n_samples_together(gen_worker: Proc, max_prompts: int) -> None:
+    params = {"temperature": 1.0, "max_tokens": 6, "n": 2, "seed": 99}
+    prompts = PROMPTS[: 2 * max_prompts + 1]  # parts of 3, 3, 3 prompts x 2 samples
+    handle = generate.delay(prompts, params)
+    assert isinstance(handle, SplitResult) and len(handle.results) == 3
+    result = handle.get(timeout=TIMEOUT)
+    assert [o["prompt_token_ids"] for o in result["outputs"]] == prompts
+    assert [len(o["samples"]) for o in result["outputs"]] == [2] * len(prompts)
+    # A seeded request samples the same tokens wherever it runs.
+    assert token_ids(result) == token_ids(unsplit(prompts, params))
+
+
+def test_a_failing_part_fails_the_call_naming_the_prompt_by_its_index_in_the_whole_call(
+    gen_worker: Proc, max_prompts: int
+) -> None:
+    prompts = list(PROMPTS)
+    prompts[9] = [7] * 600  # in the third part (prompts 7-9)
+    handle = generate.delay(prompts, GREEDY)
+    assert isinstance(handle, SplitResult)
+    with pytest.raises(PromptTooLong, match=rf"^prompt 9 has 600 tokens; this worker's max_model_len is {MAX_MODEL_LEN}"):
+        handle.get(timeout=TIMEOUT)
+    wait_for(lambda: handle.state == states.FAILURE, 30, "the call's state to be FAILURE")
+    assert isinstance(handle.get(timeout=TIMEOUT, propagate=False), PromptTooLong)
+
+
+def test_revoking_a_split_call_revokes_every_part(gen_worker: Proc, max_prompts: int) -> None:
+    # A countdown holds the parts in the worker's timer, so the revoke
+    # reaches it before any part could start.
+    handle = generate.apply_async((PROMPTS, GREEDY), countdown=4)
+    assert isinstance(handle, SplitResult)
+    handle.revoke()
+    with pytest.raises(TaskRevokedError):
+        handle.get(timeout=TIMEOUT)
+    wait_for(lambda: all(part.state == states.REVOKED for part in handle.results), 60,
+             "every part to be REVOKED")
+    assert handle.state == states.REVOKED
