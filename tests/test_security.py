@@ -438,7 +438,7 @@ def test_celery_state_changing_builtins_are_disabled_but_inspect_and_revoke_stay
         assert "disabled on this worker" in answer.get("error", ""), (command, answer)
     # Celery's own helper, fire-and-forget as Flower sends it.
     app.control.shutdown(destination=[NODE])
-    inspect = app.control.inspect(destination=[NODE], timeout=10)
+    inspect = app.control.inspect(destination=[NODE], timeout=30)
     assert inspect.ping() == {NODE: {"ok": "pong"}}  # answered after the shutdown: it was refused
     queues = [q["name"] for q in (inspect.active_queues() or {})[NODE]]
     assert queues == [QUEUE]
