@@ -6,9 +6,21 @@ big enough to run in parallel) cannot be forked safely: the child inherits
 libgomp's idea of a thread team whose threads it does not have, and deadlocks
 at its first parallel op (seen on an H200: the benches' offline engine hung
 in ``InputBatch.__init__ -> torch.zeros -> libgomp`` under ``ForkProcess``).
-On CPU, vLLM spawns, so the CPU suite never shows the hang; these tests look
-for its cause instead: threads that Python did not start (OpenMP, MKL, rayon
-pools) in the process at the moment the engine would start.
+The libgomp pool is per thread: the fork is unsafe when the *forking* thread
+ran parallel torch CPU ops before (the benches: ``LLM(...)`` on the main
+thread after building the model there). The worker forks from its
+engine-loop thread, so its main thread's pool would not hang it today; the
+probe holds it to more than that.
+
+On CPU, vLLM spawns, so the CPU suite never shows the hang; these tests probe
+for it where it would happen, in a fresh interpreter that runs the real code
+up to the point where vLLM would fork:
+- fork from that very thread, as vLLM does, and run a parallel torch CPU op
+  in the child: it finishes in well under a second, or hangs for good if the
+  thread had started an OpenMP pool;
+- list the OS threads that Python did not start and that were not there
+  right after the imports (an OpenMP pool of any thread shows up there;
+  numpy's OpenBLAS server thread, fork-safe, is there from the imports on).
 
 Each probe runs in a fresh interpreter (``python -m tests.test_fork_safety``),
 since pytest's own process has long since imported and run torch.
@@ -18,9 +30,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -28,54 +42,80 @@ import pytest
 from tests.procs import ROOT, python
 
 PROBE_TIMEOUT_S = 180
+FORKED_OP_TIMEOUT_S = 20.0  # the op takes ~0.1 s on 2 cores; a libgomp deadlock never ends
 
 
-def native_threads() -> list[str]:
+def forked_torch_op() -> str:
+    """Fork as vLLM does, run a parallel torch CPU op in the child: 'finished' or 'hung'."""
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        torch.ones(1 << 24).exp_()  # large enough for at::parallel_for to use every OpenMP thread
+        os._exit(0)
+    deadline = time.monotonic() + FORKED_OP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return "finished" if os.waitstatus_to_exitcode(status) == 0 else f"failed ({status})"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+
+def native_threads() -> set[int]:
     """This process's OS threads that Python's ``threading`` did not start."""
     python_tids = {t.native_id for t in threading.enumerate()}
-    found = []
-    for tid in sorted(os.listdir("/proc/self/task"), key=int):
-        if int(tid) not in python_tids:
-            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            found.append(f"{tid} ({comm})")
-    return found
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python_tids
 
 
 def probe_worker(report: Path, device: str, model: str, torch_work_first: bool) -> int:
-    """Run ``rollout-queue worker`` until it would start the engine; record the threads then.
+    """Run ``rollout-queue worker`` until it would start the engine; fork-test the process there.
 
     The engine's start (``AsyncLLM.from_engine_args``) is replaced by a probe
     that writes the report and raises, so the worker exits (code 3) without
     loading anything; everything before that point is the real worker path.
     """
+    import torch
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from workers.cli import main
+
+    baseline = native_threads()
+
     def at_engine_start(cls: type, *args: object, **kwargs: object) -> None:
+        if torch_work_first:  # on the thread that forks
+            torch.ones(1 << 24).exp_()
         report.write_text(json.dumps({
-            "native_threads": native_threads(),
-            "multiproc_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork (vLLM's default)"),
+            "thread": threading.current_thread().name,
+            "forked_torch_op": forked_torch_op(),
+            "new_native_threads": sorted(native_threads() - baseline),
         }))
         raise RuntimeError("fork-safety probe: stopped where the engine would start")
 
     AsyncLLM.from_engine_args = classmethod(at_engine_start)  # type: ignore[method-assign, assignment]
-    if torch_work_first:  # the hazard, on purpose: proves the probe sees it
-        import torch
-
-        torch.ones(1 << 24).exp_().sum()
-    from workers.cli import main
+    if torch_work_first:  # the hazard, on purpose: proves each check sees it
+        torch.ones(1 << 24).exp_()
 
     return main(["worker", "--model", model, "--device", device, "--insecure-control",
                  "--redis-url", "redis://127.0.0.1:1/0", "--name", "fork-probe@tests"])
 
 
 def probe_bench_model_build(report: Path, models_dir: Path) -> int:
-    """Build a tiny model the way the benchmarks do; record the threads afterwards."""
+    """Build a tiny model the way the benchmarks do; fork-test the process afterwards."""
+    import torch  # noqa: F401  (its imports' threads belong to the baseline)
+
     sys.path.insert(0, str(ROOT / "bench"))
     import benchlib
 
+    baseline = native_threads()
     path = benchlib.build_model(models_dir, "llama", seed=1)
-    report.write_text(json.dumps({"native_threads": native_threads(),
-                                  "built": (path / "model.safetensors").exists()}))
+    report.write_text(json.dumps({
+        "forked_torch_op": forked_torch_op(),  # from the main thread, where the benches build LLM(...)
+        "new_native_threads": sorted(native_threads() - baseline),
+        "built": (path / "model.safetensors").exists(),
+    }))
     return 0
 
 
@@ -83,7 +123,7 @@ def run_probe(tmp_path: Path, *argv: str) -> dict[str, object]:
     report = tmp_path / "report.json"
     done = subprocess.run(
         [python(), "-m", "tests.test_fork_safety", str(report), *argv],
-        cwd=ROOT, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
     )
     assert report.exists(), f"the probe wrote no report (exit {done.returncode}):\n{done.stderr[-3000:]}"
     result: dict[str, object] = json.loads(report.read_text())
@@ -92,26 +132,33 @@ def run_probe(tmp_path: Path, *argv: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_the_worker_runs_no_native_thread_pool_before_its_engine_starts(tmp_path: Path, device: str) -> None:
-    # cuda is the path that forks; the probe stops before any device is touched.
+def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(tmp_path: Path, device: str) -> None:
+    # cuda is the path vLLM forks on; the probe stops before any device is touched.
     seen = run_probe(tmp_path, "worker", device, str(tmp_path / "no-model-needed"), "clean")
-    assert seen["native_threads"] == [], (
-        f"threads Python did not start (OpenMP? torch CPU work before the engine) in the {device} "
-        f"worker just before vLLM would fork its EngineCore: {seen['native_threads']}"
+    assert seen["thread"] == "engine-loop", seen  # where EngineHost starts vLLM: the thread that forks
+    assert seen["forked_torch_op"] == "finished", (
+        f"a fork of the {device} worker, taken where vLLM forks its EngineCore, {seen['forked_torch_op']} "
+        "in a torch CPU op: the engine-loop thread ran torch on the CPU before the engine started"
+    )
+    assert seen["new_native_threads"] == [], (
+        f"the {device} worker started native threads (an OpenMP pool? torch CPU work) before its engine: "
+        f"{seen['new_native_threads']}; keep torch CPU work out of the worker until vLLM has forked"
     )
     assert seen["exit_code"] == 3  # the worker reported the engine start failing, and exited
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch starts no OpenMP threads to see")
-def test_the_probe_sees_the_openmp_pool_of_torch_cpu_work_done_before_the_engine(tmp_path: Path) -> None:
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch starts no OpenMP pool to inherit")
+def test_the_probe_catches_torch_cpu_work_done_in_the_worker_before_its_engine(tmp_path: Path) -> None:
     seen = run_probe(tmp_path, "worker", "cuda", str(tmp_path / "no-model-needed"), "torch-work-first")
-    assert seen["native_threads"], "torch CPU work started no thread the probe could see"
+    assert seen["forked_torch_op"] == "hung", seen
+    assert seen["new_native_threads"], seen
 
 
-def test_the_benchmarks_build_models_without_running_torch_in_their_own_process(tmp_path: Path) -> None:
+def test_a_fork_of_a_benchmark_that_built_its_model_can_run_torch_cpu_ops(tmp_path: Path) -> None:
     seen = run_probe(tmp_path, "bench-build", str(tmp_path / "models"))
     assert seen["built"] is True
-    assert seen["native_threads"] == [], seen
+    assert seen["forked_torch_op"] == "finished", seen
+    assert seen["new_native_threads"] == [], seen
 
 
 if __name__ == "__main__":

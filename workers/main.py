@@ -20,7 +20,7 @@ from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
-from workers import control, cpu_weights, delivery
+from workers import control, cpu_weights, delivery, reliable_redis
 from workers.engine import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -94,9 +94,7 @@ def run_worker(settings: WorkerSettings) -> int:
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake,
                      die_before_ack=settings.fault_die_before_ack)
-    app.conf.broker_transport_options = {
-        **app.conf.broker_transport_options, "rq_has_room": runtime.intake.has_room,
-    }
+    reliable_redis.gate_fetches(keys.processing_key(settings.name), runtime.intake.has_room)
     if settings.metrics_port is not None:
         from workers.metrics import start_metrics
 

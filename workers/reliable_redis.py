@@ -31,9 +31,10 @@ acks, restores and everything else are kombu's own. Selected by the worker
 (``broker_transport``), with ``rq_processing_key`` / ``rq_inflight_key``
 in the transport options; ``global_keyprefix`` is not supported.
 
-A worker fetches only while its engine has room (``rq_has_room``, a callable
-in the transport options: ``workers.intake``); a short timer on the event
-loop makes it look again as engine requests finish.
+A worker fetches only while its engine has room (``workers.intake``, given
+by :func:`gate_fetches` for the node's processing list; not in the transport
+options, which Celery's ``inspect stats`` sends as JSON); a short timer on
+the event loop makes it look again as engine requests finish.
 
 A worker whose prefetch is full sends nothing to the broker until a task
 ends, and a task that ends while Redis is down waits in the result
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -73,6 +75,16 @@ for i = 1, #KEYS - 1 do
 end
 return false
 """
+
+
+# Processing-list key → "may this node fetch now?" (workers.intake), set by
+# the worker before it consumes.
+_ROOM_CHECKS: dict[str, Callable[[], bool]] = {}
+
+
+def gate_fetches(processing_key: str, has_room: Callable[[], bool]) -> None:
+    """Fetch for the node of ``processing_key`` only while ``has_room()``."""
+    _ROOM_CHECKS[processing_key] = has_room
 
 
 # How often a worker gated by its engine's room looks again (see Transport).
@@ -117,17 +129,18 @@ class QoS(kombu_redis.QoS):
 class Channel(kombu_redis.Channel):
     QoS = QoS
     from_transport_options = kombu_redis.Channel.from_transport_options + (  # type: ignore[assignment]
-        "rq_processing_key", "rq_inflight_key", "rq_has_room",
+        "rq_processing_key", "rq_inflight_key",
     )
     rq_processing_key: str = ""
     rq_inflight_key: str = ""
     # () -> bool: may the next message be fetched? (None: kombu's prefetch alone)
-    rq_has_room: Any = None
+    rq_has_room: Callable[[], bool] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self.rq_processing_key:
             raise ValueError("the reliable Redis transport needs the rq_processing_key option")
+        self.rq_has_room = _ROOM_CHECKS.get(self.rq_processing_key)
         if self.global_keyprefix:
             raise ValueError("the reliable Redis transport does not support global_keyprefix")
         # delivery tag → the exact bytes in the processing list (for LREM).
@@ -251,7 +264,7 @@ class Transport(kombu_redis.Transport):
         old = getattr(cycle, "_rq_room_tref", None)
         if old is not None:
             old.cancel()
-        if connection.client.transport_options.get("rq_has_room") is not None:
+        if connection.client.transport_options.get("rq_processing_key") in _ROOM_CHECKS:
             # Room comes back as engine requests finish, which wakes nothing
             # on this loop: a short timer makes it look again (each loop tick
             # asks QoS.can_consume before fetching).
