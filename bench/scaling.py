@@ -7,10 +7,22 @@ same queue and the same workload runs again. Tasks are small enough
     .venv/bin/python bench/scaling.py                      # CPU: expect little from 2 cores
     python bench/scaling.py --device cuda --model PATH     # two GPUs
 
-Prints one JSON line: one_worker_tok_s, two_workers_tok_s, ratio.
+Each leg runs a warm-up that reaches every worker it has (a task per
+worker through the worker's own queue), then ``--rounds`` measured rounds
+(at least 3); figures are medians. The two-worker leg reports each worker's
+share of the tasks and of the generated tokens (workers take tasks by engine
+room: ``workers/intake.py``).
+
+Prints one JSON line: one_worker_tok_s, two_workers_tok_s, ratio (medians),
+the best rounds, and shares.
 """
 
 from __future__ import annotations
+
+import collections
+import statistics
+import time
+from typing import Any
 
 import benchlib
 from pydantic import SecretStr
@@ -37,6 +49,45 @@ def main() -> None:
             env={"CUDA_VISIBLE_DEVICES": str(index)} if cuda else {},
         )
 
+    def run_round(chunks: list[list[list[int]]], queue: str) -> tuple[float, dict[str, list[int]]]:
+        """Seconds for every chunk; per worker, the tokens of each task it served."""
+        from tasks.generate import generate
+
+        started = time.perf_counter()
+        handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
+        served: dict[str, list[int]] = collections.defaultdict(list)
+        for handle in handles:
+            result = handle.get(timeout=3600)
+            handle.forget()
+            served[result["worker"]].append(result["usage"]["completion_tokens"])
+        return time.perf_counter() - started, served
+
+    def warm(workers: int) -> None:
+        """A task through each worker's own queue (``<queue>-w<i>``): every engine warm."""
+        from tasks.generate import generate
+
+        chunks = workload(99)[:workers]
+        handles = [generate.apply_async((chunk, params), queue=f"{stack.queue}-w{i}")
+                   for i, chunk in enumerate(chunks)]
+        for handle in handles:
+            handle.get(timeout=3600)
+
+    def leg(workers: int) -> dict[str, Any]:
+        warm(workers)
+        rounds = [run_round(workload(r), stack.queue) for r in range(max(3, args.rounds))]
+        rates = [sum(map(sum, served.values())) / seconds for seconds, served in rounds]
+        tasks: collections.Counter[str] = collections.Counter()
+        tokens: collections.Counter[str] = collections.Counter()
+        for _, served in rounds:
+            for node, counts in served.items():
+                tasks[node] += len(counts)
+                tokens[node] += sum(counts)
+        return {
+            "tok_s": statistics.median(rates), "best_tok_s": max(rates),
+            "task_share": {n: round(c / sum(tasks.values()), 3) for n, c in sorted(tasks.items())},
+            "token_share": {n: round(c / sum(tokens.values()), 3) for n, c in sorted(tokens.items())},
+        }
+
     def workload(round_index: int) -> list[list[list[int]]]:
         prompts = benchlib.token_prompts(settings.model, args.prompts, args.input_len,
                                          seed=args.seed + round_index)
@@ -49,21 +100,19 @@ def main() -> None:
         stack.ensure_redis(url)
         configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         stack.start_worker(spec(0), index=0, timeout=900)
-        benchlib.run_tasks(stack.queue, workload(99)[:2], params, 3600)  # warm-up
-        one = [benchlib.run_tasks(stack.queue, workload(r), params, 3600) for r in range(args.rounds)]
+        one = leg(1)
         stack.start_worker(spec(1), index=1, timeout=900)
-        benchlib.run_tasks(stack.queue, workload(98)[:4], params, 3600)  # warm-up
-        two = [benchlib.run_tasks(stack.queue, workload(r), params, 3600) for r in range(args.rounds)]
-    best_one = max(tokens / seconds for seconds, tokens, _ in one)
-    best_two = max(tokens / seconds for seconds, tokens, _ in two)
+        two = leg(2)
     benchlib.emit(
         {
             "bench": "scaling",
             "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "one_worker_tok_s": round(best_one, 1),
-            "two_workers_tok_s": round(best_two, 1),
-            "ratio": round(best_two / best_one, 3),
-            "workers_used": sorted({w for _, _, ws in two for w in ws}),
+            "rounds": max(3, args.rounds),
+            "one_worker_tok_s": round(one["tok_s"], 1),
+            "two_workers_tok_s": round(two["tok_s"], 1),
+            "ratio": round(two["tok_s"] / one["tok_s"], 3),
+            "ratio_best": round(two["best_tok_s"] / one["best_tok_s"], 3),
+            "task_share": two["task_share"], "token_share": two["token_share"],
         },
         args,
     )

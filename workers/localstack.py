@@ -218,7 +218,10 @@ class LocalStack:
         return f"{self.tag}-{index}@{socket.gethostname()}"
 
     def start_worker(self, spec: WorkerSpec, index: int = 0, timeout: float = 300.0) -> LocalProcess:
-        """Start worker ``index`` on this stack's queue and pool; wait until it serves."""
+        """Start worker ``index`` on this stack's queue and pool; wait until it serves.
+
+        It also consumes a queue of its own, ``<queue>-w<index>``, so a caller
+        can reach one worker (a benchmark's warm-up of every engine)."""
         if not self.redis_url:
             raise LocalStackError("call ensure_redis() before starting workers")
         name = self.worker_name(index)
@@ -228,7 +231,7 @@ class LocalStack:
             "--max-model-len", str(spec.max_model_len),
             "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
             "--max-inflight", str(spec.max_inflight),
-            "--name", name, "--queues", self.queue, "--pool", self.tag,
+            "--name", name, "--queues", f"{self.queue},{self.queue}-w{index}", "--pool", self.tag,
             *spec.extra,
         ]
         # The URL travels in the environment, never on a command line (ps shows those).
@@ -238,7 +241,7 @@ class LocalStack:
             argv.append("--insecure-control")
         proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env)
         self._workers.append(proc)
-        self._queues.add(self.queue)
+        self._queues.update((self.queue, f"{self.queue}-w{index}"))
         client = self.client()
         proc.wait_until(lambda: self.serving(client, name), timeout, "the engine to load and serve")
         return proc
