@@ -9,7 +9,8 @@ gateway knows:
 - size limits, before anything reaches Redis: a text prompt (or a chat
   conversation's contents) of more than ``API_MAX_PROMPT_CHARS`` characters, a
   token prompt of more than ``API_MAX_PROMPT_TOKENS`` ids: 413;
-- token ids below the vocabulary size (known when ``API_TOKENIZER`` is set)
+- token ids below the vocabulary size (``API_TOKENIZER``'s, else the one the
+  serving workers report in the registry)
   and token prompts shorter than the serving workers' ``max_model_len`` (read
   from the worker registry, ``ModelLimits``): 400;
 - a structured-output ``regex`` in the subset the workers' grammar backend
@@ -85,8 +86,13 @@ class LimitsReader:
                     workers = await asyncio.to_thread(self._read_workers)
                 except BrokerUnavailable:
                     return self._limits  # keep the last known; sending will say Redis is away
-                lengths = [w.max_model_len for w in workers if self._queue in w.queues and w.max_model_len]
-                self._limits = ModelLimits(self._vocab_size, min(lengths) if lengths else None)
+                serving = [w for w in workers if self._queue in w.queues]
+                lengths = [w.max_model_len for w in serving if w.max_model_len]
+                # The tokenizer's vocabulary when the gateway has one, else the
+                # smallest the serving workers report.
+                vocabs = [w.vocab_size for w in serving if w.vocab_size]
+                vocab = self._vocab_size or (min(vocabs) if vocabs else None)
+                self._limits = ModelLimits(vocab, min(lengths) if lengths else None)
         return self._limits
 
 

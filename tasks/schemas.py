@@ -300,6 +300,7 @@ class WorkerInfo(_Message):
     generated_tokens: int = 0
     kv_cache_usage: float = 0.0
     max_model_len: int = 0
+    vocab_size: int = 0  # the model's vocabulary (0: not reported)
     metrics_port: int | None = None
     started_at: float = 0.0
     heartbeat_at: float = 0.0

@@ -119,6 +119,7 @@ class WorkerRuntime:
             generated_tokens=self.host.generated_tokens,
             kv_cache_usage=round(engine.kv_cache_usage, 4) if busy else 0.0,
             max_model_len=self.host.max_model_len,
+            vocab_size=self.host.vocab_size,
             metrics_port=self.settings.metrics_port,
             started_at=self.started_at,
             heartbeat_at=time.time(),
