@@ -347,8 +347,14 @@ BIG_TOKENS, BIG_TOP = (512, 1) if FULL_SIZE else (32, 5)
 
 
 def test_512_prompts_with_logprobs_come_back_in_one_compressed_result(
-    rel_worker: Proc, producer: Any, server: RedisServer, figures: dict[str, Any]
+    rel_worker: Proc, producer: Any, server: RedisServer, figures: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from tasks.app import settings as client_settings
+
+    # One task of 512 prompts, not split into parts (TASK_MAX_PROMPTS, 128 by
+    # default): this is about one big result in the backend.
+    monkeypatch.setattr(client_settings(), "task_max_prompts", 512)
     started = time.monotonic()
     result = send(producer, [f"p{i} " for i in range(512)],
                   {"max_tokens": BIG_TOKENS, "ignore_eos": True, "logprobs": BIG_TOP, "seed": 7})
