@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -133,6 +134,15 @@ class Channel(kombu_redis.Channel):
     )
     rq_processing_key: str = ""
     rq_inflight_key: str = ""
+    # kombu puts a channel's delivered, unacked messages back in their queues
+    # when the channel closes. Not here: the consumer closes its channel when
+    # the broker connection drops while tasks run on (they ack after the
+    # reconnect), so a restore would hand running tasks to other workers, and
+    # with Redis down it crashed the worker (Celery 5.7 closes the channel of a
+    # connection it already detached: AttributeError in kombu's _connparams,
+    # "Unrecoverable error", seen in a Redis-restart test). What a worker holds
+    # when it stops or dies is restored by the reaper, from its ledger.
+    do_restore = False
     # () -> bool: may the next message be fetched? (None: kombu's prefetch alone)
     rq_has_room: Callable[[], bool] | None = None
 
@@ -141,6 +151,7 @@ class Channel(kombu_redis.Channel):
         if not self.rq_processing_key:
             raise ValueError("the reliable Redis transport needs the rq_processing_key option")
         self.rq_has_room = _ROOM_CHECKS.get(self.rq_processing_key)
+        self._rq_connparams = super()._connparams(asynchronous=False)
         if self.global_keyprefix:
             raise ValueError("the reliable Redis transport does not support global_keyprefix")
         # delivery tag → the exact bytes in the processing list (for LREM).
@@ -151,6 +162,24 @@ class Channel(kombu_redis.Channel):
         self.rq_delivering: str | None = None
         self._rq_pending: tuple[str, str | None] = ("EVAL", None)
         self._rq_block_next = False
+
+    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        """kombu's, or, once Celery has closed this channel, the ones it was opened with.
+
+        After a lost broker connection Celery 5.7 closes the consumer's channel
+        while tasks run on; their acks still go through this channel, and
+        kombu would build a client from the closed transport (AttributeError:
+        an "Unrecoverable error" that killed the worker, seen in a Redis
+        restart test). With the saved parameters the ack reaches Redis on a
+        fresh connection once it is back, or fails as a connection error,
+        which Celery logs; the result is stored either way, and a message
+        left unacked comes back later to be acked unrun (``workers.dedup``).
+        """
+        if self.connection is None:
+            if asynchronous:
+                raise redis.exceptions.ConnectionError("this channel was closed")
+            return dict(self._rq_connparams)
+        return dict(super()._connparams(asynchronous=asynchronous))
 
     def _fetch_keys(self, queues: list[str]) -> list[str]:
         return [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
