@@ -97,10 +97,13 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
             "running_requests": host.stats.snapshot().running_requests,
             "unfinished_sequences": host.unfinished_sequences(),
             "intake_sequences": runtime.intake.budget,
+            "intake_peak_sequences": runtime.intake.peak_sequences,
             "completed_tasks": runtime.service.completed_tasks,
             "failed_tasks": runtime.service.failed_tasks,
             "last_sync_error": runtime.sync.last_error,
         }
+    if op == "intake_peak":  # the most sequences held after taking a task, since the last call
+        return runtime.intake.reset_peak()
     if op == "world_size":
         return runtime.settings.tensor_parallel_size
     if op == "reset_prefix_cache":

@@ -48,6 +48,9 @@ class Intake:
         # Task id → sequences: taken from Redis, not yet in the engine.
         self._fetched: dict[str, int] = {}
         self._lock = threading.Lock()
+        # The most sequences this worker held right after taking a task
+        # (unfinished in the engine + the task's): what the rule allows.
+        self.peak_sequences = 0
 
     def has_room(self) -> bool:
         with self._lock:
@@ -64,8 +67,16 @@ class Intake:
             sequences = max(1, int(headers.get(SEQUENCES_HEADER) or 1))
         except (TypeError, ValueError):
             sequences = 1
+        held = self.engine.unfinished_sequences() + sequences
         with self._lock:
             self._fetched[task_id] = sequences
+            self.peak_sequences = max(self.peak_sequences, held)
+
+    def reset_peak(self) -> int:
+        """The peak so far, starting a new one."""
+        with self._lock:
+            peak, self.peak_sequences = self.peak_sequences, 0
+        return peak
 
     def entered(self, task_id: str) -> None:
         """The task's requests are in the engine, or it ended without them (idempotent)."""
