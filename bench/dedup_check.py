@@ -28,7 +28,7 @@ from pydantic import SecretStr
 
 from tasks.app import app, configure
 from tasks.settings import ClientSettings
-from workers.dedup import DuplicateGuard
+from workers.dedup import DuplicateGuard, quick_client
 
 
 def result_of(prompts: int, tokens: int) -> dict[str, object]:
@@ -55,7 +55,7 @@ def main() -> None:
     url = os.environ.get("REDIS_URL", "redis://localhost:6379/0")
     configure(ClientSettings(redis_url=SecretStr(url)))
     backend = app.backend
-    guard = DuplicateGuard(backend)
+    guard = DuplicateGuard(backend, quick_client(ClientSettings(redis_url=SecretStr(url))))
     ping = per_call_us(backend.client.ping, args.iterations)
     sizes: dict[str, object] = {}
     for prompts, tokens in ((1, 16), (64, 256), (512, 256)):

@@ -110,6 +110,12 @@ class SplitResult(GroupResult):  # type: ignore[misc]
 
     @classmethod
     def restore(cls, id: str, backend: Any = None, app: Any = None) -> SplitResult | None:
+        # This project's app by default, not Celery's "current" one (a process
+        # may have made others since, e.g. for another Redis).
+        if app is None and backend is None:
+            from tasks.app import app as project_app
+
+            app = project_app
         group = super().restore(id, backend=backend, app=app)
         return None if group is None else cls(group.id, group.results, app=group.app)
 

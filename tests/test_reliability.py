@@ -611,12 +611,15 @@ def test_a_task_whose_worker_died_after_storing_its_result_is_acked_and_never_ru
 
 
 def test_the_duplicate_check_reads_a_stored_state_from_the_first_bytes_of_any_result(
-    producer: Any,
+    producer: Any, server: RedisServer,
 ) -> None:
-    from workers.dedup import DuplicateGuard
+    from pydantic import SecretStr
+
+    from tasks.settings import ClientSettings
+    from workers.dedup import DuplicateGuard, quick_client
 
     app, _ = producer
-    guard = DuplicateGuard(app.backend)
+    guard = DuplicateGuard(app.backend, quick_client(ClientSettings(redis_url=SecretStr(server.url))))
     big = {"outputs": [{"samples": [{"token_ids": list(range(i, i + 2000))}]} for i in range(64)]}
     ids = {state: f"dedup-{state}-{uuid.uuid4()}" for state in ("SUCCESS", "FAILURE", "STARTED")}
     app.backend.store_result(ids["SUCCESS"], big, "SUCCESS")
@@ -690,17 +693,19 @@ def test_producer_gets_broker_unavailable_within_its_deadline_when_redis_is_down
 def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
     rel_worker: Proc, producer: Any, server: RedisServer, figures: dict[str, Any]
 ) -> None:
-    # Enough work that both restarts (a few seconds each) land mid-run.
-    results = [send(producer, [f"r{t} p{p}" for p in range(4)], {"max_tokens": 64, "ignore_eos": True})
-               for t in range(24)]
-    ids = [r.id for r in results]
     log = rel_worker.log_path
 
     def count(text: str) -> int:
         return log.read_text(errors="replace").count(text)
 
-    received = 0
-    for _ in range(2):
+    ids: list[str] = []
+    received = count(" received")
+    for wave in range(2):
+        # A wave of work before each restart, so each lands mid-run however
+        # fast the worker gets through the previous one (seen: 24 tasks done
+        # in 6 s after the first restart, the second then had nothing to cut).
+        ids += [send(producer, [f"r{wave}-{t} p{p}" for p in range(4)],
+                     {"max_tokens": 64, "ignore_eos": True}).id for t in range(12)]
         # Kill only once the worker consumes again (a task received since it
         # connected), not while Celery's consumer is still starting up.
         rel_worker.wait_until(lambda seen=received: count(" received") > seen

@@ -28,9 +28,15 @@ import threading
 import zlib
 from typing import Any
 
+import redis
 from celery import states
 from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from tasks.app import redis_tls_options
+from tasks.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +45,36 @@ HEAD_BYTES = 512
 _STATUS = re.compile(rb'^\{\s*"status"\s*:\s*"([A-Z_]+)"')
 
 
+def quick_client(settings: ClientSettings) -> redis.Redis:
+    """A client for the check that gives up at once: it runs in the consumer's
+    event loop, and the result backend's own client retries for as long as a
+    result store may (a delivery read as Redis went down blocked the loop, so
+    the worker did not notice the outage for over a minute)."""
+    return redis.Redis.from_url(
+        settings.redis_url.get_secret_value(), socket_connect_timeout=1, socket_timeout=2,
+        retry=Retry(NoBackoff(), 0), **(redis_tls_options(settings) or {}),
+    )
+
+
 class DuplicateGuard:
     """Reads a task's stored state; counts the deliveries it refused to run."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, client: redis.Redis) -> None:
         self.backend = backend
+        self.client = client
         self.duplicate_deliveries = 0
         self._lock = threading.Lock()
 
     def stored_state(self, task_id: str) -> str | None:
         """The state stored for ``task_id``, or None when nothing is stored."""
         key = self.backend.get_key_for_task(task_id)
-        head = self.backend.client.getrange(key, 0, HEAD_BYTES - 1)
+        head = self.client.getrange(key, 0, HEAD_BYTES - 1)
         if not head:
             return None
         state = _status_of_head(bytes(head))
         if state is None:  # an encoding this fast path does not read: decode it all
-            meta = self.backend.get_task_meta(task_id, cache=False)
+            raw = self.client.get(key)
+            meta = self.backend.decode_result(raw) if raw else {}
             state = str(meta.get("status") or "") or None
         return state
 

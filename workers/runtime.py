@@ -22,7 +22,7 @@ from tasks.app import app
 from tasks.auth import CommandVerifier
 from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo, WorkerState
-from workers.dedup import DuplicateGuard
+from workers.dedup import DuplicateGuard, quick_client
 from workers.engine import EngineHost
 from workers.intake import Intake
 from workers.reaper import InflightLedger, Reaper
@@ -44,7 +44,7 @@ class WorkerRuntime:
         self.service = GenerationService(
             host, self.node, settings.task_soft_time_limit, settings.task_time_limit, self.client
         )
-        self.duplicates = DuplicateGuard(app.backend)
+        self.duplicates = DuplicateGuard(app.backend, quick_client(settings))
         budget = settings.intake_sequences or host.max_num_seqs
         self.intake = Intake(host, budget)
         self.service.on_submitted = self.intake.entered
