@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--max-inflight", type=int, help="tasks in flight at once")
     w.add_argument("--intake-sequences", type=int,
                    help="fetch the next task only while the engine holds fewer unfinished "
-                        "sequences than this (default: the engine's max_num_seqs)")
+                        "sequences than this, e.g. the engine's max_num_seqs (default: off)")
     w.add_argument("--tensor-parallel-size", type=int)
     w.add_argument("--max-model-len", type=int)
     w.add_argument("--dtype")

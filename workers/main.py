@@ -94,7 +94,12 @@ def run_worker(settings: WorkerSettings) -> int:
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake,
                      die_before_ack=settings.fault_die_before_ack)
-    reliable_redis.gate_fetches(keys.processing_key(settings.name), runtime.intake.has_room)
+    if settings.intake_sequences is not None:
+        # Opt-in for now: a worker gated by its engine's room can have no
+        # fetch in flight when Redis goes down, and then noticed the outage
+        # only late (a Redis-restart test: over 60 s). Without the gate a
+        # pending fetch sees it at once.
+        reliable_redis.gate_fetches(keys.processing_key(settings.name), runtime.intake.has_room)
     if settings.metrics_port is not None:
         from workers.metrics import start_metrics
 
