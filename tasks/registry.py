@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tasks import keys
 from tasks.errors import BrokerUnavailable
@@ -17,15 +19,27 @@ from tasks.schemas import WorkerInfo
 from tasks.settings import ClientSettings
 
 
-def connect(settings: ClientSettings) -> redis.Redis:
+def connect(
+    settings: ClientSettings,
+    *,
+    connect_timeout: float = 5,
+    read_timeout: float = 30,
+    decode: bool = True,
+    give_up_at_once: bool = False,
+) -> redis.Redis:
+    """A client for ``settings.redis_url``. ``give_up_at_once`` turns off
+    redis-py's retries, for callers that must not block: the duplicate check
+    runs in a worker's consumer loop (``workers.dedup``)."""
     from tasks.app import redis_tls_options
 
+    retry = {"retry": Retry(NoBackoff(), 0)} if give_up_at_once else {}
     return redis.Redis.from_url(
         settings.redis_url.get_secret_value(),
-        socket_connect_timeout=5,
-        socket_timeout=30,
-        health_check_interval=10,
-        decode_responses=True,
+        socket_connect_timeout=connect_timeout,
+        socket_timeout=read_timeout,
+        health_check_interval=0 if give_up_at_once else 10,
+        decode_responses=decode,
+        **retry,
         **(redis_tls_options(settings) or {}),
     )
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis as redis_lib
 from celery import Celery
 from pydantic import SecretStr
@@ -211,3 +212,25 @@ def wait_results(
             f"{len(pending)} of {total} tasks not done within {timeout:.0f}s: {sorted(pending)[:5]}"
         )
     return done
+
+
+def server_fixture(name: str, **options: Any) -> Callable[[], Iterator[RedisServer]]:
+    """A module-scoped fixture: one private server (``RedisServer`` options), stopped after the module."""
+
+    @pytest.fixture(scope="module")
+    def server() -> Iterator[RedisServer]:
+        srv = RedisServer(name, **options).start()
+        yield srv
+        srv.stop()
+
+    return server
+
+
+def producer_fixture() -> Callable[[RedisServer], Any]:
+    """A module-scoped fixture: ``(app, generate)`` bound to the module's ``server``."""
+
+    @pytest.fixture(scope="module")
+    def producer(server: RedisServer) -> Any:
+        return client_app(server.url)
+
+    return producer

@@ -156,4 +156,4 @@ def test_the_intake_takes_one_task_at_a_time_while_the_engine_has_room() -> None
     intake.fetched("b", {"rq_sequences": "not a number"})
     intake.entered("b")
     intake.entered("b")  # idempotent: a task that ends after its requests went in
-    assert intake.has_room() and intake.waiting_to_enter() == 0
+    assert intake.has_room(), "nothing is between the fetch and the engine"

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tasks import keys
 from tasks.schemas import GenerationResult
 from tests.conftest import WorkerStarter, wait_for
-from tests.private_redis import RedisServer, client_app
+from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
 from tests.procs import ARTIFACTS, Proc, free_port
 from workers.cli import main as cli_main
 from workers.poison import DeadLetter, check_task, dead_letter_fetched
@@ -133,16 +133,8 @@ def figures() -> Iterator[dict[str, Any]]:
     FIGURES.write_text(json.dumps(found, indent=2) + "\n")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer("poison-redis").start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def producer(server: RedisServer) -> Any:
-    return client_app(server.url)
+server = server_fixture("poison-redis")
+producer = producer_fixture()
 
 
 @pytest.fixture(scope="module")

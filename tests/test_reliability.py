@@ -41,7 +41,13 @@ from tasks.errors import (
 )
 from tasks.schemas import GenerationResult, WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
-from tests.private_redis import RedisServer, client_app, wait_results
+from tests.private_redis import (
+    RedisServer,
+    client_app,
+    producer_fixture,
+    server_fixture,
+    wait_results,
+)
 from tests.procs import ARTIFACTS, Proc
 from workers.reaper import InflightLedger, Reaper
 from workers.reliable_redis import FETCH_SCRIPT
@@ -70,17 +76,8 @@ def figures() -> Iterator[dict[str, Any]]:
     FIGURES.write_text(json.dumps(found, indent=2) + "\n")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    srv = RedisServer("rel-redis", persistent=True).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def producer(server: RedisServer) -> Any:
-    """(app, generate) bound to the private server."""
-    return client_app(server.url)
+server = server_fixture("rel-redis", persistent=True)
+producer = producer_fixture()
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,9 @@ from typing import Any
 import redis
 from celery import states
 from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
-from tasks.app import redis_tls_options
+from tasks.registry import connect
 from tasks.settings import ClientSettings
 
 log = logging.getLogger(__name__)
@@ -50,10 +48,7 @@ def quick_client(settings: ClientSettings) -> redis.Redis:
     event loop, and the result backend's own client retries for as long as a
     result store may (a delivery read as Redis went down blocked the loop, so
     the worker did not notice the outage for over a minute)."""
-    return redis.Redis.from_url(
-        settings.redis_url.get_secret_value(), socket_connect_timeout=1, socket_timeout=2,
-        retry=Retry(NoBackoff(), 0), **(redis_tls_options(settings) or {}),
-    )
+    return connect(settings, connect_timeout=1, read_timeout=2, decode=False, give_up_at_once=True)
 
 
 class DuplicateGuard:

@@ -21,7 +21,6 @@ import signal
 from typing import Any
 
 from celery import signals
-from celery.worker import state as worker_state
 from celery.worker.strategy import default as default_strategy
 
 from workers.dedup import DuplicateGuard
@@ -55,11 +54,9 @@ def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack:
             intake.fetched(task_id, headers)
             try:
                 return handle(message, body, ack, reject, callbacks, **options)
-            finally:
-                # Celery dropped it at once (revoked, expired, refused): it
-                # will never reach the engine.
-                if not any(r.id == task_id for r in worker_state.reserved_requests):
-                    intake.entered(task_id)
+            except BaseException:
+                intake.entered(task_id)  # Celery refused it: it never reaches the engine
+                raise
 
         return on_message
 
@@ -67,7 +64,13 @@ def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack:
         if task_id:
             intake.entered(task_id)  # also when the task failed before reaching the engine
 
+    def revoked(request: Any = None, **_: Any) -> None:
+        # Revoked or expired, before it ran (Celery then drops the request)
+        # or while it waited for a thread: it never reaches the engine.
+        ended(getattr(request, "id", None))
+
     signals.task_postrun.connect(ended, weak=False)
+    signals.task_revoked.connect(revoked, weak=False)
     task.Strategy = strategy
 
 

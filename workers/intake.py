@@ -82,7 +82,3 @@ class Intake:
         """The task's requests are in the engine, or it ended without them (idempotent)."""
         with self._lock:
             self._fetched.pop(task_id, None)
-
-    def waiting_to_enter(self) -> int:
-        with self._lock:
-            return len(self._fetched)
