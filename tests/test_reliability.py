@@ -435,6 +435,34 @@ def test_reliable_fetch_records_each_message_in_unacked_and_the_in_flight_set_at
         assert not tags & set(client.hkeys(keys.KOMBU_UNACKED))
 
 
+def test_a_worker_of_two_queues_blocks_on_its_first_and_still_sweeps_the_other(quiet: Any) -> None:
+    # The sweep's order rotates after each delivery; the block must not
+    # follow it (it did: after each task on the shared queue the worker
+    # blocked on its idle second queue, and the next task waited 1 s).
+    srv, _, task = quiet
+    first, second = (f"two-{uuid.uuid4().hex[:6]}-{i}" for i in range(2))
+    got: list[Any] = []
+    with _reliable(srv, "two-queues@tests") as conn:
+        with conn.Consumer([Queue(first), Queue(second)], accept=["json"],
+                           callbacks=[lambda _body, msg: got.append(msg)]):
+            channel = conn.default_channel
+            for queue in (first, second, first):
+                task.apply_async((["q"], {"max_tokens": 1}), queue=queue)
+                before = len(got)
+                while len(got) == before:
+                    conn.drain_events(timeout=5)
+                assert got[-1].delivery_info["routing_key"] == queue
+                # The next empty sweep, then the block: on the first queue,
+                # for at most the multi-queue block.
+                with pytest.raises(TimeoutError):
+                    conn.drain_events(timeout=0.3)
+                command, key = channel._rq_pending
+                assert command == "BLMOVE" and key == first, channel._rq_pending
+        for message in got:
+            message.ack()
+    assert channel.rq_multi_queue_block_s < channel.brpop_timeout
+
+
 def test_a_message_taken_by_a_worker_killed_before_recording_it_is_restored(quiet: Any) -> None:
     # kombu's own BRPOP fetch loses this message for good (seen: 1 of 30 tasks
     # in a kill -9 run); the atomic fetch leaves it in the processing list.

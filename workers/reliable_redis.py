@@ -10,9 +10,15 @@ This transport closes that gap with the "processing list" pattern:
 
 * fetch moves the message atomically from its queue into the node's
   processing list ``rq:processing:<node>``: ``BLMOVE`` (blocking, on the
-  first queue's main list) or, before blocking, a Lua script that pops the
-  first non-empty list of every consumed queue and priority, in kombu's
-  order, and pushes the item onto the processing list in the same step;
+  main list of the first queue the worker consumes) or, before blocking, a
+  Lua script that pops the first non-empty list of every consumed queue and
+  priority, in kombu's order, and pushes the item onto the processing list
+  in the same step;
+* Redis cannot block on several lists and move atomically, so a worker that
+  consumes more than one queue blocks on its first queue for at most
+  ``rq_multi_queue_block_s`` (default 0.05 s) before it sweeps the others
+  again: a message on its first queue is taken at once, one on another
+  queue (a per-worker queue, say) within that time;
 * ``QoS.append`` then, in one ``MULTI``, records the message in ``unacked``
   (as kombu does), adds its tag to the node's in-flight set
   ``rq:inflight:<node>`` and removes it from the processing list.
@@ -130,10 +136,12 @@ class QoS(kombu_redis.QoS):
 class Channel(kombu_redis.Channel):
     QoS = QoS
     from_transport_options = kombu_redis.Channel.from_transport_options + (  # type: ignore[assignment]
-        "rq_processing_key", "rq_inflight_key",
+        "rq_processing_key", "rq_inflight_key", "rq_multi_queue_block_s",
     )
     rq_processing_key: str = ""
     rq_inflight_key: str = ""
+    # The longest block on the first queue when other queues are consumed too.
+    rq_multi_queue_block_s: float = 0.05
     # kombu puts a channel's delivered, unacked messages back in their queues
     # when the channel closes. Not here: the consumer closes its channel when
     # the broker connection drops while tasks run on (they ack after the
@@ -196,9 +204,16 @@ class Channel(kombu_redis.Channel):
         self._in_poll = self.client.connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         if self._rq_block_next:
-            # Every list was empty a moment ago: wait on the main one.
-            self._rq_pending = ("BLMOVE", keys[0])
-            args: list[Any] = ["BLMOVE", keys[0], self.rq_processing_key, "RIGHT", "LEFT",
+            # Every list was empty a moment ago: wait on the first queue's
+            # main list (in the order the worker was given its queues, not
+            # the sweep's rotating order, which made a worker of two queues
+            # block on the idle one after each task and take the next
+            # message only when the block timed out: +1 s a task).
+            first = self._fetch_keys(self.active_queues[:1])[0]
+            if len(self.active_queues) > 1:
+                timeout = min(timeout or self.rq_multi_queue_block_s, self.rq_multi_queue_block_s)
+            self._rq_pending = ("BLMOVE", first)
+            args: list[Any] = ["BLMOVE", first, self.rq_processing_key, "RIGHT", "LEFT",
                                timeout or 0]
         else:
             self._rq_pending = ("EVAL", None)
