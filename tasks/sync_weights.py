@@ -54,6 +54,7 @@ from tasks.errors import (
     ManifestMismatch,
     NoWorkers,
     RendezvousTimeout,
+    RendezvousUnreachable,
     SyncRefused,
     WeightSyncError,
     WorkerLost,
@@ -359,7 +360,8 @@ class WeightSender:
         ready = sorted(node for node, ack in acks.items() if ack.ok)
         if not ready:
             self._decide(plan, SyncDecision(go=False, reason="no worker became ready"))
-            raise RendezvousTimeout(
+            unreachable = all(why.startswith(RendezvousUnreachable.__name__) for why in silent.values())
+            raise (RendezvousUnreachable if unreachable else RendezvousTimeout)(
                 f"no worker became ready for sync epoch {plan.epoch}: "
                 + "; ".join(f"{n} ({w})" for n, w in sorted(silent.items())),
                 phase="ready", workers=silent,
