@@ -6,8 +6,10 @@ that lives on another host than pytest's: it produces tasks, waits for their
 results, reads the registry, and syncs weights as the trainer (its process
 group and store live on between syncs, as a trainer's do)::
 
-    python tests/multihost_agent.py REDIS_URL SECRET            # serve commands
-    python tests/multihost_agent.py REDIS_URL SECRET --once CMD  # one command, then exit
+    python -m tests.multihost_agent REDIS_URL SECRET            # serve commands
+    python -m tests.multihost_agent REDIS_URL SECRET --once CMD  # one command, then exit
+
+(``-m`` from the repository root, so this checkout's packages are imported).
 
 Each answer is ``{"ok": value}`` or ``{"error": class name, "message": ...,
 "workers": [...], "seconds": s}``.
@@ -91,23 +93,31 @@ class Agent:
         return [metas[i]["result"] for i in ids]
 
     def sync(self, model: str, version: int, rendezvous_host: str, timeouts: dict[str, float],
-             timeout: float, pool: str, catch_up: bool = False) -> dict[str, Any]:
+             timeout: float, pool: str, catch_up: bool = False,
+             cut_before_send: list[str] | None = None) -> dict[str, Any]:
+        """``cut_before_send``: a command run once the process group is formed,
+        just before the first bucket leaves (e.g. ``ip link set ... down``)."""
         from safetensors.torch import load_file
 
         from tasks.settings import SyncSettings, SyncTimeouts
-        from tasks.sync_weights import WeightSender
 
         key = f"{pool}/{rendezvous_host}/{sorted(timeouts.items())}"
         if key not in self.senders:
             settings = SyncSettings(rendezvous_host=rendezvous_host, weight_sync_secret=SecretStr(self.secret),
                                     timeouts=SyncTimeouts(**timeouts))
-            self.senders[key] = WeightSender(settings, pool)
+            self.senders[key] = _sender_class()(settings, pool)
         sender = self.senders[key]
+        sender.cut_before_send = cut_before_send
         weights = load_file(f"{model}/model.safetensors")
         if catch_up:
             report = sender.catch_up(weights, timeout=timeout)
             return report.model_dump(mode="json") if report is not None else {}
         return sender.sync(weights, version=version, timeout=timeout).model_dump(mode="json")
+
+    def scard(self, key: str) -> int:
+        import redis
+
+        return int(redis.Redis.from_url(self.redis_url).scard(key))
 
     def produce(self, prompts: list[str], settings: dict[str, Any]) -> str:
         """Enqueue one task with these client settings (e.g. broker_connect_timeout); its id."""
@@ -130,6 +140,25 @@ class Agent:
                     "seconds": time.monotonic() - started}
 
 
+def _sender_class() -> type:
+    import subprocess
+
+    from tasks.sync_weights import WeightSender
+
+    class CuttingSender(WeightSender):
+        """The real sender, with a hook where a fault goes: between join and send."""
+
+        cut_before_send: list[str] | None = None
+
+        def send_buckets(self, *args: Any, **kwargs: Any) -> None:
+            if self.cut_before_send:
+                subprocess.run(self.cut_before_send, check=True, timeout=30)
+                self.cut_before_send = None
+            super().send_buckets(*args, **kwargs)
+
+    return CuttingSender
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, BaseException):
         return {"exc_type": type(value).__name__, "exc_message": str(value)}
@@ -141,6 +170,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 3 and argv[2] == "--once":
         print(json.dumps(agent.answer(argv[3])), flush=True)
         return
+    import safetensors.torch  # noqa: F401  imported before any command, so answers time the work alone
+
+    import tasks.sync_weights  # noqa: F401
     print(json.dumps({"ok": "ready"}), flush=True)
     for line in sys.stdin:
         print(json.dumps(agent.answer(line)), flush=True)
