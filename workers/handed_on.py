@@ -55,7 +55,9 @@ class HandedOn:
         ``wait``: read through a Redis outage (up to ``wait_s``); else a failed
         read counts as "not handed on".
         """
-        tag = (task.request.delivery_info or {}).get("delivery_tag")
+        # Celery's task context carries the message's properties, where kombu's
+        # Redis transport keeps the delivery tag (not in ``delivery_info``).
+        tag = (getattr(task.request, "properties", None) or {}).get("delivery_tag")
         if not tag:
             return
         deadline = time.monotonic() + (self.wait_s if wait else 0.0)
