@@ -200,8 +200,9 @@ class SyncParticipant:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("weight sync epoch %d failed: %s", plan.epoch, self.last_error)
             self._recover(changed, paused, plan)
-            # The trainer waits for "ready" before anything else: tell it there.
-            self._ack(plan, "done" if ready else "ready", False, error=self.last_error, seconds=seconds)
+            if not ready:  # the trainer waits for "ready" first: tell it there at once
+                self._ack(plan, "ready", False, error=self.last_error, seconds=seconds)
+            self._ack(plan, "done", False, error=self.last_error, seconds=seconds)
 
     def _check_rendezvous(self, plan: SyncPlan) -> None:
         """Fail before pausing when the trainer's store cannot be reached from here
