@@ -422,7 +422,11 @@ class WeightSender:
         try:
             sending.result(timeout=send_s + 5.0)
         except Exception as exc:
-            self.group = None  # a failed collective leaves the group unusable
+            # A failed collective leaves the group unusable. Abort it: its
+            # connections close, so a peer still waiting on it (a worker whose
+            # link comes back) fails at once instead of at its own timeout.
+            transport.abort(self.group)
+            self.group = None
             self.roster = {}
             raise WorkerLost(
                 f"transfer of sync epoch {plan.epoch} failed: {exc}; a worker died or stalled",

@@ -287,5 +287,14 @@ def broadcast_bucket(group: Any, manifest: Manifest, pieces: Sequence[torch.Tens
     return [broadcast(group, piece) for piece in pieces]
 
 
+def abort(group: Any) -> None:
+    """Close a group's connections and fail its pending operations (where the
+    backend can); errors are not raised: the group is being dropped."""
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001, S110  best effort on a broken group
+        pass
+
+
 def wait(work: Any, timeout_s: float) -> None:
     work.wait(datetime.timedelta(seconds=max(timeout_s, 0.001)))

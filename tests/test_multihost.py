@@ -42,7 +42,7 @@ PROMPTS = [f"Host prompt {i} says" + " more" * (i % 3) for i in range(6)]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 # A sync's phases: short, so a fault is named within seconds (the tiny model
 # moves in well under a second).
-SYNC_TIMEOUTS = {"membership": 5.0, "trigger": 5.0, "ready": 30.0, "transfer": 20.0, "commit": 30.0}
+SYNC_TIMEOUTS = {"membership": 5.0, "trigger": 5.0, "ready": 30.0, "transfer": 10.0, "commit": 15.0}
 
 
 class AgentProc:
