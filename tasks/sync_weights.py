@@ -423,8 +423,8 @@ class WeightSender:
             sending.result(timeout=send_s + 5.0)
         except Exception as exc:
             # A failed collective leaves the group unusable. Abort it: its
-            # connections close, so a peer still waiting on it (a worker whose
-            # link comes back) fails at once instead of at its own timeout.
+            # connections close, so the peers that can still hear this end
+            # fail at once instead of at their own group timeout.
             transport.abort(self.group)
             self.group = None
             self.roster = {}
