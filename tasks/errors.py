@@ -27,6 +27,7 @@
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
         ├── RendezvousTimeout     a worker did not join the process group in time
+        │   └── RendezvousUnreachable  a worker cannot reach RENDEZVOUS_HOST (wrong address)
         ├── ManifestMismatch      a worker refused the manifest (name, shape, dtype)
         ├── SyncRefused           a worker refused the command (signature, state)
         └── WorkerLost            a worker stopped answering mid-sync
@@ -238,6 +239,10 @@ class NoWorkers(WeightSyncError):
 
 class RendezvousTimeout(WeightSyncError):
     pass
+
+
+class RendezvousUnreachable(RendezvousTimeout):
+    """A worker could not open a connection to the trainer's rendezvous store."""
 
 
 class ManifestMismatch(WeightSyncError):

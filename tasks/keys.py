@@ -97,6 +97,13 @@ def reaper_lock(node: str) -> str:
     return f"{PREFIX}:reaper:lock:{node}"
 
 
+def handed_on(node: str) -> str:
+    """Set of delivery tags the reaper took from ``node`` (declared dead) and put
+    back in their queues: if ``node`` still runs one, it neither stores its
+    result nor acks it (``workers.handed_on``)."""
+    return f"{PREFIX}:handed-on:{node}"
+
+
 def redeliveries(task_id: str) -> str:
     """How many times the reaper put this task back in its queue."""
     return f"{PREFIX}:redeliveries:{task_id}"

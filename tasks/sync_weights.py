@@ -54,6 +54,7 @@ from tasks.errors import (
     ManifestMismatch,
     NoWorkers,
     RendezvousTimeout,
+    RendezvousUnreachable,
     SyncRefused,
     WeightSyncError,
     WorkerLost,
@@ -182,12 +183,20 @@ class WeightSender:
             phases["ready"] = time.monotonic() - t
 
             t = time.monotonic()
-            self.transfer(plan, decision, tensors_by_name, deadline)
+            try:
+                self.transfer(plan, decision, tensors_by_name, deadline)
+                broken: WeightSyncError | None = None
+            except WeightSyncError as exc:
+                # One peer gone (a link cut mid-transfer) fails the collective here,
+                # while the others may have received every bucket: their acks say.
+                broken = exc
             phases["transfer"] = time.monotonic() - t
 
             t = time.monotonic()
             committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
             phases["commit"] = time.monotonic() - t
+            if broken is not None and not committed:
+                raise broken
 
             seconds = time.monotonic() - started
             report = SyncReport(
@@ -208,8 +217,9 @@ class WeightSender:
                 error = WorkerLost(
                     f"weight sync to version {version}: "
                     + "; ".join(f"{node} ({why})" for node, why in sorted(lost.items()))
+                    + (f"; the transfer failed: {broken}" if broken is not None else "")
                     + f". {len(committed)} worker(s) committed; the others are fenced until the next sync",
-                    phase="ready" if not failed else "commit",
+                    phase="transfer" if broken is not None else "ready" if not failed else "commit",
                     workers=lost,
                 )
                 error.report = report  # type: ignore[attr-defined]
@@ -359,7 +369,8 @@ class WeightSender:
         ready = sorted(node for node, ack in acks.items() if ack.ok)
         if not ready:
             self._decide(plan, SyncDecision(go=False, reason="no worker became ready"))
-            raise RendezvousTimeout(
+            unreachable = all(why.startswith(RendezvousUnreachable.__name__) for why in silent.values())
+            raise (RendezvousUnreachable if unreachable else RendezvousTimeout)(
                 f"no worker became ready for sync epoch {plan.epoch}: "
                 + "; ".join(f"{n} ({w})" for n, w in sorted(silent.items())),
                 phase="ready", workers=silent,
@@ -402,13 +413,20 @@ class WeightSender:
             self.roster = dict(decision.offsets)
             self.backend = plan.backend
         assert plan.manifest is not None  # attached by trigger(); never serialized
+        # A peer that stops reading (its link cut) stalls the sends: give up after
+        # the transfer phase's own deadline, not the whole sync's.
+        send_s = min(self.settings.timeouts.transfer, remaining())
         sending = self._pool.submit(
-            self.send_buckets, plan.manifest, tensors, self._device(plan.backend), remaining()
+            self.send_buckets, plan.manifest, tensors, self._device(plan.backend), send_s
         )
         try:
-            sending.result(timeout=remaining())
+            sending.result(timeout=send_s + 5.0)
         except Exception as exc:
-            self.group = None  # a failed collective leaves the group unusable
+            # A failed collective leaves the group unusable. Abort it: its
+            # connections close, so the peers that can still hear this end
+            # fail at once instead of at their own group timeout.
+            transport.abort(self.group)
+            self.group = None
             self.roster = {}
             raise WorkerLost(
                 f"transfer of sync epoch {plan.epoch} failed: {exc}; a worker died or stalled",

@@ -10,6 +10,8 @@ trainer's, or vLLM's own inside its worker processes).
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
 import socket
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -184,14 +186,68 @@ def new_group(
     prefixed = dist.PrefixStore(f"rq/{group_id}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+        options._timeout = timeout
+        options._devices = gloo_devices(store.host)
+        return dist.ProcessGroupGloo(prefixed, rank, world, options)
     if device is None or device.type != "cuda":
         raise ValueError(f"an NCCL group needs the CUDA device of this rank, got {device}")
+    source = local_address_towards(store.host)
+    if not os.environ.get("NCCL_SOCKET_IFNAME") and not ipaddress.ip_address(source).is_loopback:
+        # Across hosts, NCCL's sockets leave by the interface that reaches the
+        # trainer (it reads this when the communicator is built, below).
+        interface = interface_of(source)
+        if interface is not None:
+            os.environ["NCCL_SOCKET_IFNAME"] = f"={interface}"
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     group = dist.ProcessGroupNCCL(prefixed, rank, world, options)
     wait(broadcast(group, torch.zeros(1, dtype=torch.uint8, device=device)), timeout_s)
     return group
+
+
+def local_address_towards(host: str) -> str:
+    """The address of this machine that its routes use to reach ``host``.
+
+    A UDP ``connect`` sends nothing: the kernel only picks the route and the
+    source address. On the trainer, ``host`` is its own ``RENDEZVOUS_HOST``,
+    so the answer is that address.
+    """
+    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the interface that holds ``address``, if any."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address.split("%")[0] == address for entry in addresses):
+            return name
+    return None
+
+
+def gloo_devices(store_host: str) -> list[Any]:
+    """Where this rank's gloo sockets listen: the interfaces ``GLOO_SOCKET_IFNAME``
+    names, else the address the route to the rendezvous host leaves from.
+
+    Gloo's own default resolves the hostname, which is often 127.0.0.1 (or an
+    address of another network): every peer on another host would then be told
+    to connect to its own loopback, and the group would hang until its timeout.
+    """
+    import torch.distributed as dist
+
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=name) for name in names]
+    return [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(store_host))]
+
+
+def check_reachable(host: str, port: int, timeout_s: float) -> None:
+    """Open and close one TCP connection to ``host:port``; ``OSError`` when it fails."""
+    socket.create_connection((host, port), timeout=timeout_s).close()
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -229,6 +285,15 @@ def broadcast_bucket(group: Any, manifest: Manifest, pieces: Sequence[torch.Tens
     if groups_buckets(manifest):
         return broadcast_group(group, pieces)
     return [broadcast(group, piece) for piece in pieces]
+
+
+def abort(group: Any) -> None:
+    """Close a group's connections and fail its pending operations (where the
+    backend can); errors are not raised: the group is being dropped."""
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001, S110  best effort on a broken group
+        pass
 
 
 def wait(work: Any, timeout_s: float) -> None:

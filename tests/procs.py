@@ -28,7 +28,7 @@ import psutil
 
 from workers.localstack import free_port
 
-__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "free_port", "install_guard", "python"]
+__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "free_port", "install_guard", "on_exit", "python"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / ".artifacts"
@@ -36,6 +36,14 @@ LOGS = ARTIFACTS / "logs"
 
 # Started and not yet stopped: what the guard kills.
 _LIVE: set[Proc] = set()
+# Run by the guard after the kill (e.g. deleting network namespaces); each once.
+_AT_EXIT: list[Callable[[], None]] = []
+
+
+def on_exit(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` when the guard fires (interrupted run, or exit); it must be
+    idempotent: a fixture's finalizer usually runs it first."""
+    _AT_EXIT.append(cleanup)
 
 
 class Proc:
@@ -124,6 +132,11 @@ def kill_everything_started() -> int:
         try:
             child.kill()
         except psutil.Error:
+            pass
+    while _AT_EXIT:
+        try:
+            _AT_EXIT.pop()()
+        except Exception:  # noqa: BLE001, S110  one failed cleanup must not stop the others
             pass
     return len(below)
 

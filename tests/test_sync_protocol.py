@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -400,9 +401,46 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker(redis_client: Any)
 
     host, states, fences = Host(), [], []
     participant = SyncParticipant(host, "w@h", redis_client, states.append, fences.append)  # type: ignore[arg-type]
-    plan = _plan(sync_id=f"pause-fails-{time.time()}")
-    participant.run(plan)
+    with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers
+        plan = _plan(sync_id=f"pause-fails-{time.time()}", store_port=store.getsockname()[1])
+        participant.run(plan)
     assert host.calls == [("pause", "wait"), ("resume", None)]
     done = SyncAck.model_validate_json(redis_client.lpop(keys.sync_acks(plan.sync_id, "done")))
     assert not done.ok and "did not pause" in (done.error or "")
+    assert fences == ["missed sync to version 3"] and states[-1] == "fenced"
+
+
+def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
+    redis_client: Any,
+) -> None:
+    from workers.sync import SyncParticipant
+
+    class Host:  # the engine host's surface a sync uses
+        weight_version = 0
+        kv_asleep = False
+
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def is_sleeping(self) -> bool:
+            return False
+
+        def pause(self, mode: str, timeout: float) -> None:
+            self.calls.append(("pause", mode))
+
+        def resume(self, version: int | None, timeout: float) -> None:
+            self.calls.append(("resume", version))
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        closed_port = taken.getsockname()[1]  # nothing listens there once closed
+    host, states, fences = Host(), [], []
+    participant = SyncParticipant(host, "w@h", redis_client, states.append, fences.append)  # type: ignore[arg-type]
+    plan = _plan(sync_id=f"unreachable-{time.time()}", store_port=closed_port)
+    started = time.monotonic()
+    participant.run(plan)
+    assert time.monotonic() - started < 5  # refused at once: no wait for any timeout
+    assert host.calls == []
+    ready = SyncAck.model_validate_json(redis_client.lpop(keys.sync_acks(plan.sync_id, "ready")))
+    assert not ready.ok and (ready.error or "").startswith("RendezvousUnreachable")
+    assert "set RENDEZVOUS_HOST on the trainer" in (ready.error or "") and "own loopback" in (ready.error or "")
     assert fences == ["missed sync to version 3"] and states[-1] == "fenced"

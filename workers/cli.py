@@ -88,6 +88,11 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--pool", help="weight-sync pool (workers of one policy); default 'default'")
     w.add_argument("--queues", type=lambda s: s.split(","), help="queues to consume, comma-separated")
     w.add_argument("--redis-url")
+    w.add_argument("--heartbeat-s", type=float, help="registry heartbeat interval (default 2)")
+    w.add_argument("--registry-ttl-s", type=float,
+                   help="a worker whose heartbeat stopped leaves the registry after this (default 10)")
+    w.add_argument("--reap-grace-s", type=float,
+                   help="a node gone from the registry this long is dead: its tasks are redelivered (default 10)")
     w.add_argument("--log-level")
     w.add_argument("--insecure-control", action="store_true", default=None,
                    help="start without WEIGHT_SYNC_SECRET: accept unsigned control commands from any "

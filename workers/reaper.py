@@ -35,8 +35,10 @@ item, and each node's reap, is on its own: an error on one is logged and
 the pass goes on with the others (the item stays where it was, for the next
 pass).
 
-Results are keyed by task id, so a task that runs twice (its worker was
-declared dead while it still ran) leaves one result, the last one written.
+A node declared dead may still be running (cut off from Redis, not dead):
+each message restored from it is also named in its ``rq:handed-on:<node>``
+set, so once back it neither stores that task's result nor acks the message,
+now another worker's (``workers.handed_on``).
 """
 
 from __future__ import annotations
@@ -388,11 +390,15 @@ class Reaper:
                         self._fail(task_id, count)
                         self._drop(client, ledger, tag)
                         return "failed", task_id
+                    holder = keys.node_of_inflight_key(ledger)
                     pipe.multi()
                     pipe.zrem(keys.KOMBU_UNACKED_INDEX, tag)
                     pipe.hdel(keys.KOMBU_UNACKED, tag)
                     self._push(channel, pipe, payload, exchange, routing_key)
                     pipe.srem(ledger, tag)
+                    if holder != self.node:  # it may still run it, cut off: tell it (workers.handed_on)
+                        pipe.sadd(keys.handed_on(holder), tag)
+                        pipe.expire(keys.handed_on(holder), self.counter_ttl_s)
                     pipe.incr(counter)
                     pipe.expire(counter, self.counter_ttl_s)
                     pipe.execute()

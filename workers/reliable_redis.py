@@ -98,6 +98,17 @@ def gate_fetches(processing_key: str, has_room: Callable[[], bool]) -> None:
 ROOM_CHECK_S = 0.02
 
 
+# Delivery tags whose messages the reaper handed to other workers
+# (``workers.handed_on``): acking one would drop the new holder's record.
+_HANDED_ON: set[str] = set()
+
+
+def forget_on_ack(delivery_tag: str) -> None:
+    """The next ack (or reject) of ``delivery_tag`` only clears this process's own
+    bookkeeping: Redis is left alone."""
+    _HANDED_ON.add(delivery_tag)
+
+
 def _noop() -> None:
     pass
 
@@ -116,6 +127,20 @@ class QoS(kombu_redis.QoS):
             return bool(super().can_consume())
         return bool(super().can_consume() and has_room())
 
+    def ack(self, delivery_tag: str) -> None:
+        if delivery_tag in _HANDED_ON:
+            _HANDED_ON.discard(delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)
+            return
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if delivery_tag in _HANDED_ON:
+            _HANDED_ON.discard(delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)
+            return
+        super().reject(delivery_tag, requeue=requeue)
+
     def append(self, message: Any, delivery_tag: str) -> None:
         """kombu's unacked record, the in-flight set and the processing list, in one MULTI."""
         channel = self.channel
@@ -127,6 +152,7 @@ class QoS(kombu_redis.QoS):
                       dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))
             if channel.rq_inflight_key:
                 pipe.sadd(channel.rq_inflight_key, delivery_tag)
+            pipe.srem(keys.handed_on(channel.rq_node), delivery_tag)  # ours again
             if raw is not None:
                 pipe.lrem(channel.rq_processing_key, 1, raw)
             pipe.execute()

@@ -165,6 +165,8 @@ class WorkerRuntime:
             self._last_tokens = (now, tokens)
             try:
                 self._check_fleet_version()
+                if self.service.handed_on is not None:
+                    self.service.handed_on.notice()
             except Exception as exc:  # noqa: BLE001  Redis away: keep beating, reconnect later
                 log.warning("fleet version check failed: %s", exc)
             self.publish()

@@ -25,6 +25,7 @@ from tasks.generate import FIRST_PROMPT_HEADER, SENT_AT_HEADER, SIGNATURE_HEADER
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
 from workers.engine import EngineHost
+from workers.handed_on import HandedOn
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class GenerationService:
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
         self.fenced_reason: str | None = None
+        # Tasks the fleet handed on while this worker was cut off: not stored, not acked.
+        self.handed_on = HandedOn(client, node) if client is not None else None
         self.inflight_tasks = 0
         self.completed_tasks = 0
         self.failed_tasks = 0
@@ -122,6 +125,8 @@ class GenerationService:
                 countdown=1.0,
             )
         self._check_vocabulary(request)
+        if self.handed_on is not None:
+            self.handed_on.check(task, wait=False)
         headers = task.request.headers or {}
         sent_at = float(headers.get(SENT_AT_HEADER) or getattr(task.request, SENT_AT_HEADER, None) or started)
         deadline = started + time_limit(
@@ -144,6 +149,8 @@ class GenerationService:
                 self.inflight_tasks -= 1
                 self.completed_tasks += ok
                 self.failed_tasks += not ok
+        if self.handed_on is not None:
+            self.handed_on.check(task, wait=True)
         done = time.time()
         result = GenerationResult(
             signature=headers.get(SIGNATURE_HEADER) or signature(request.params),

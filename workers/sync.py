@@ -8,6 +8,8 @@ reports through Redis:
 
     accept   (HMAC checked before) protocol, membership,
              manifest names/shapes/dtype                       → push "accepted" ack
+    probe    connect to the trainer's store (RENDEZVOUS_HOST): unreachable
+             → push a failed "ready" ack at once, never a hang
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
              (an idle engine is not paused; its prefix-cache reset starts here)
     decide   wait for the trainer's decision in its TCPStore
@@ -23,6 +25,7 @@ tasks) until a later sync brings it to the fleet's version.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import threading
 import time
@@ -33,12 +36,15 @@ from typing import Any
 import redis
 
 from tasks import keys, transport
-from tasks.errors import ManifestMismatch, SyncRefused
+from tasks.errors import ManifestMismatch, RendezvousUnreachable, SyncRefused
 from tasks.schemas import PROTOCOL_VERSION, Manifest, SyncAccepted, SyncAck, SyncDecision, SyncPlan
 from workers.checkpoint import checkpoint_shapes
 from workers.engine import EngineHost
 
 log = logging.getLogger(__name__)
+
+# Seconds to open a connection to the trainer's store before pausing for a sync.
+STORE_PROBE_S = 5.0
 
 
 class SyncParticipant:
@@ -146,8 +152,10 @@ class SyncParticipant:
         seconds: dict[str, float] = dict(timing or {})
         changed = False
         paused = False
+        ready = False
         try:
             self.set_state("syncing")
+            self._check_rendezvous(plan)
             if self.host.is_sleeping():  # loading into sleeping weights crashes vLLM
                 self.host.wake_up(["weights"])
             t = time.monotonic()
@@ -155,6 +163,7 @@ class SyncParticipant:
             self.host.pause(plan.pause, timeout=120.0)
             seconds["pause"] = time.monotonic() - t
             self._ack(plan, "ready", True, seconds=seconds)
+            ready = True
             decision = self._await_decision(plan)
             if not decision.go or self.node not in decision.offsets:
                 reason = decision.reason or "left out of the roster"
@@ -191,7 +200,25 @@ class SyncParticipant:
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("weight sync epoch %d failed: %s", plan.epoch, self.last_error)
             self._recover(changed, paused, plan)
+            if not ready:  # the trainer waits for "ready" first: tell it there at once
+                self._ack(plan, "ready", False, error=self.last_error, seconds=seconds)
             self._ack(plan, "done", False, error=self.last_error, seconds=seconds)
+
+    def _check_rendezvous(self, plan: SyncPlan) -> None:
+        """Fail before pausing when the trainer's store cannot be reached from here
+        (a ``RENDEZVOUS_HOST`` of 127.0.0.1 seen from another host: refused at once)."""
+        try:
+            transport.check_reachable(plan.store_host, plan.store_port, STORE_PROBE_S)
+        except OSError as exc:
+            hint = (f"{plan.store_host} is this worker's own loopback, not the trainer's host"
+                    if _is_loopback(plan.store_host)
+                    else "check the address, routes and firewalls between the hosts")
+            raise RendezvousUnreachable(
+                f"{self.node} cannot reach the trainer's rendezvous store at {plan.store_host}:"
+                f"{plan.store_port} ({exc}): {hint}; set RENDEZVOUS_HOST on the trainer to an "
+                "address of the trainer that every worker host can reach",
+                phase="ready", workers=[self.node],
+            ) from exc
 
     def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
         if changed:
@@ -248,3 +275,8 @@ class SyncParticipant:
             return self._current is not None and not self._current.done()
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
