@@ -25,6 +25,7 @@ from tasks.schemas import WorkerInfo, WorkerState
 from workers.dedup import DuplicateGuard, quick_client
 from workers.engine import EngineHost
 from workers.intake import Intake
+from workers.progress import ProgressStore
 from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
 from workers.settings import WorkerSettings
@@ -48,6 +49,10 @@ class WorkerRuntime:
         budget = settings.intake_sequences or host.max_num_seqs
         self.intake = Intake(host, budget)
         self.service.on_submitted = self.intake.entered
+        if settings.checkpoint_tokens > 0:
+            # A checkpoint outlives its task's longest possible redelivery wait.
+            self.service.progress = ProgressStore(self.client, settings.visibility_timeout)
+            self.service.checkpoint_tokens = settings.checkpoint_tokens
         self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
         self.reaper = Reaper(
             app, self.client, self.node,
