@@ -10,15 +10,19 @@ only once its checkpoint is in Redis.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as redis_lib
+from safetensors.torch import load_file
 
-from tasks import generate, keys
+from tasks import generate, keys, sync_weights
 from tasks.schemas import WorkerInfo
-from tests.conftest import WorkerStarter, wait_for
+from tasks.settings import SyncSettings, SyncTimeouts
+from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for
 from tests.procs import Proc
 from workers.progress import SampleProgress
 
@@ -30,7 +34,7 @@ WORKER_ENV = {"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"}
 WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL)]
 # Long samples: the victim is killed after its first checkpoints, long before
 # it could finish (the tiny model makes a few hundred tokens a second here).
-LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2}
+LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2}
 PROMPTS = ["the resumed sample", "another long one"]
 
 
@@ -80,6 +84,30 @@ def wait_for_checkpoint(client: redis_lib.Redis, task_id: str, samples: int, tok
         120, f"a checkpoint of {samples} samples with >= {tokens} tokens each")
 
 
+def assert_resumed(result: dict[str, Any], params: dict[str, Any], kept: dict[tuple[int, int], SampleProgress],
+                   workers: list[str], versions: list[int]) -> int:
+    """Every sample is whole, starts with its kept tokens, and its spans name
+    ``workers`` / ``versions`` switching where the kept part ends; returns
+    the tokens generated after the resume."""
+    resumed = 0
+    for p, output in enumerate(result["outputs"]):
+        assert len(output["samples"]) == params["n"]
+        for s, sample in enumerate(output["samples"]):
+            old = kept[(p, s)]
+            assert INTERVAL <= len(old.token_ids) < params["max_tokens"]
+            assert len(sample["token_ids"]) == len(sample["logprobs"]) == params["max_tokens"]
+            assert sample["token_ids"][: len(old.token_ids)] == old.token_ids  # kept, not regenerated
+            assert sample["logprobs"][: len(old.token_ids)] == old.logprobs
+            boundary = len(old.token_ids)
+            expected_workers = [[0, workers[0]]] + ([[boundary, workers[1]]] if len(workers) > 1 else [])
+            expected_versions = [[0, versions[0]]] + ([[boundary, versions[1]]] if len(versions) > 1 else [])
+            assert sample["workers"] == expected_workers
+            assert sample["weight_versions"] == expected_versions
+            assert sample["finish_reason"] == "length"
+            resumed += params["max_tokens"] - boundary
+    return resumed
+
+
 def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its_checkpoint(
     survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
 ) -> None:
@@ -96,20 +124,7 @@ def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its
     # TTL 6 s + grace 4 s + a reaper pass, then 4 x up to 900 tokens.
     result = handle.get(timeout=180)
     assert result["worker"] == "res-a@tests"
-    resumed = 0
-    for p, output in enumerate(result["outputs"]):
-        assert len(output["samples"]) == LONG["n"]
-        for s, sample in enumerate(output["samples"]):
-            old = kept[(p, s)].token_ids
-            assert INTERVAL <= len(old) < LONG["max_tokens"]
-            assert len(sample["token_ids"]) == LONG["max_tokens"]
-            assert len(sample["logprobs"]) == LONG["max_tokens"]
-            assert sample["token_ids"][: len(old)] == old  # the victim's tokens are kept
-            assert sample["logprobs"][: len(old)] == kept[(p, s)].logprobs
-            assert sample["workers"] == [[0, "res-b@tests"], [len(old), "res-a@tests"]]
-            assert sample["weight_versions"] == [[0, 0]]
-            assert sample["finish_reason"] == "length"
-            resumed += LONG["max_tokens"] - len(old)
+    resumed = assert_resumed(result, LONG, kept, ["res-b@tests", "res-a@tests"], [0])
     # The survivor generated only the rest: its registry counts its tokens.
     wait_for(lambda: (info := registry(redis_client, "res-a@tests")) is not None
              and info.generated_tokens > before.generated_tokens, 10, "the survivor's next heartbeat")
@@ -122,3 +137,74 @@ def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its
              "the finished task's checkpoint to be deleted")
     print(f"kill -9: kept {sum(len(p.token_ids) for p in kept.values())} tokens, "
           f"the survivor generated {generated} of {len(PROMPTS) * LONG['n'] * LONG['max_tokens']}")
+
+
+def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_and_exits_0(
+    survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
+) -> None:
+    params = {**LONG, "max_tokens": 600}  # far more than 2 s of generation
+    with Fenced(redis_client, survivor):
+        leaving = start_worker(model_a, "res-c@tests", queue=QUEUE, pool="res-leaving", max_inflight=4,
+                               extra=[*WORKER_ARGS, "--drain-timeout", "2"], env=WORKER_ENV)
+        handle = generate.apply_async((PROMPTS[:1], params), queue=QUEUE)
+        wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, leaving)
+        signalled = time.monotonic()
+        leaving.send_signal(signal.SIGTERM)
+        code = leaving.popen.wait(60)
+        exited_after = time.monotonic() - signalled
+        kept = checkpoint(redis_client, handle.id)
+    assert code == 0, leaving.tail()
+    # The deadline, then the engine's shutdown; the margin is for a loaded machine.
+    assert exited_after < 2 + 5, f"exited {exited_after:.1f} s after SIGTERM"
+    assert "handed 1 unfinished requests back to the queue" in leaving.log_path.read_text(errors="replace")
+    # No reaper involved: the task was requeued at once, the survivor takes it when unfenced.
+    result = handle.get(timeout=120)
+    assert result["worker"] == "res-a@tests"
+    assert_resumed(result, params, kept, ["res-c@tests", "res-a@tests"], [0])
+    print(f"SIGTERM: exited {exited_after:.1f} s after the signal (drain timeout 2 s)")
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[Any]:
+    settings = SyncSettings(weight_sync_secret=CONTROL_SECRET,
+                            timeouts=SyncTimeouts(trigger=5.0, ready=90.0, transfer=120.0, commit=60.0))
+    yield sync_weights.sender(POOL, settings)
+    sync_weights.close(POOL)
+
+
+def test_a_pause_abort_sync_mid_generation_resumes_the_samples_on_the_new_weights(
+    survivor: Proc, sender: Any, model_b: Path, model_a: Path, redis_client: redis_lib.Redis,
+) -> None:
+    info = registry(redis_client, "res-a@tests")
+    assert info is not None
+    old = info.weight_version
+    handle = generate.apply_async((PROMPTS[:1], LONG), queue=QUEUE)
+    wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, survivor)
+    report = sender.sync(load_file(str(model_b / "model.safetensors")), version=old + 1, pause="abort")
+    assert report.workers == ["res-a@tests"]
+    result = handle.get(timeout=120)
+    assert result["weight_version"] == old + 1
+    # The kept part is what the old weights generated before the abort (saved
+    # then, so at least what the checkpoint had when the sync began).
+    for s, sample in enumerate(result["outputs"][0]["samples"]):
+        (start, v0), (boundary, v1) = sample["weight_versions"]
+        assert (start, v0, v1) == (0, old, old + 1)
+        assert INTERVAL <= boundary < LONG["max_tokens"]
+        assert len(sample["token_ids"]) == LONG["max_tokens"]
+        assert sample["workers"] == [[0, "res-a@tests"]]
+
+    # Restart instead: the samples generated on older weights start over.
+    handle = generate.apply_async((PROMPTS[:1], LONG), queue=QUEUE, on_new_weights="restart")
+    wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, survivor)
+    sender.sync(load_file(str(model_a / "model.safetensors")), version=old + 2, pause="abort")
+    result = handle.get(timeout=120)
+    for sample in result["outputs"][0]["samples"]:
+        assert sample["weight_versions"] == [[0, old + 2]]
+        assert len(sample["token_ids"]) == LONG["max_tokens"]
+
+
+def test_on_new_weights_refuses_an_unknown_choice_before_sending() -> None:
+    from tasks.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="on_new_weights='later'"):
+        generate.apply_async((["x"], {}), queue=QUEUE, on_new_weights="later")

@@ -51,6 +51,10 @@ class AbortedForSync(Requeue):
     """In-flight requests were aborted by a ``pause="abort"`` sync: requeue the task."""
 
 
+class HandedOff(Requeue):
+    """The worker is leaving (SIGTERM past its drain deadline): requeue the task at once."""
+
+
 @dataclass
 class _Live:
     """A request in the engine, and the weight versions its samples crossed."""
@@ -58,6 +62,7 @@ class _Live:
     version: int
     spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     aborted_for_sync: bool = False
+    handed_off: bool = False  # aborted by hand_off(): the task goes back to the queue
     sequences: int = 1  # the request's samples (n): what it holds of max_num_seqs
     finished: bool = False  # its final output is in (the task may still wait for others)
 
@@ -207,6 +212,7 @@ class EngineHost:
         # Set when pause() found the engine idle and left it running: its
         # prefix-cache reset, already under way. None: pause() paused the engine.
         self._early_reset: concurrent.futures.Future[Any] | None = None
+        self._handing_off = False  # set by hand_off(): requests added later are aborted too
         self.generated_tokens = 0
         self.finished_requests = 0
         self.stats = EngineStats()  # fed by the engine's stat logger each step
@@ -368,6 +374,8 @@ class EngineHost:
                 lives = {i: self._live[rid] for i, rid in zip(run, rids)}
             if any(live.aborted_for_sync for live in lives.values()):
                 raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
+            if any(live.handed_off for live in lives.values()):
+                raise HandedOff("this worker is leaving; the task goes back to the queue", countdown=0.0)
             finished = {i: f for i, f in zip(run, futures) if not f.cancelled()}
             outputs = [
                 self._to_output(finished[i].result(), lives[i], request.params)
@@ -423,6 +431,12 @@ class EngineHost:
             if any(live.aborted_for_sync for live in lives.values()):
                 checkpoint.save_now()  # the next run continues from here, on the new weights
                 raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
+            if any(live.handed_off for live in lives.values()):
+                checkpoint.save_now()  # the next worker continues from here
+                raise HandedOff(
+                    "this worker is leaving; the task goes back to the queue with its samples' "
+                    "progress saved", countdown=0.0,
+                )
             decode = self._decode
             samples: dict[SampleKey, Sample] = {key: finished_sample(p, decode) for key, p in complete.items()}
             prompt_lps: dict[int, list[float | None] | None] = {}
@@ -535,7 +549,9 @@ class EngineHost:
                     continue
                 with self._lock:
                     for rid, one in zip(rids, samplings):
-                        self._live[rid] = _Live(version=self.weight_version, sequences=one.n)
+                        self._live[rid] = _Live(
+                            version=self.weight_version, sequences=one.n, handed_off=self._handing_off
+                        )
                 adds = [
                     asyncio.run_coroutine_threadsafe(self._add(rid, ids, one), self._loop)
                     for rid, ids, one in zip(rids, prompt_ids, samplings)
@@ -548,6 +564,11 @@ class EngineHost:
                     self._abort(rids)
                     raise self._refused(rids, len(queues), exc) from exc
                 break
+        if self._handing_off:  # hand_off() ran while these were being added
+            with self._lock:
+                for rid in rids:
+                    self._live[rid].handed_off = True
+            self._abort(rids)
         collected = []
         for rid, queue in zip(rids, queues):
             watch = None if observe is None else functools.partial(observe, rid)
@@ -659,6 +680,19 @@ class EngineHost:
         return PromptOutput(prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, samples=samples)
 
     # ------------------------------------------------------- sync and control
+
+    def hand_off(self) -> int:
+        """Abort every request in the engine, and every one added from now on, so
+        that their tasks go back to the queue (their progress checkpointed):
+        the worker is leaving. Returns how many requests were aborted."""
+        with self._lock:
+            self._handing_off = True
+            rids = [rid for rid, live in self._live.items() if not live.finished]
+            for rid in rids:
+                self._live[rid].handed_off = True
+        if rids:
+            self._abort(rids)
+        return len(rids)
 
     @property
     def intake_open(self) -> bool:

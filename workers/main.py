@@ -111,6 +111,8 @@ def run_worker(settings: WorkerSettings) -> int:
 
     def on_shutdown(**_: Any) -> None:
         runtime.set_state("stopping")
+        if settings.drain_timeout is not None:
+            runtime.drain(settings.drain_timeout)
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutdown, weak=False)

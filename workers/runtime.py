@@ -151,6 +151,19 @@ class WorkerRuntime:
         self._heartbeat.start()
         self.reaper.start()
 
+    def drain(self, timeout_s: float) -> None:
+        """SIGTERM: tasks still running ``timeout_s`` from now are handed off (the
+        engine aborts them, their progress is checkpointed, they go back to the
+        queue at once) so that the worker can exit well within its notice."""
+        def hand_off() -> None:
+            count = self.host.hand_off()
+            log.warning("drain deadline (%.1f s) passed: handed %d unfinished requests back to "
+                        "the queue", timeout_s, count)
+
+        timer = threading.Timer(timeout_s, hand_off)
+        timer.name, timer.daemon = "drain-deadline", True
+        timer.start()
+
     def stop(self) -> None:
         """After Celery stopped (in-flight tasks finished or requeued)."""
         self._stop.set()
