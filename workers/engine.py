@@ -279,10 +279,12 @@ class EngineHost:
             return "layerwise" if packed else "direct"
         return mode
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine; ``timeout``: seconds its processes get before they are
+        killed (None: vLLM's default)."""
         if self.engine is not None:
             try:
-                self.engine.shutdown()
+                self.engine.shutdown(timeout=timeout)
             except Exception:  # shutting down: nothing left to report to
                 log.exception("engine shutdown failed")
         self._loop.call_soon_threadsafe(self._loop.stop)
