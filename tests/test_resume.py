@@ -20,11 +20,11 @@ import redis as redis_lib
 from safetensors.torch import load_file
 
 from tasks import generate, keys, sync_weights
-from tasks.schemas import WorkerInfo
+from tasks.schemas import Sample, SamplingParams, WorkerInfo
 from tasks.settings import SyncSettings, SyncTimeouts
 from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for
 from tests.procs import Proc
-from workers.progress import SampleProgress
+from workers.progress import SampleProgress, join, plan_units
 
 QUEUE = POOL = "res"
 VICTIM_POOL = "res-victim"
@@ -36,6 +36,73 @@ WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL)]
 # it could finish (the tiny model makes a few hundred tokens a second here).
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2}
 PROMPTS = ["the resumed sample", "another long one"]
+
+
+# ---------------------------------------------------------------------------
+# Pure logic: planning a resumed run, joining its parts
+# ---------------------------------------------------------------------------
+
+
+def test_a_resumed_run_continues_saved_samples_with_what_is_left_of_their_budget() -> None:
+    params = SamplingParams(max_tokens=100, min_tokens=50, n=3, seed=7, logprobs=1)
+    saved = {
+        (0, 0): SampleProgress(token_ids=[5] * 40, weight_versions=[(0, 1)], workers=[(0, "a")]),
+        (0, 2): SampleProgress(token_ids=[6] * 30, weight_versions=[(0, 1)], workers=[(0, "a")],
+                               finish_reason="stop", stop_reason=2),
+        (1, 0): SampleProgress(token_ids=[7] * 100, weight_versions=[(0, 1)], workers=[(0, "a")]),
+    }
+    units, complete = plan_units([[1, 2], [3], [4]], params, saved, skip={2})
+    by_key = {(u.prompt, tuple(u.samples)): u for u in units}
+    # Prompt 0: sample 0 continues, sample 1 starts afresh alone, sample 2 had finished.
+    resumed = by_key[(0, (0,))]
+    assert resumed.engine_prompt == [1, 2] + [5] * 40
+    assert (resumed.params.n, resumed.params.max_tokens, resumed.params.min_tokens) == (1, 60, 10)
+    assert resumed.params.seed != params.seed and resumed.params.logprobs == 1
+    fresh = by_key[(0, (1,))]
+    assert fresh.engine_prompt == [1, 2] and fresh.params.max_tokens == 100 and fresh.prefix is None
+    assert complete[(0, 2)].finish_reason == "stop"
+    # Prompt 1: sample 0 used its whole budget (finished: length); the others run as one request.
+    assert complete[(1, 0)].finish_reason == "length"
+    assert by_key[(1, (1,))].params.n == 1 and by_key[(1, (2,))].params.n == 1
+    # Prompt 2: skipped (its client went away).
+    assert all(u.prompt != 2 for u in units)
+    assert len(units) == 4
+
+
+def test_a_prompt_without_saved_samples_runs_as_one_request_of_n() -> None:
+    params = SamplingParams(max_tokens=10, n=4)
+    units, complete = plan_units([[1], [2]], params, {}, skip=set())
+    assert [(u.prompt, u.samples, u.params.n) for u in units] == [(0, [0, 1, 2, 3], 4), (1, [0, 1, 2, 3], 4)]
+    assert complete == {}
+
+
+def test_structured_output_requests_start_over_instead_of_resuming_inside_the_grammar() -> None:
+    params = SamplingParams(max_tokens=10, regex="[a-z]+")
+    saved = {(0, 0): SampleProgress(token_ids=[5, 6], weight_versions=[(0, 0)], workers=[(0, "a")])}
+    units, _ = plan_units([[1]], params, saved, skip=set())
+    assert [(u.engine_prompt, u.params.max_tokens, u.prefix) for u in units] == [([1], 10, None)]
+
+
+def test_joining_keeps_the_saved_part_and_both_span_lists_mark_the_resume() -> None:
+    prefix = SampleProgress(token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3],
+                            weight_versions=[(0, 4)], workers=[(0, "gpu0@a")])
+    new = Sample(text="x", token_ids=[9, 8], logprobs=[-1.0, -2.0], finish_reason="length",
+                 weight_versions=[(0, 5)])
+    joined = join(prefix, new, "gpu1@b", decode=lambda ids: ",".join(map(str, ids)))
+    assert joined.token_ids == [1, 2, 3, 9, 8] and joined.logprobs == [-0.1, -0.2, -0.3, -1.0, -2.0]
+    assert joined.text == "1,2,3,9,8"
+    assert joined.weight_versions == [(0, 4), (3, 5)]
+    assert joined.workers == [(0, "gpu0@a"), (3, "gpu1@b")]
+    # Same node and version on both sides (a pause="abort" sync resumed on the same weights): one span each.
+    same = join(prefix, new.model_copy(update={"weight_versions": [(0, 4)]}), "gpu0@a", decode=str)
+    assert same.weight_versions == [(0, 4)] and same.workers == [(0, "gpu0@a")]
+    roundtrip = SampleProgress.from_json(prefix.to_json())
+    assert roundtrip == prefix
+
+
+# ---------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------
 
 
 def checkpoint(client: redis_lib.Redis, task_id: str) -> dict[tuple[int, int], SampleProgress]:

@@ -165,12 +165,13 @@ class GenerationService:
         task_id = task.request.id
         callback = self.on_submitted
         submitted = None if callback is None else functools.partial(callback, task_id)
-        if self.progress is not None:
-            # A task requeued by a pause="abort" sync comes back while the sync
-            # still runs: decide what to keep against the weights it will run on.
-            self.host.wait_for_intake(deadline)
-        checkpoint, saved = self._checkpoint(task_id, headers)
+        checkpoint = None
         try:
+            if self.progress is not None:
+                # A task requeued by a pause="abort" sync comes back while the sync
+                # still runs: decide what to keep against the weights it will run on.
+                self.host.wait_for_intake(deadline)
+            checkpoint, saved = self._checkpoint(task_id, headers)
             outputs, version = self.host.generate(
                 request, deadline, self._aborted_reader(task.request.id), submitted,
                 first_prompt(headers), checkpoint, saved,
