@@ -86,9 +86,10 @@ def main() -> None:
         size = args.prompts_per_task
         return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
-    def leg(index: int, round_index: int) -> float:
+    def leg(index: int, round_index: int, tasks: int | None = None) -> float:
         time.sleep(benchlib.IDLE_S)  # the other engine's shared-memory spin ends
-        seconds, tokens, _ = benchlib.run_tasks(f"{stack.queue}-w{index}", workload(round_index), params, 3600)
+        chunks = workload(round_index)[:tasks]
+        seconds, tokens, _ = benchlib.run_tasks(f"{stack.queue}-w{index}", chunks, params, 3600)
         return tokens / seconds
 
     client_settings = ClientSettings()
@@ -100,7 +101,7 @@ def main() -> None:
         stack.start_worker(spec(0), index=0, timeout=900)
         victim = stack.start_worker(spec(interval), index=1, timeout=900)
         for index in (0, 1):  # warm-up: every engine has run the workload's shapes
-            leg(index, 99)
+            leg(index, 99, tasks=1)
         rates: dict[int, list[float]] = {0: [], 1: []}
         for r in range(args.rounds):
             for index in ((0, 1) if r % 2 == 0 else (1, 0)):
