@@ -167,7 +167,7 @@ class ProgressStore:
         if not entries:
             return
         key = keys.progress_key(task_id)
-        mapping = {f"{p}:{s}": progress.to_json() for (p, s), progress in entries.items()}
+        mapping: dict[Any, Any] = {f"{p}:{s}": progress.to_json() for (p, s), progress in entries.items()}
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(key, mapping=mapping)
@@ -322,7 +322,8 @@ class TaskCheckpointer:
                 progress.finish_reason = completion.finish_reason
                 progress.stop_reason = completion.stop_reason
             entries[(unit.prompt, unit.samples[index])] = progress
-            self._saved_len[key] = len(token_ids)
+            kept = len(unit.prefix.token_ids) if unit.prefix is not None else 0
+            self._saved_len[key] = len(progress.token_ids) - kept
         return entries
 
     def _progress(self, unit: Unit, rid: str, index: int, completion: Any, token_ids: list[int]) -> SampleProgress:
