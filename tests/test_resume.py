@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 from tasks import generate, keys, sync_weights
 from tasks.schemas import Sample, SamplingParams, WorkerInfo
 from tasks.settings import SyncSettings, SyncTimeouts
-from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for
+from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for, worker_registered
 from tests.procs import Proc
 from workers.progress import SampleProgress, join, plan_units
 
@@ -143,6 +144,20 @@ class Fenced:
         self.client.delete(keys.fleet_version(POOL))
 
 
+@contextmanager
+def victim_worker(start_worker: WorkerStarter, model: Path, client: redis_lib.Redis, name: str, pool: str,
+                  extra: list[str]) -> Iterator[Proc]:
+    """A second worker on the queue, killed when the test ends however it ends:
+    a victim left running would take the next test's task."""
+    proc = start_worker(model, name, queue=QUEUE, pool=pool, max_inflight=4, extra=[*WORKER_ARGS, *extra],
+                        env=WORKER_ENV, wait=False)
+    try:
+        proc.wait_until(lambda: worker_registered(client, name), 240, f"{name} to serve")
+        yield proc
+    finally:
+        proc.kill_tree(signal.SIGKILL)
+
+
 def wait_for_checkpoint(client: redis_lib.Redis, task_id: str, samples: int, tokens: int,
                         proc: Proc) -> None:
     proc.wait_until(
@@ -179,12 +194,11 @@ def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its
     survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
 ) -> None:
     with Fenced(redis_client, survivor):
-        victim = start_worker(model_a, "res-b@tests", queue=QUEUE, pool=VICTIM_POOL, max_inflight=4,
-                              extra=WORKER_ARGS, env=WORKER_ENV)
-        handle = generate.apply_async((PROMPTS, LONG), queue=QUEUE)
-        wait_for_checkpoint(redis_client, handle.id, 4, 2 * INTERVAL, victim)
-        victim.kill_tree(signal.SIGKILL)
-        victim.popen.wait(10)
+        with victim_worker(start_worker, model_a, redis_client, "res-b@tests", VICTIM_POOL, []) as victim:
+            handle = generate.apply_async((PROMPTS, LONG), queue=QUEUE)
+            wait_for_checkpoint(redis_client, handle.id, 4, 2 * INTERVAL, victim)
+            victim.kill_tree(signal.SIGKILL)
+            victim.popen.wait(10)
         kept = checkpoint(redis_client, handle.id)  # what the victim left: nothing writes now
         before = registry(redis_client, "res-a@tests")
         assert before is not None
@@ -212,14 +226,14 @@ def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_
 ) -> None:
     params = {**LONG, "max_tokens": 400}  # far more than 2 s of generation
     with Fenced(redis_client, survivor):
-        leaving = start_worker(model_a, "res-c@tests", queue=QUEUE, pool="res-leaving", max_inflight=4,
-                               extra=[*WORKER_ARGS, "--drain-timeout", "2"], env=WORKER_ENV)
-        handle = generate.apply_async((PROMPTS[:1], params), queue=QUEUE)
-        wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, leaving)
-        signalled = time.monotonic()
-        leaving.send_signal(signal.SIGTERM)
-        code = leaving.popen.wait(60)
-        exited_after = time.monotonic() - signalled
+        with victim_worker(start_worker, model_a, redis_client, "res-c@tests", "res-leaving",
+                           ["--drain-timeout", "2"]) as leaving:
+            handle = generate.apply_async((PROMPTS[:1], params), queue=QUEUE)
+            wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, leaving)
+            signalled = time.monotonic()
+            leaving.send_signal(signal.SIGTERM)
+            code = leaving.popen.wait(60)
+            exited_after = time.monotonic() - signalled
         kept = checkpoint(redis_client, handle.id)
     assert code == 0, leaving.tail()
     # The deadline, then the engine's shutdown; the margin is for a loaded machine.
