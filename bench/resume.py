@@ -139,6 +139,10 @@ def main() -> None:
             (t0, n0), (t1, n1) = changes[0], changes[-1]
             rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
             lost.append(max(0.0, min(kill_len - length, rate * (killed_at - t1))))
+        # The dead worker's registry entry says "serving" until its TTL ends:
+        # only then can the restarted one's be told from it.
+        while client.exists(keys.worker_key(stack.worker_name(1))):
+            time.sleep(0.1)
         stack.start_worker(spec(interval), index=1, timeout=900)
         serving_at = time.monotonic()
         first_new: float | None = None
