@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU set, on the lent two-H200 machine with vLLM staged (../shared/device/stage-vllm):
-#   bash bench/gpu_suite.sh [tests|sync|pattern|throughput|latency|scaling ...]   (default: all)
+#   bash bench/gpu_suite.sh [tests|sync|pattern|throughput|latency|scaling|resume ...]   (default: all)
 # Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside
 # (sync: per-bucket traces of the trainer in sync.log, of the worker in sync-worker.log;
 # SYNC_ARGS adds arguments, e.g. SYNC_ARGS="--direct-mib 16 0"; THROUGHPUT_ARGS (default
-# "--rounds 5": issue 14 asks for medians of >= 5 rounds), LATENCY_ARGS and SCALING_ARGS likewise).
+# "--rounds 5": issue 14 asks for medians of >= 5 rounds), LATENCY_ARGS, SCALING_ARGS and RESUME_ARGS likewise).
 set -uo pipefail
 OUT=${OUT:-.artifacts/gpu}
 mkdir -p "$OUT" .models
@@ -14,7 +14,7 @@ if ! redis-cli -p 6379 ping >/dev/null 2>&1 && ! python3 -c "import redis; redis
 fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
-steps=${*:-tests sync pattern throughput latency scaling}
+steps=${*:-tests sync pattern throughput latency scaling resume}
 cleanup() { pkill -f -- "-m workers worker" 2>/dev/null; sleep 3; pkill -9 -f -- "-m workers worker" 2>/dev/null; pkill -9 -f "VLLM::" 2>/dev/null; true; }
 for step in $steps; do
   cleanup
@@ -27,6 +27,7 @@ for step in $steps; do
     throughput) python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS---rounds 5} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;
     latency)    python3 bench/latency.py --device cuda ${LATENCY_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/latency.log" ;;
     scaling)    python3 bench/scaling.py --device cuda ${SCALING_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/scaling.log" ;;
+    resume)     python3 bench/resume.py --device cuda ${RESUME_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/resume.log" ;;
     *) echo "unknown step $step" >&2 ;;
   esac
   rc=$?

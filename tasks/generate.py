@@ -50,6 +50,11 @@ SEQUENCES_HEADER = "rq_sequences"
 # A part of a split call: the index of its first prompt in the whole call, so
 # errors name prompts by their index in what the caller sent.
 FIRST_PROMPT_HEADER = "rq_first_prompt"
+# What a task resumed after a pause="abort" sync does with the samples its
+# previous run generated on older weights: "resume" (the default) continues
+# them on the new weights, "restart" generates them again from scratch.
+ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
+ON_NEW_WEIGHTS = ("resume", "restart")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
 
@@ -120,6 +125,14 @@ class GenerateTask(Task):
             )
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
+        on_new_weights = options.pop("on_new_weights", None)
+        if on_new_weights is not None:
+            if on_new_weights not in ON_NEW_WEIGHTS:
+                raise InvalidRequest(
+                    f"on_new_weights={on_new_weights!r}; use 'resume' (continue partial samples on "
+                    "new weights) or 'restart' (generate them again from scratch)"
+                )
+            headers[ON_NEW_WEIGHTS_HEADER] = on_new_weights
         headers.setdefault(SENT_AT_HEADER, time.time())
         limit = settings().task_max_prompts
         if len(request.prompts) <= limit or "task_id" in options:

@@ -128,3 +128,9 @@ MANIFEST_TTL_S = 24 * 3600  # refreshed by every sync that uses it
 def sync_manifest(digest: str) -> str:
     """The JSON of the manifest a sync plan names by digest (``Manifest.wire``)."""
     return f"{PREFIX}:sync:manifest:{digest}"
+
+
+def progress_key(task_id: str) -> str:
+    """A running ``generate`` task's checkpointed samples (workers/progress.py):
+    a hash of ``<prompt>:<sample>`` → the sample's tokens so far; expires."""
+    return f"{PREFIX}:progress:{task_id}"

@@ -228,6 +228,10 @@ class Sample(_Message):
     # [[first_token_index, version], ...]: more than one span only when a
     # pause="keep" sync happened while this sample was being generated.
     weight_versions: list[tuple[int, int]]
+    # [[first_token_index, node], ...]: the worker that generated each part;
+    # more than one span only when the task was resumed from a checkpoint on
+    # another worker (or after a pause="abort" sync) — a trainer can filter on it.
+    workers: list[tuple[int, str]] = Field(default_factory=list)
 
 
 class PromptOutput(_Message):

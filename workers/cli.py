@@ -84,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
                    help="CPU: vLLM's packed GEMM weights (default) or plain tensors (faster weight syncs)")
     w.add_argument("--load-format", help="vLLM load format, e.g. 'dummy' for random weights")
     w.add_argument("--metrics-port", type=int)
+    w.add_argument("--checkpoint-tokens", type=int,
+                   help="save each sample's progress every N tokens for resume (default 64; 0: off)")
+    w.add_argument("--drain-timeout", type=float,
+                   help="on SIGTERM, hand unfinished tasks on after this many seconds (default: finish them)")
     w.add_argument("--metrics-host", help="address /metrics listens on (default 127.0.0.1; 0.0.0.0: all)")
     w.add_argument("--pool", help="weight-sync pool (workers of one policy); default 'default'")
     w.add_argument("--queues", type=lambda s: s.split(","), help="queues to consume, comma-separated")

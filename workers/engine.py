@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -26,6 +27,14 @@ from typing import Any, TypeVar
 from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
 from workers.engine_stats import EngineStats, stat_logger_factory
+from workers.progress import (
+    SampleKey,
+    SampleProgress,
+    TaskCheckpointer,
+    finished_sample,
+    join,
+    plan_units,
+)
 from workers.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -42,6 +51,10 @@ class AbortedForSync(Requeue):
     """In-flight requests were aborted by a ``pause="abort"`` sync: requeue the task."""
 
 
+class HandedOff(Requeue):
+    """The worker is leaving (SIGTERM past its drain deadline): requeue the task at once."""
+
+
 @dataclass
 class _Live:
     """A request in the engine, and the weight versions its samples crossed."""
@@ -49,12 +62,14 @@ class _Live:
     version: int
     spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     aborted_for_sync: bool = False
+    handed_off: bool = False  # aborted by hand_off(): the task goes back to the queue
     sequences: int = 1  # the request's samples (n): what it holds of max_num_seqs
     finished: bool = False  # its final output is in (the task may still wait for others)
 
 
-def to_vllm_params(params: SamplingParams) -> Any:
-    """Our validated params → ``vllm.SamplingParams`` (final output only)."""
+def to_vllm_params(params: SamplingParams, cumulative: bool = False) -> Any:
+    """Our validated params → ``vllm.SamplingParams`` (final output only, or
+    every step's cumulative output: what checkpoints read)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -74,7 +89,7 @@ def to_vllm_params(params: SamplingParams) -> Any:
         "logprobs": params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
         "ignore_eos": params.ignore_eos,
-        "output_kind": RequestOutputKind.FINAL_ONLY,
+        "output_kind": RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY,
     }
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
@@ -197,6 +212,7 @@ class EngineHost:
         # Set when pause() found the engine idle and left it running: its
         # prefix-cache reset, already under way. None: pause() paused the engine.
         self._early_reset: concurrent.futures.Future[Any] | None = None
+        self._handing_off = False  # set by hand_off(): requests added later are aborted too
         self.generated_tokens = 0
         self.finished_requests = 0
         self.stats = EngineStats()  # fed by the engine's stat logger each step
@@ -263,10 +279,12 @@ class EngineHost:
             return "layerwise" if packed else "direct"
         return mode
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine; ``timeout``: seconds its processes get before they are
+        killed (None: vLLM's default)."""
         if self.engine is not None:
             try:
-                self.engine.shutdown()
+                self.engine.shutdown(timeout=timeout)
             except Exception:  # shutting down: nothing left to report to
                 log.exception("engine shutdown failed")
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -317,6 +335,8 @@ class EngineHost:
         aborted: Callable[[], set[int]] | None = None,
         on_submitted: Callable[[], None] | None = None,
         first_index: int = 0,
+        checkpoint: TaskCheckpointer | None = None,
+        saved: dict[SampleKey, SampleProgress] | None = None,
     ) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version.
 
@@ -329,8 +349,15 @@ class EngineHost:
         ``on_submitted`` is called once every request is in the engine (the
         worker's intake then counts them there, not as waiting to go in);
         ``first_index``: see :meth:`prompt_token_ids`.
+
+        ``checkpoint``: save the samples' progress as they grow, and continue
+        those in ``saved`` from their saved tokens (``workers.progress``).
         """
         prompt_ids = self.prompt_token_ids(request, first_index)
+        if checkpoint is not None:
+            return self._generate_checkpointed(
+                request, prompt_ids, deadline, aborted, on_submitted, checkpoint, saved or {}
+            )
         sampling = to_vllm_params(request.params)
         batch = uuid.uuid4().hex[:12]
         skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
@@ -349,6 +376,8 @@ class EngineHost:
                 lives = {i: self._live[rid] for i, rid in zip(run, rids)}
             if any(live.aborted_for_sync for live in lives.values()):
                 raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
+            if any(live.handed_off for live in lives.values()):
+                raise HandedOff("this worker is leaving; the task goes back to the queue", countdown=0.0)
             finished = {i: f for i, f in zip(run, futures) if not f.cancelled()}
             outputs = [
                 self._to_output(finished[i].result(), lives[i], request.params)
@@ -365,6 +394,89 @@ class EngineHost:
                 for rid in rids:
                     self._live.pop(rid, None)
 
+    def _generate_checkpointed(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[list[int]],
+        deadline: float,
+        aborted: Callable[[], set[int]] | None,
+        on_submitted: Callable[[], None] | None,
+        checkpoint: TaskCheckpointer,
+        saved: dict[SampleKey, SampleProgress],
+    ) -> tuple[list[PromptOutput], int]:
+        """:meth:`generate` with checkpoints: one request per :class:`Unit` of
+        ``plan_units`` (a prompt's n samples, or one sample resumed from
+        ``saved``); the samples' parts are joined into whole samples."""
+        params = request.params
+        skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
+        units, complete = plan_units(prompt_ids, params, saved, skipped)
+        batch = uuid.uuid4().hex[:12]
+        # "<batch>.<unit>-<prompt>": the prompt index stays last (see _refused).
+        rids = [f"{batch}.{k}-{unit.prompt}" for k, unit in enumerate(units)]
+        for rid, unit in zip(rids, units):
+            checkpoint.watch(rid, unit)
+        samplings = [to_vllm_params(unit.params, cumulative=True) for unit in units]
+        try:
+            futures = (
+                self._submit(
+                    rids, [unit.engine_prompt for unit in units], samplings, deadline, on_submitted,
+                    checkpoint.observe,
+                )
+                if units else []
+            )
+            self._wait([unit.prompt for unit in units], rids, futures, deadline, aborted)
+            errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+            if errors:
+                raise self._engine_error(errors[0])
+            with self._lock:
+                lives = {rid: self._live[rid] for rid in rids}
+            if any(live.aborted_for_sync for live in lives.values()):
+                checkpoint.save_now()  # the next run continues from here, on the new weights
+                raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
+            if any(live.handed_off for live in lives.values()):
+                checkpoint.save_now()  # the next worker continues from here
+                raise HandedOff(
+                    "this worker is leaving; the task goes back to the queue with its samples' "
+                    "progress saved", countdown=0.0,
+                )
+            decode = self._decode
+            samples: dict[SampleKey, Sample] = {key: finished_sample(p, decode) for key, p in complete.items()}
+            prompt_lps: dict[int, list[float | None] | None] = {}
+            for rid, unit, future in zip(rids, units, futures):
+                if future.cancelled():
+                    continue
+                out = self._to_output(future.result(), lives[rid], unit.params)
+                if unit.prompt not in prompt_lps and out.prompt_logprobs is not None:
+                    prompt_lps[unit.prompt] = out.prompt_logprobs[: len(prompt_ids[unit.prompt])]
+                for index, sample in enumerate(out.samples):
+                    samples[(unit.prompt, unit.samples[index])] = join(unit.prefix, sample, checkpoint.node, decode)
+            missing = Sample(text="", token_ids=[], finish_reason="abort", weight_versions=[(0, self.weight_version)])
+            outputs = [
+                PromptOutput(
+                    prompt_token_ids=ids,
+                    prompt_logprobs=prompt_lps.get(i),
+                    samples=[samples.get((i, s), missing) for s in range(params.n)],
+                )
+                for i, ids in enumerate(prompt_ids)
+            ]
+            version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
+            return outputs, version
+        finally:
+            with self._lock:
+                for rid in rids:
+                    self._live.pop(rid, None)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def spans_of(self, rid: str, index: int, length: int) -> list[tuple[int, int]]:
+        """The weight-version spans of a running request's sample ``index``."""
+        with self._lock:
+            live = self._live.get(rid)
+            if live is None:
+                return [(0, self.weight_version)]
+            return version_spans(live.version, list(live.spans.get(index, [])), length)
+
     def _wait(
         self,
         indices: list[int],
@@ -378,7 +490,9 @@ class EngineHost:
         Raises at the first failed request, or ``GenerationTimeout`` at the
         deadline (every request still running is aborted first).
         """
-        by_index = dict(zip(indices, zip(rids, futures)))
+        by_index: dict[int, list[tuple[str, concurrent.futures.Future[Any]]]] = {}
+        for index, rid, future in zip(indices, rids, futures):
+            by_index.setdefault(index, []).append((rid, future))
         stopped: set[int] = set()
         stopped_at = 0.0
         pending = set(futures)
@@ -402,19 +516,21 @@ class EngineHost:
                 continue
             newly = {i for i in aborted() if i in by_index and i not in stopped}
             if newly:
-                self._abort([by_index[i][0] for i in newly])
+                self._abort([rid for i in newly for rid, _ in by_index[i]])
                 stopped |= newly
                 stopped_at = time.time()
             elif stopped and time.time() - stopped_at > ABORT_GRACE_S:
                 # vLLM answers an abort with a final output; should one never
                 # come, stop waiting for it rather than hold the task.
                 for i in stopped:
-                    by_index[i][1].cancel()
+                    for _, future in by_index[i]:
+                        future.cancel()
         return stopped
 
     def _submit(
         self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float,
         on_submitted: Callable[[], None] | None = None,
+        observe: Callable[[str, Any], None] | None = None,
     ) -> list[concurrent.futures.Future[Any]]:
         """Add every request to the engine while intake is open; returns result futures.
 
@@ -422,18 +538,25 @@ class EngineHost:
         a request is either in the engine before the pause (and the pause mode
         decides what happens to it) or waits for the sync to finish, so the
         version stamped on it is always the one that generates it.
+
+        ``sampling``: one ``vllm.SamplingParams`` for all, or a list (one per
+        request); ``observe(rid, completion)`` sees every output of a
+        cumulative request.
         """
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(rids)
         while True:
             self.wait_for_intake(deadline)
             with self._submit_lock:
                 if not self._intake.is_set():
                     continue
                 with self._lock:
-                    for rid in rids:
-                        self._live[rid] = _Live(version=self.weight_version, sequences=sampling.n)
+                    for rid, one in zip(rids, samplings):
+                        self._live[rid] = _Live(
+                            version=self.weight_version, sequences=one.n, handed_off=self._handing_off
+                        )
                 adds = [
-                    asyncio.run_coroutine_threadsafe(self._add(rid, ids, sampling), self._loop)
-                    for rid, ids in zip(rids, prompt_ids)
+                    asyncio.run_coroutine_threadsafe(self._add(rid, ids, one), self._loop)
+                    for rid, ids, one in zip(rids, prompt_ids, samplings)
                 ]
                 queues = []
                 try:
@@ -443,9 +566,15 @@ class EngineHost:
                     self._abort(rids)
                     raise self._refused(rids, len(queues), exc) from exc
                 break
+        if self._handing_off:  # hand_off() ran while these were being added
+            with self._lock:
+                for rid in rids:
+                    self._live[rid].handed_off = True
+            self._abort(rids)
         collected = []
         for rid, queue in zip(rids, queues):
-            future = asyncio.run_coroutine_threadsafe(self._collect(queue), self._loop)
+            watch = None if observe is None else functools.partial(observe, rid)
+            future = asyncio.run_coroutine_threadsafe(self._collect(queue, watch), self._loop)
             future.add_done_callback(lambda _, rid=rid: self._finished(rid))
             collected.append(future)
         if on_submitted is not None:
@@ -494,11 +623,26 @@ class EngineHost:
         return await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
 
     @staticmethod
-    async def _collect(queue: Any) -> Any:
-        """The request's final output (as ``AsyncLLM.generate`` drains its queue)."""
+    async def _collect(queue: Any, observe: Callable[[Any], None] | None = None) -> Any:
+        """The request's final output (as ``AsyncLLM.generate`` drains its queue).
+
+        With ``observe`` the request is cumulative: each output holds one
+        sample's tokens so far (vLLM sends the ``n`` samples of a request
+        separately then), so the final output is assembled from the last of each.
+        """
+        if observe is None:
+            while True:
+                out = queue.get_nowait() or await queue.get()
+                if out.finished:
+                    return out
+        latest: dict[int, Any] = {}
         while True:
             out = queue.get_nowait() or await queue.get()
+            for completion in out.outputs:
+                latest[completion.index] = completion
+                observe(completion)
             if out.finished:
+                out.outputs = [latest[i] for i in sorted(latest)]
                 return out
 
     def _abort(self, rids: list[str]) -> None:
@@ -538,6 +682,19 @@ class EngineHost:
         return PromptOutput(prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, samples=samples)
 
     # ------------------------------------------------------- sync and control
+
+    def hand_off(self) -> int:
+        """Abort every request in the engine, and every one added from now on, so
+        that their tasks go back to the queue (their progress checkpointed):
+        the worker is leaving. Returns how many requests were aborted."""
+        with self._lock:
+            self._handing_off = True
+            rids = [rid for rid, live in self._live.items() if not live.finished]
+            for rid in rids:
+                self._live[rid].handed_off = True
+        if rids:
+            self._abort(rids)
+        return len(rids)
 
     @property
     def intake_open(self) -> bool:

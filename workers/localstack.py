@@ -130,6 +130,12 @@ class LocalProcess:
             f"{self.name}: {what} did not happen within {timeout:.0f}s; log {self.log_path}:\n{self.tail()}"
         )
 
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process tree at once (``kill -9`` of a worker and its engine)."""
+        self._kill_group(sig)
+        if sig == signal.SIGKILL:
+            self.popen.wait(30)
+
     def _kill_group(self, sig: int) -> None:
         try:
             os.killpg(self.popen.pid, sig)

@@ -111,6 +111,8 @@ def run_worker(settings: WorkerSettings) -> int:
 
     def on_shutdown(**_: Any) -> None:
         runtime.set_state("stopping")
+        if settings.drain_timeout is not None:
+            runtime.drain(settings.drain_timeout)
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
@@ -130,5 +132,7 @@ def run_worker(settings: WorkerSettings) -> int:
         worker.start()
     finally:
         runtime.stop()
-        host.shutdown()
+        # A worker given a drain deadline is racing a notice: its requests are
+        # all finished or handed off, so the engine's processes get 1 s.
+        host.shutdown(timeout=1.0 if settings.drain_timeout is not None else None)
     return int(worker.exitcode or 0)

@@ -25,6 +25,7 @@ from tasks.schemas import WorkerInfo, WorkerState
 from workers.dedup import DuplicateGuard, quick_client
 from workers.engine import EngineHost
 from workers.intake import Intake
+from workers.progress import ProgressStore
 from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
 from workers.settings import WorkerSettings
@@ -48,6 +49,10 @@ class WorkerRuntime:
         budget = settings.intake_sequences or host.max_num_seqs
         self.intake = Intake(host, budget)
         self.service.on_submitted = self.intake.entered
+        if settings.checkpoint_tokens > 0:
+            # A checkpoint outlives its task's longest possible redelivery wait.
+            self.service.progress = ProgressStore(self.client, settings.visibility_timeout)
+            self.service.checkpoint_tokens = settings.checkpoint_tokens
         self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
         self.reaper = Reaper(
             app, self.client, self.node,
@@ -145,6 +150,19 @@ class WorkerRuntime:
             log.warning("could not reclaim this node's previous tasks: %s", exc)
         self._heartbeat.start()
         self.reaper.start()
+
+    def drain(self, timeout_s: float) -> None:
+        """SIGTERM: tasks still running ``timeout_s`` from now are handed off (the
+        engine aborts them, their progress is checkpointed, they go back to the
+        queue at once) so that the worker can exit well within its notice."""
+        def hand_off() -> None:
+            count = self.host.hand_off()
+            log.warning("drain deadline (%.1f s) passed: handed %d unfinished requests back to "
+                        "the queue", timeout_s, count)
+
+        timer = threading.Timer(timeout_s, hand_off)
+        timer.name, timer.daemon = "drain-deadline", True
+        timer.start()
 
     def stop(self) -> None:
         """After Celery stopped (in-flight tasks finished or requeued)."""

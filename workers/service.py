@@ -21,11 +21,17 @@ from pydantic import ValidationError
 
 from tasks import keys
 from tasks.errors import InvalidRequest, Requeue
-from tasks.generate import FIRST_PROMPT_HEADER, SENT_AT_HEADER, SIGNATURE_HEADER
+from tasks.generate import (
+    FIRST_PROMPT_HEADER,
+    ON_NEW_WEIGHTS_HEADER,
+    SENT_AT_HEADER,
+    SIGNATURE_HEADER,
+)
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
 from workers.engine import EngineHost
 from workers.handed_on import HandedOn
+from workers.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,9 @@ class GenerationService:
         self.on_finished: list[Any] = []  # callbacks (metrics): (result | None, seconds)
         # Called with the task id once its requests are in the engine (workers.intake).
         self.on_submitted: Callable[[str], None] | None = None
+        # Checkpoints of partial generations (workers.progress); None: off.
+        self.progress: ProgressStore | None = None
+        self.checkpoint_tokens = 0
 
     def _check_vocabulary(self, request: GenerateRequest) -> None:
         """Token ids in params must exist in this model (vLLM would refuse them later)."""
@@ -106,6 +115,29 @@ class GenerationService:
             return {int(m) for m in members if str(m).isdigit()}  # type: ignore[union-attr]
 
         return aborted
+
+    def _checkpoint(
+        self, task_id: str | None, headers: dict[str, Any]
+    ) -> tuple[TaskCheckpointer | None, dict[SampleKey, SampleProgress]]:
+        """The task's checkpointer and the progress a previous run saved (if any)."""
+        if self.progress is None or not task_id or self.checkpoint_tokens <= 0:
+            return None, {}
+        saved = self.progress.load(task_id)
+        if saved and headers.get(ON_NEW_WEIGHTS_HEADER) == "restart":
+            current = self.host.weight_version
+            kept = {k: p for k, p in saved.items() if all(v == current for _, v in p.weight_versions)}
+            if len(kept) < len(saved):
+                log.info("task %s: %d saved samples came from older weights; restarting them on "
+                         "version %d", task_id, len(saved) - len(kept), current)
+            saved = kept
+        if saved:
+            tokens = sum(len(p.token_ids) for p in saved.values())
+            log.info("task %s resumes %d samples from their checkpoint (%d tokens kept)",
+                     task_id, len(saved), tokens)
+        checkpointer = TaskCheckpointer(
+            self.progress, task_id, self.node, self.checkpoint_tokens, self.host.spans_of
+        )
+        return checkpointer, saved
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
@@ -138,10 +170,16 @@ class GenerationService:
         task_id = task.request.id
         callback = self.on_submitted
         submitted = None if callback is None else functools.partial(callback, task_id)
+        checkpoint = None
         try:
+            if self.progress is not None:
+                # A task requeued by a pause="abort" sync comes back while the sync
+                # still runs: decide what to keep against the weights it will run on.
+                self.host.wait_for_intake(deadline)
+            checkpoint, saved = self._checkpoint(task_id, headers)
             outputs, version = self.host.generate(
                 request, deadline, self._aborted_reader(task.request.id), submitted,
-                first_prompt(headers),
+                first_prompt(headers), checkpoint, saved,
             )
             ok = True
         finally:
@@ -150,7 +188,16 @@ class GenerationService:
                 self.completed_tasks += ok
                 self.failed_tasks += not ok
         if self.handed_on is not None:
+            # Handed on while cut off: the new holder's run counts (its
+            # checkpoint included), this one is dropped unstored.
             self.handed_on.check(task, wait=True)
+        if checkpoint is not None and self.progress is not None:
+            # After any write still queued on the writer thread.
+            self.progress.writer.submit(self.progress.drop, task_id)
+        for output in outputs:
+            for sample in output.samples:
+                if not sample.workers:
+                    sample.workers = [(0, self.node)]
         done = time.time()
         result = GenerationResult(
             signature=headers.get(SIGNATURE_HEADER) or signature(request.params),

@@ -50,6 +50,12 @@ class WorkerSettings(EngineSettings):
     # puts its unacknowledged tasks back in their queues (workers/reaper.py).
     reap_grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None = off
+    # Every this many generated tokens a sample's progress is saved to Redis,
+    # so a redelivered task continues from there (workers/progress.py); 0: off.
+    checkpoint_tokens: int = Field(64, ge=0)
+    # SIGTERM: finish in-flight tasks for at most this long, then checkpoint,
+    # abort and requeue them for other workers; None: finish them (no deadline).
+    drain_timeout: float | None = Field(None, ge=0.0)
     # Address /metrics listens on: loopback unless a scraper elsewhere needs it
     # (0.0.0.0 in a container whose port only the compose network reaches).
     metrics_host: str = "127.0.0.1"

@@ -1,0 +1,180 @@
+"""What checkpoints cost and what they save: throughput with and without, tokens lost per kill.
+
+Two workers side by side on one machine, each on a queue of its own: worker
+0 runs with ``--checkpoint-tokens 0`` (off), worker 1 with
+``--checkpoint-tokens K``. The same workload runs through each in turn
+(legs alternated, ``--rounds`` of each; medians), then worker 1 takes one
+long task and is killed with ``kill -9`` at a random moment after its first
+checkpoint, and restarted under the same name (it restores its own tasks
+before consuming anything, the same path as the reaper's on another node).
+
+    .venv/bin/python bench/resume.py                     # CPU, tiny model
+    python bench/resume.py --device cuda                 # H200: 1,024 x 256-token generations
+
+Prints one JSON line:
+
+- ``tok_s_without`` / ``tok_s_with`` / ``ratio`` (target >= 0.97);
+- ``tokens_lost_per_sample`` (mean, max; target <= K): what the victim had
+  generated when it died minus what its checkpoint kept. What it had
+  generated is estimated from the checkpoint's growth, polled every 10 ms
+  before the kill: its last length plus its rate times the time since;
+- ``kept_tokens`` / ``resumed_tokens``: of the long task's samples, generated
+  before the kill and kept, and generated after it (a restart would generate both);
+- ``resume_s``: from the restarted worker serving until the task's first new
+  checkpoint (its prompts and kept tokens prefilled, K more tokens
+  generated); ``kill_to_result_s`` adds the restart itself.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import statistics
+import time
+from typing import Any
+
+import benchlib
+from pydantic import SecretStr
+
+from tasks import keys
+from tasks.app import configure
+from tasks.schemas import SamplingParams
+from tasks.settings import ClientSettings
+from workers.localstack import LocalStack, WorkerSpec
+from workers.progress import SampleProgress
+
+CPU_DEFAULTS = {"prompts": 64, "output_len": 128, "prompts_per_task": 32, "rounds": 3}
+
+
+def saved_lengths(client: Any, task_id: str) -> dict[str, int]:
+    raw = client.hgetall(keys.progress_key(task_id))
+    return {name: len(SampleProgress.from_json(value).token_ids) for name, value in raw.items()}
+
+
+def main() -> None:
+    p = benchlib.parser(__doc__)
+    benchlib.add_workload_args(p)
+    p.add_argument("--checkpoint-tokens", type=int, default=64)
+    p.add_argument("--kill-prompts", type=int, help="prompts of the killed task (default: 8 CPU, 64 GPU)")
+    p.add_argument("--kill-output-len", type=int, help="its max_tokens (default: 512 CPU, 768 GPU)")
+    args = p.parse_args()
+    if args.device == "cpu":
+        for key, value in CPU_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    args = benchlib.resolve(args)
+    cuda = args.device == "cuda"
+    kill_prompts = args.kill_prompts or (64 if cuda else 8)
+    kill_len = args.kill_output_len or (768 if cuda else 512)
+    settings = benchlib.engine_settings(args)
+    interval = args.checkpoint_tokens
+    params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True, logprobs=0)
+    rng = random.Random(args.seed)
+
+    def spec(checkpoint_tokens: int) -> WorkerSpec:
+        return WorkerSpec(
+            model=settings.model, device=settings.device, dtype=settings.dtype,
+            max_model_len=max(settings.max_model_len or 0, args.input_len + kill_len + 8),
+            max_inflight=256, gpu_memory_utilization=settings.gpu_memory_utilization,
+            extra=["--checkpoint-tokens", str(checkpoint_tokens)],
+            env={"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"},
+        )
+
+    def workload(round_index: int) -> list[list[list[int]]]:
+        prompts = benchlib.token_prompts(settings.model, args.prompts, args.input_len,
+                                         seed=args.seed + round_index)
+        size = args.prompts_per_task
+        return [prompts[i:i + size] for i in range(0, len(prompts), size)]
+
+    def leg(index: int, round_index: int, tasks: int | None = None) -> float:
+        time.sleep(benchlib.IDLE_S)  # the other engine's shared-memory spin ends
+        chunks = workload(round_index)[:tasks]
+        seconds, tokens, _ = benchlib.run_tasks(f"{stack.queue}-w{index}", chunks, params, 3600)
+        return tokens / seconds
+
+    client_settings = ClientSettings()
+    url = args.redis_url or client_settings.redis_url.get_secret_value()
+    with LocalStack(benchlib.ROOT / ".run" / "bench", prefix="resume") as stack:
+        stack.ensure_redis(url)
+        configure(client_settings.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
+        client = stack.client()
+        stack.start_worker(spec(0), index=0, timeout=900)
+        victim = stack.start_worker(spec(interval), index=1, timeout=900)
+        for index in (0, 1):  # warm-up: every engine has run the workload's shapes
+            leg(index, 99, tasks=1)
+        rates: dict[int, list[float]] = {0: [], 1: []}
+        for r in range(args.rounds):
+            for index in ((0, 1) if r % 2 == 0 else (1, 0)):
+                rates[index].append(leg(index, r))
+                benchlib.log(f"round {r} worker {index}: {rates[index][-1]:.0f} tok/s")
+        without, with_ = statistics.median(rates[0]), statistics.median(rates[1])
+
+        # ---- kill -9 of worker 1 mid-task, restart under the same name
+        from tasks.generate import generate
+
+        kill_params = params.model_copy(update={"max_tokens": kill_len})
+        prompts = benchlib.token_prompts(settings.model, kill_prompts, args.input_len, seed=args.seed + 1000)
+        handle = generate.apply_async((prompts, kill_params), queue=f"{stack.queue}-w1")
+        history: list[tuple[float, dict[str, int]]] = []
+        kill_after: float | None = None
+        while True:
+            now, lengths = time.monotonic(), saved_lengths(client, handle.id)
+            if not history or lengths != history[-1][1]:
+                history.append((now, lengths))
+            if kill_after is None and len(lengths) == kill_prompts:
+                # A random moment in the next stretch of generation.
+                kill_after = now + rng.uniform(0.5, 2.0) * (now - history[0][0] + 0.5)
+            if kill_after is not None and now >= kill_after:
+                break
+            if handle.ready():
+                raise SystemExit("the task finished before the kill: raise --kill-output-len")
+            time.sleep(0.01)
+        killed_at = time.monotonic()
+        victim.kill(signal.SIGKILL)
+        stack.stop_worker(victim)
+        kept = saved_lengths(client, handle.id)
+        lost = []
+        for name, length in kept.items():
+            changes = [(t, lens[name]) for t, lens in history if name in lens]
+            (t0, n0), (t1, n1) = changes[0], changes[-1]
+            rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+            lost.append(max(0.0, min(kill_len - length, rate * (killed_at - t1))))
+        # The dead worker's registry entry says "serving" until its TTL ends:
+        # only then can the restarted one's be told from it.
+        while client.exists(keys.worker_key(stack.worker_name(1))):
+            time.sleep(0.1)
+        stack.start_worker(spec(interval), index=1, timeout=900)
+        serving_at = time.monotonic()
+        first_new: float | None = None
+        while not handle.ready():
+            if first_new is None and any(n > kept.get(k, 0) for k, n in saved_lengths(client, handle.id).items()):
+                first_new = time.monotonic()
+            time.sleep(0.01)
+        result = handle.get(timeout=3600)
+        done_at = time.monotonic()
+        resumed = sum(len(s["token_ids"]) for o in result["outputs"] for s in o["samples"]) - sum(kept.values())
+        full = kill_prompts * kill_len
+    benchlib.emit(
+        {
+            "bench": "resume",
+            "checkpoint_tokens": interval,
+            "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
+            "rounds": args.rounds,
+            "tok_s_without": round(without, 1),
+            "tok_s_with": round(with_, 1),
+            "ratio": round(with_ / without, 3),
+            "kill_task": {"prompts": kill_prompts, "max_tokens": kill_len},
+            "tokens_lost_per_sample": {"mean": round(statistics.mean(lost), 1), "max": round(max(lost), 1)},
+            "kept_tokens": sum(kept.values()),
+            "resumed_tokens": resumed,
+            "restart_would_generate": full,
+            "resume_s": None if first_new is None else round(first_new - serving_at, 2),
+            "kill_to_result_s": round(done_at - killed_at, 1),
+            "result_workers": sorted({w for o in result["outputs"] for s in o["samples"] for _, w in s["workers"]}),
+        },
+        args,
+    )
+
+
+if __name__ == "__main__":
+    main()

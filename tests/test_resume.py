@@ -1,0 +1,292 @@
+"""Generations that survive their worker: checkpoints, resume, preemption hand-off.
+
+Two workers on a queue and pool of their own (``res``): ``res-a`` serves
+throughout, ``res-b`` is the one that dies. Each test makes its moment
+deterministic: the victim is the only worker taking the task (``res-a`` is
+fenced: the pool's fleet version is ahead of it), and the victim is killed
+only once its checkpoint is in Redis.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as redis_lib
+from safetensors.torch import load_file
+
+from tasks import generate, keys, sync_weights
+from tasks.schemas import Sample, SamplingParams, WorkerInfo
+from tasks.settings import SyncSettings, SyncTimeouts
+from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for, worker_registered
+from tests.procs import Proc
+from workers.progress import SampleProgress, join, plan_units
+
+QUEUE = POOL = "res"
+VICTIM_POOL = "res-victim"
+INTERVAL = 16  # --checkpoint-tokens of both workers
+# Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
+WORKER_ENV = {"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"}
+WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL)]
+# Long samples: the victim is killed after its first checkpoints, long before
+# it could finish (the tiny model makes a few hundred tokens a second here).
+LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2}
+PROMPTS = ["the resumed sample", "another long one"]
+
+
+# ---------------------------------------------------------------------------
+# Pure logic: planning a resumed run, joining its parts
+# ---------------------------------------------------------------------------
+
+
+def test_a_resumed_run_continues_saved_samples_with_what_is_left_of_their_budget() -> None:
+    params = SamplingParams(max_tokens=100, min_tokens=50, n=3, seed=7, logprobs=1)
+    saved = {
+        (0, 0): SampleProgress(token_ids=[5] * 40, weight_versions=[(0, 1)], workers=[(0, "a")]),
+        (0, 2): SampleProgress(token_ids=[6] * 30, weight_versions=[(0, 1)], workers=[(0, "a")],
+                               finish_reason="stop", stop_reason=2),
+        (1, 0): SampleProgress(token_ids=[7] * 100, weight_versions=[(0, 1)], workers=[(0, "a")]),
+    }
+    units, complete = plan_units([[1, 2], [3], [4]], params, saved, skip={2})
+    by_key = {(u.prompt, tuple(u.samples)): u for u in units}
+    # Prompt 0: sample 0 continues, sample 1 starts afresh alone, sample 2 had finished.
+    resumed = by_key[(0, (0,))]
+    assert resumed.engine_prompt == [1, 2] + [5] * 40
+    assert (resumed.params.n, resumed.params.max_tokens, resumed.params.min_tokens) == (1, 60, 10)
+    assert resumed.params.seed != params.seed and resumed.params.logprobs == 1
+    fresh = by_key[(0, (1,))]
+    assert fresh.engine_prompt == [1, 2] and fresh.params.max_tokens == 100 and fresh.prefix is None
+    assert complete[(0, 2)].finish_reason == "stop"
+    # Prompt 1: sample 0 used its whole budget (finished: length); the others run as one request.
+    assert complete[(1, 0)].finish_reason == "length"
+    assert by_key[(1, (1,))].params.n == 1 and by_key[(1, (2,))].params.n == 1
+    # Prompt 2: skipped (its client went away).
+    assert all(u.prompt != 2 for u in units)
+    assert len(units) == 4
+
+
+def test_a_prompt_without_saved_samples_runs_as_one_request_of_n() -> None:
+    params = SamplingParams(max_tokens=10, n=4)
+    units, complete = plan_units([[1], [2]], params, {}, skip=set())
+    assert [(u.prompt, u.samples, u.params.n) for u in units] == [(0, [0, 1, 2, 3], 4), (1, [0, 1, 2, 3], 4)]
+    assert complete == {}
+
+
+def test_structured_output_requests_start_over_instead_of_resuming_inside_the_grammar() -> None:
+    params = SamplingParams(max_tokens=10, regex="[a-z]+")
+    saved = {(0, 0): SampleProgress(token_ids=[5, 6], weight_versions=[(0, 0)], workers=[(0, "a")])}
+    units, _ = plan_units([[1]], params, saved, skip=set())
+    assert [(u.engine_prompt, u.params.max_tokens, u.prefix) for u in units] == [([1], 10, None)]
+
+
+def test_joining_keeps_the_saved_part_and_both_span_lists_mark_the_resume() -> None:
+    prefix = SampleProgress(token_ids=[1, 2, 3], logprobs=[-0.1, -0.2, -0.3],
+                            weight_versions=[(0, 4)], workers=[(0, "gpu0@a")])
+    new = Sample(text="x", token_ids=[9, 8], logprobs=[-1.0, -2.0], finish_reason="length",
+                 weight_versions=[(0, 5)])
+    joined = join(prefix, new, "gpu1@b", decode=lambda ids: ",".join(map(str, ids)))
+    assert joined.token_ids == [1, 2, 3, 9, 8] and joined.logprobs == [-0.1, -0.2, -0.3, -1.0, -2.0]
+    assert joined.text == "1,2,3,9,8"
+    assert joined.weight_versions == [(0, 4), (3, 5)]
+    assert joined.workers == [(0, "gpu0@a"), (3, "gpu1@b")]
+    # Same node and version on both sides (a pause="abort" sync resumed on the same weights): one span each.
+    same = join(prefix, new.model_copy(update={"weight_versions": [(0, 4)]}), "gpu0@a", decode=str)
+    assert same.weight_versions == [(0, 4)] and same.workers == [(0, "gpu0@a")]
+    roundtrip = SampleProgress.from_json(prefix.to_json())
+    assert roundtrip == prefix
+
+
+# ---------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------
+
+
+def checkpoint(client: redis_lib.Redis, task_id: str) -> dict[tuple[int, int], SampleProgress]:
+    raw = client.hgetall(keys.progress_key(task_id))
+    return {
+        (int(name.split(":")[0]), int(name.split(":")[1])): SampleProgress.from_json(value)
+        for name, value in raw.items()  # type: ignore[union-attr]
+    }
+
+
+def registry(client: redis_lib.Redis, node: str) -> WorkerInfo | None:
+    raw = client.get(keys.worker_key(node))
+    return WorkerInfo.model_validate_json(raw) if raw else None  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def survivor(start_worker: WorkerStarter, model_a: Path) -> Iterator[Proc]:
+    proc = start_worker(model_a, "res-a@tests", queue=QUEUE, pool=POOL, max_inflight=4,
+                        extra=WORKER_ARGS, env=WORKER_ENV)
+    yield proc
+    proc.stop()
+
+
+class Fenced:
+    """The survivor takes no task while inside (its pool's fleet version is ahead)."""
+
+    def __init__(self, client: redis_lib.Redis, survivor: Proc) -> None:
+        self.client, self.survivor = client, survivor
+
+    def __enter__(self) -> Fenced:  # noqa: PYI034
+        self.client.set(keys.fleet_version(POOL), 10**6)
+        self.survivor.wait_until(
+            lambda: (info := registry(self.client, "res-a@tests")) is not None and info.state == "fenced",
+            30, "res-a to fence itself (one heartbeat)")
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.client.delete(keys.fleet_version(POOL))
+
+
+@contextmanager
+def victim_worker(start_worker: WorkerStarter, model: Path, client: redis_lib.Redis, name: str, pool: str,
+                  extra: list[str]) -> Iterator[Proc]:
+    """A second worker on the queue, killed when the test ends however it ends:
+    a victim left running would take the next test's task."""
+    proc = start_worker(model, name, queue=QUEUE, pool=pool, max_inflight=4, extra=[*WORKER_ARGS, *extra],
+                        env=WORKER_ENV, wait=False)
+    try:
+        proc.wait_until(lambda: worker_registered(client, name), 240, f"{name} to serve")
+        yield proc
+    finally:
+        proc.kill_tree(signal.SIGKILL)
+
+
+def wait_for_checkpoint(client: redis_lib.Redis, task_id: str, samples: int, tokens: int,
+                        proc: Proc) -> None:
+    proc.wait_until(
+        lambda: len(saved := checkpoint(client, task_id)) == samples
+        and all(len(p.token_ids) >= tokens for p in saved.values()),
+        120, f"a checkpoint of {samples} samples with >= {tokens} tokens each")
+
+
+def assert_resumed(result: dict[str, Any], params: dict[str, Any], kept: dict[tuple[int, int], SampleProgress],
+                   workers: list[str], versions: list[int]) -> int:
+    """Every sample is whole, starts with its kept tokens, and its spans name
+    ``workers`` / ``versions`` switching where the kept part ends; returns
+    the tokens generated after the resume."""
+    resumed = 0
+    for p, output in enumerate(result["outputs"]):
+        assert len(output["samples"]) == params["n"]
+        for s, sample in enumerate(output["samples"]):
+            old = kept[(p, s)]
+            assert INTERVAL <= len(old.token_ids) < params["max_tokens"]
+            assert len(sample["token_ids"]) == len(sample["logprobs"]) == params["max_tokens"]
+            assert sample["token_ids"][: len(old.token_ids)] == old.token_ids  # kept, not regenerated
+            assert sample["logprobs"][: len(old.token_ids)] == old.logprobs
+            boundary = len(old.token_ids)
+            expected_workers = [[0, workers[0]]] + ([[boundary, workers[1]]] if len(workers) > 1 else [])
+            expected_versions = [[0, versions[0]]] + ([[boundary, versions[1]]] if len(versions) > 1 else [])
+            assert sample["workers"] == expected_workers
+            assert sample["weight_versions"] == expected_versions
+            assert sample["finish_reason"] == "length"
+            resumed += params["max_tokens"] - boundary
+    return resumed
+
+
+def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its_checkpoint(
+    survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
+) -> None:
+    with Fenced(redis_client, survivor):
+        with victim_worker(start_worker, model_a, redis_client, "res-b@tests", VICTIM_POOL, []) as victim:
+            handle = generate.apply_async((PROMPTS, LONG), queue=QUEUE)
+            wait_for_checkpoint(redis_client, handle.id, 4, 2 * INTERVAL, victim)
+            victim.kill_tree(signal.SIGKILL)
+            victim.popen.wait(10)
+        kept = checkpoint(redis_client, handle.id)  # what the victim left: nothing writes now
+        before = registry(redis_client, "res-a@tests")
+        assert before is not None
+    # TTL 6 s + grace 4 s + a reaper pass, then 4 x up to 300 tokens: seen
+    # at 8 tokens/s per sequence on this 2-core machine under a load of 20.
+    result = handle.get(timeout=300)
+    assert result["worker"] == "res-a@tests"
+    resumed = assert_resumed(result, LONG, kept, ["res-b@tests", "res-a@tests"], [0])
+    # The survivor generated only the rest: its registry counts its tokens.
+    wait_for(lambda: (info := registry(redis_client, "res-a@tests")) is not None
+             and info.generated_tokens > before.generated_tokens, 10, "the survivor's next heartbeat")
+    after = registry(redis_client, "res-a@tests")
+    assert after is not None
+    generated = after.generated_tokens - before.generated_tokens
+    assert generated == resumed < len(PROMPTS) * LONG["n"] * LONG["max_tokens"]
+    assert result["usage"]["completion_tokens"] == len(PROMPTS) * LONG["n"] * LONG["max_tokens"]
+    wait_for(lambda: not redis_client.exists(keys.progress_key(handle.id)), 10,
+             "the finished task's checkpoint to be deleted")
+    print(f"kill -9: kept {sum(len(p.token_ids) for p in kept.values())} tokens, "
+          f"the survivor generated {generated} of {len(PROMPTS) * LONG['n'] * LONG['max_tokens']}")
+
+
+def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_and_exits_0(
+    survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
+) -> None:
+    params = {**LONG, "max_tokens": 400}  # far more than 2 s of generation
+    with Fenced(redis_client, survivor):
+        with victim_worker(start_worker, model_a, redis_client, "res-c@tests", "res-leaving",
+                           ["--drain-timeout", "2"]) as leaving:
+            handle = generate.apply_async((PROMPTS[:1], params), queue=QUEUE)
+            wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, leaving)
+            signalled = time.monotonic()
+            leaving.send_signal(signal.SIGTERM)
+            code = leaving.popen.wait(60)
+            exited_after = time.monotonic() - signalled
+        kept = checkpoint(redis_client, handle.id)
+    assert code == 0, leaving.tail()
+    # The deadline, then the engine's shutdown; the margin is for a loaded machine.
+    assert exited_after < 2 + 5, f"exited {exited_after:.1f} s after SIGTERM"
+    assert "handed 1 unfinished requests back to the queue" in leaving.log_path.read_text(errors="replace")
+    # No reaper involved: the task was requeued at once, the survivor takes it when unfenced.
+    result = handle.get(timeout=300)  # 2 x up to 400 tokens (see the kill test)
+    assert result["worker"] == "res-a@tests"
+    assert_resumed(result, params, kept, ["res-c@tests", "res-a@tests"], [0])
+    print(f"SIGTERM: exited {exited_after:.1f} s after the signal (drain timeout 2 s)")
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[Any]:
+    settings = SyncSettings(weight_sync_secret=CONTROL_SECRET,
+                            timeouts=SyncTimeouts(trigger=5.0, ready=90.0, transfer=120.0, commit=60.0))
+    yield sync_weights.sender(POOL, settings)
+    sync_weights.close(POOL)
+
+
+def test_a_pause_abort_sync_mid_generation_resumes_the_samples_on_the_new_weights(
+    survivor: Proc, sender: Any, model_b: Path, model_a: Path, redis_client: redis_lib.Redis,
+) -> None:
+    info = registry(redis_client, "res-a@tests")
+    assert info is not None
+    old = info.weight_version
+    handle = generate.apply_async((PROMPTS[:1], LONG), queue=QUEUE)
+    wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, survivor)
+    report = sender.sync(load_file(str(model_b / "model.safetensors")), version=old + 1, pause="abort")
+    assert report.workers == ["res-a@tests"]
+    result = handle.get(timeout=300)  # the sync, then 2 x up to 300 tokens
+    assert result["weight_version"] == old + 1
+    # The kept part is what the old weights generated before the abort (saved
+    # then, so at least what the checkpoint had when the sync began).
+    for s, sample in enumerate(result["outputs"][0]["samples"]):
+        (start, v0), (boundary, v1) = sample["weight_versions"]
+        assert (start, v0, v1) == (0, old, old + 1)
+        assert INTERVAL <= boundary < LONG["max_tokens"]
+        assert len(sample["token_ids"]) == LONG["max_tokens"]
+        assert sample["workers"] == [[0, "res-a@tests"]]
+
+    # Restart instead: the samples generated on older weights start over.
+    handle = generate.apply_async((PROMPTS[:1], LONG), queue=QUEUE, on_new_weights="restart")
+    wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, survivor)
+    sender.sync(load_file(str(model_a / "model.safetensors")), version=old + 2, pause="abort")
+    result = handle.get(timeout=300)
+    for sample in result["outputs"][0]["samples"]:
+        assert sample["weight_versions"] == [[0, old + 2]]
+        assert len(sample["token_ids"]) == LONG["max_tokens"]
+
+
+def test_on_new_weights_refuses_an_unknown_choice_before_sending() -> None:
+    from tasks.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="on_new_weights='later'"):
+        generate.apply_async((["x"], {}), queue=QUEUE, on_new_weights="later")

@@ -1,0 +1,355 @@
+"""Checkpointed partial generations: save each sample's progress, resume from it.
+
+While a ``generate`` task runs, every ``CHECKPOINT_TOKENS`` generated tokens
+its unfinished samples are written to Redis, one pipelined write per task per
+interval, in the hash ``rq:progress:<task_id>`` (field ``<prompt>:<sample>``,
+value :class:`SampleProgress` as JSON; the key expires). When the task comes
+back (the reaper, a SIGTERM hand-off, a ``pause="abort"`` sync), the worker
+that takes it reads the hash and plans one engine request per unfinished
+sample with progress: prompt + generated tokens as its prompt, the remaining
+``max_tokens``, ``n=1``. It then joins each sample's saved part and new part
+into one ``Sample``: contiguous token ids and logprobs, the weight-version
+spans of both parts, and ``workers`` spans naming the node of each part.
+
+The parts:
+
+- :class:`SampleProgress` — one sample's tokens so far and their provenance;
+- :class:`ProgressStore` — the Redis hash of a task (load, save, drop);
+- :class:`Unit` and :func:`plan_units` — the engine requests of a task run;
+- :class:`TaskCheckpointer` — watches a task's requests (called from the
+  engine loop for every output), writes when a sample crossed an interval,
+  on one writer thread shared by the worker (never on the engine loop).
+
+Resumed sampling is not bit-identical to an uninterrupted run: the new
+request samples from its own random stream (a seeded request gets a seed
+derived from the sample and its length), and presence/frequency penalties
+and ``min_tokens`` count from the resume point. Structured-output requests
+are never resumed mid-way (the grammar would restart inside the output);
+they restart from scratch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from tasks import keys
+from tasks.schemas import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+SampleKey = tuple[int, int]  # (prompt index in the task, sample index in the prompt)
+
+
+@dataclass
+class SampleProgress:
+    """What one sample has generated so far, and which weights and nodes made it."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    workers: list[tuple[int, str]] = field(default_factory=list)
+    finish_reason: str | None = None  # set: the sample is complete
+    stop_reason: str | int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "t": self.token_ids, "lp": self.logprobs, "top": self.top_logprobs,
+            "v": self.weight_versions, "w": self.workers,
+            "f": self.finish_reason, "s": self.stop_reason,
+        }, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> SampleProgress:
+        data = json.loads(raw)
+        top = data.get("top")
+        return cls(
+            token_ids=[int(t) for t in data["t"]],
+            logprobs=data.get("lp"),
+            top_logprobs=None if top is None else [[(int(a), float(b)) for a, b in pos] for pos in top],
+            weight_versions=[(int(a), int(b)) for a, b in data["v"]],
+            workers=[(int(a), str(b)) for a, b in data["w"]],
+            finish_reason=data.get("f"),
+            stop_reason=data.get("s"),
+        )
+
+    @property
+    def last_version(self) -> int | None:
+        return self.weight_versions[-1][1] if self.weight_versions else None
+
+
+def _join_spans(first: list[tuple[int, Any]], offset: int, second: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """Spans of ``first`` then ``second`` shifted by ``offset``; a span that repeats
+    the value before it is merged into it."""
+    spans = list(first)
+    for start, value in second:
+        start += offset
+        if spans and spans[-1][0] == start:
+            spans[-1] = (start, value)
+        elif not spans or spans[-1][1] != value:
+            spans.append((start, value))
+    return spans
+
+
+def join(prefix: SampleProgress | None, sample: Sample, node: str, decode: Callable[[list[int]], str]) -> Sample:
+    """The saved part ``prefix`` followed by ``sample`` (generated after it on ``node``)."""
+    if prefix is None:
+        return sample.model_copy(update={"workers": [(0, node)]})
+    offset = len(prefix.token_ids)
+    token_ids = prefix.token_ids + sample.token_ids
+    logprobs = None
+    if prefix.logprobs is not None and sample.logprobs is not None:
+        logprobs = prefix.logprobs + sample.logprobs
+    top = None
+    if prefix.top_logprobs is not None and sample.top_logprobs is not None:
+        top = prefix.top_logprobs + sample.top_logprobs
+    return Sample(
+        text=decode(token_ids),
+        token_ids=token_ids,
+        logprobs=logprobs,
+        top_logprobs=top,
+        finish_reason=sample.finish_reason,
+        stop_reason=sample.stop_reason,
+        weight_versions=_join_spans(prefix.weight_versions, offset, sample.weight_versions),
+        workers=_join_spans(prefix.workers, offset, [(0, node)]),
+    )
+
+
+def finished_sample(progress: SampleProgress, decode: Callable[[list[int]], str]) -> Sample:
+    """A sample that was complete in its checkpoint: nothing left to generate."""
+    return Sample(
+        text=decode(progress.token_ids),
+        token_ids=progress.token_ids,
+        logprobs=progress.logprobs,
+        top_logprobs=progress.top_logprobs,
+        finish_reason=progress.finish_reason,
+        stop_reason=progress.stop_reason,
+        weight_versions=progress.weight_versions,
+        workers=progress.workers,
+    )
+
+
+class ProgressStore:
+    """The progress hashes of tasks, on the worker's Redis client."""
+
+    def __init__(self, client: redis.Redis, ttl_s: float) -> None:
+        self.client = client
+        self.ttl_s = max(1, int(ttl_s))
+        # One writer for the worker: writes leave the engine loop at once and
+        # go out in order; a slow Redis delays checkpoints, never generation.
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+
+    def load(self, task_id: str) -> dict[SampleKey, SampleProgress]:
+        """The task's saved samples; empty when none (or Redis cannot say: start over)."""
+        try:
+            raw = self.client.hgetall(keys.progress_key(task_id))
+        except redis.RedisError as exc:
+            log.warning("could not read the checkpoint of task %s (%s); generating from scratch", task_id, exc)
+            return {}
+        saved: dict[SampleKey, SampleProgress] = {}
+        for name, value in raw.items():  # type: ignore[union-attr]
+            try:
+                prompt, sample = (int(part) for part in str(name.decode() if isinstance(name, bytes) else name).split(":"))
+                saved[(prompt, sample)] = SampleProgress.from_json(value)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring an unreadable checkpoint entry %r of task %s: %s", name, task_id, exc)
+        return saved
+
+    def save(self, task_id: str, entries: dict[SampleKey, SampleProgress]) -> None:
+        if not entries:
+            return
+        key = keys.progress_key(task_id)
+        mapping: dict[Any, Any] = {f"{p}:{s}": progress.to_json() for (p, s), progress in entries.items()}
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, self.ttl_s)
+            pipe.execute()
+        except redis.RedisError as exc:  # the next interval writes again
+            log.warning("checkpoint of task %s not written: %s", task_id, exc)
+
+    def drop(self, task_id: str) -> None:
+        try:
+            self.client.delete(keys.progress_key(task_id))
+        except redis.RedisError as exc:  # expires on its own
+            log.warning("could not delete the checkpoint of task %s: %s", task_id, exc)
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
+
+
+@dataclass
+class Unit:
+    """One engine request of a task run: a prompt's ``n`` samples, or one resumed sample."""
+
+    prompt: int
+    samples: list[int]  # completion index i of the request is sample samples[i]
+    engine_prompt: list[int]
+    params: SamplingParams
+    prefix: SampleProgress | None = None
+
+
+def resumable(params: SamplingParams) -> bool:
+    """Whether a sample of these params can continue from saved tokens."""
+    structured = (params.json_schema, params.regex, params.choice)
+    return all(value is None for value in structured) and not params.json_object
+
+
+def _resumed_params(params: SamplingParams, sample: int, generated: int) -> SamplingParams:
+    update: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_tokens - generated,
+        "min_tokens": max(0, params.min_tokens - generated),
+    }
+    if params.seed is not None:
+        # Its own stream, still reproducible for the same resume point.
+        update["seed"] = (params.seed + 1_000_003 * (sample + 1) + generated) % 2**63
+    return params.model_copy(update=update)
+
+
+def plan_units(
+    prompt_ids: list[list[int]], params: SamplingParams, saved: dict[SampleKey, SampleProgress],
+    skip: set[int],
+) -> tuple[list[Unit], dict[SampleKey, SampleProgress]]:
+    """The engine requests for a task run, and the samples already complete.
+
+    A prompt without saved samples is one request of ``n`` samples, as
+    always; a prompt with some is one request per unfinished sample (those
+    with progress continue from it).
+    """
+    if not resumable(params):
+        saved = {}
+    units: list[Unit] = []
+    complete: dict[SampleKey, SampleProgress] = {}
+    for prompt, ids in enumerate(prompt_ids):
+        if prompt in skip:
+            continue
+        mine = {s: p for (i, s), p in saved.items() if i == prompt and 0 <= s < params.n}
+        if not mine:
+            units.append(Unit(prompt, list(range(params.n)), ids, params))
+            continue
+        for sample in range(params.n):
+            progress = mine.get(sample)
+            if progress is None or not progress.token_ids:
+                units.append(Unit(prompt, [sample], ids, params.model_copy(update={"n": 1})))
+                continue
+            generated = len(progress.token_ids)
+            if progress.finish_reason is not None or generated >= params.max_tokens:
+                if progress.finish_reason is None:
+                    progress.finish_reason = "length"
+                complete[(prompt, sample)] = progress
+                continue
+            units.append(Unit(
+                prompt, [sample], ids + progress.token_ids,
+                _resumed_params(params, sample, generated), progress,
+            ))
+    return units, complete
+
+
+class TaskCheckpointer:
+    """Watches one task run's engine requests and saves their samples' progress.
+
+    ``observe`` runs on the engine loop for every output of every request (it
+    only records the output and compares lengths); writes run on the store's
+    writer thread, one pipelined write per task per interval.
+    """
+
+    def __init__(
+        self, store: ProgressStore, task_id: str, node: str, interval_tokens: int,
+        spans_of: Callable[[str, int, int], list[tuple[int, int]]],
+    ) -> None:
+        self.store = store
+        self.task_id = task_id
+        self.node = node
+        self.interval = interval_tokens
+        self.spans_of = spans_of  # (rid, completion index, length) -> version spans
+        self.units: dict[str, Unit] = {}
+        self._latest: dict[tuple[str, int], Any] = {}  # (rid, completion index) -> CompletionOutput
+        self._saved_len: dict[tuple[str, int], int] = {}
+        self._pending = False
+        self._lock = threading.Lock()
+        self.writes = 0
+
+    def watch(self, rid: str, unit: Unit) -> None:
+        self.units[rid] = unit
+
+    def observe(self, rid: str, completion: Any) -> None:
+        """A request's cumulative output for one sample (engine loop)."""
+        key = (rid, completion.index)
+        self._latest[key] = completion
+        grown = len(completion.token_ids) - self._saved_len.get(key, 0)
+        if grown < self.interval and (completion.finish_reason is None or grown <= 0):
+            return
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        self.store.writer.submit(self._write)
+
+    def _write(self) -> None:
+        with self._lock:
+            self._pending = False
+        self.store.save(self.task_id, self.snapshot(final=False))
+        self.writes += 1
+
+    def save_now(self) -> None:
+        """Write every sample's progress, finished ones included (before a requeue)."""
+        future = self.store.writer.submit(lambda: self.store.save(self.task_id, self.snapshot(final=True)))
+        future.result(timeout=30)
+
+    def snapshot(self, final: bool) -> dict[SampleKey, SampleProgress]:
+        """Every sample that moved since its last save (``final``: with finish states)."""
+        entries: dict[SampleKey, SampleProgress] = {}
+        for key, completion in list(self._latest.items()):
+            rid, index = key
+            unit = self.units.get(rid)
+            if unit is None:
+                continue
+            token_ids = list(completion.token_ids)
+            finished = completion.finish_reason is not None and completion.finish_reason != "abort"
+            if len(token_ids) <= self._saved_len.get(key, 0) and not (final and finished):
+                continue
+            progress = self._progress(unit, rid, index, completion, token_ids)
+            if finished:
+                progress.finish_reason = completion.finish_reason
+                progress.stop_reason = completion.stop_reason
+            entries[(unit.prompt, unit.samples[index])] = progress
+            kept = len(unit.prefix.token_ids) if unit.prefix is not None else 0
+            self._saved_len[key] = len(progress.token_ids) - kept
+        return entries
+
+    def _progress(self, unit: Unit, rid: str, index: int, completion: Any, token_ids: list[int]) -> SampleProgress:
+        from workers.engine import _logprob_of, _top
+
+        params = unit.params
+        logprobs = top = None
+        if params.logprobs is not None and completion.logprobs is not None:
+            positions = list(completion.logprobs)[: len(token_ids)]
+            token_ids = token_ids[: len(positions)]
+            logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+            if params.logprobs > 0:
+                top = [_top(p, params.logprobs) for p in positions]
+        own = SampleProgress(
+            token_ids=token_ids, logprobs=logprobs, top_logprobs=top,
+            weight_versions=self.spans_of(rid, index, len(token_ids)),
+        )
+        prefix = unit.prefix
+        if prefix is None:
+            own.workers = [(0, self.node)]
+            return own
+        offset = len(prefix.token_ids)
+        return SampleProgress(
+            token_ids=prefix.token_ids + own.token_ids,
+            logprobs=None if prefix.logprobs is None or logprobs is None else prefix.logprobs + logprobs,
+            top_logprobs=None if prefix.top_logprobs is None or top is None else prefix.top_logprobs + top,
+            weight_versions=_join_spans(prefix.weight_versions, offset, own.weight_versions),
+            workers=_join_spans(prefix.workers, offset, [(0, self.node)]),
+        )
