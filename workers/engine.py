@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -53,8 +54,8 @@ class _Live:
     finished: bool = False  # its final output is in (the task may still wait for others)
 
 
-def to_vllm_params(params: SamplingParams) -> Any:
-    """Our validated params → ``vllm.SamplingParams`` (final output only)."""
+def to_vllm_params(params: SamplingParams, delta: bool = False) -> Any:
+    """Our validated params → ``vllm.SamplingParams`` (final output only, or deltas)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -74,7 +75,7 @@ def to_vllm_params(params: SamplingParams) -> Any:
         "logprobs": params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
         "ignore_eos": params.ignore_eos,
-        "output_kind": RequestOutputKind.FINAL_ONLY,
+        "output_kind": RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
     }
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
@@ -317,6 +318,7 @@ class EngineHost:
         aborted: Callable[[], set[int]] | None = None,
         on_submitted: Callable[[], None] | None = None,
         first_index: int = 0,
+        on_output: Callable[[int, Any], None] | None = None,
     ) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version.
 
@@ -328,17 +330,19 @@ class EngineHost:
 
         ``on_submitted`` is called once every request is in the engine (the
         worker's intake then counts them there, not as waiting to go in);
-        ``first_index``: see :meth:`prompt_token_ids`.
+        ``first_index``: see :meth:`prompt_token_ids`. ``on_output``: a streamed
+        task's hook (``workers.streaming``), called on the engine loop with the
+        prompt's index and each delta output as it comes.
         """
         prompt_ids = self.prompt_token_ids(request, first_index)
-        sampling = to_vllm_params(request.params)
+        sampling = to_vllm_params(request.params, delta=on_output is not None)
         batch = uuid.uuid4().hex[:12]
         skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
         run = [i for i in range(len(prompt_ids)) if i not in skipped]
         rids = [f"{batch}-{i}" for i in run]
         try:
             futures = (
-                self._submit(rids, [prompt_ids[i] for i in run], sampling, deadline, on_submitted)
+                self._submit(rids, [prompt_ids[i] for i in run], sampling, deadline, on_submitted, on_output)
                 if run else []
             )
             stopped = self._wait(run, rids, futures, deadline, aborted)
@@ -415,6 +419,7 @@ class EngineHost:
     def _submit(
         self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float,
         on_submitted: Callable[[], None] | None = None,
+        on_output: Callable[[int, Any], None] | None = None,
     ) -> list[concurrent.futures.Future[Any]]:
         """Add every request to the engine while intake is open; returns result futures.
 
@@ -445,7 +450,8 @@ class EngineHost:
                 break
         collected = []
         for rid, queue in zip(rids, queues):
-            future = asyncio.run_coroutine_threadsafe(self._collect(queue), self._loop)
+            hook = None if on_output is None else functools.partial(on_output, int(rid.rsplit("-", 1)[1]))
+            future = asyncio.run_coroutine_threadsafe(self._collect(queue, hook), self._loop)
             future.add_done_callback(lambda _, rid=rid: self._finished(rid))
             collected.append(future)
         if on_submitted is not None:
@@ -494,12 +500,26 @@ class EngineHost:
         return await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
 
     @staticmethod
-    async def _collect(queue: Any) -> Any:
-        """The request's final output (as ``AsyncLLM.generate`` drains its queue)."""
+    async def _collect(queue: Any, on_output: Callable[[Any], None] | None = None) -> Any:
+        """The request's final output (as ``AsyncLLM.generate`` drains its queue).
+
+        With ``on_output`` the request streams (delta outputs): each delta goes
+        to it, then is merged into the first, which ends as the whole output.
+        """
+        merged = None
         while True:
             out = queue.get_nowait() or await queue.get()
+            if on_output is not None:
+                try:
+                    on_output(out)
+                except Exception:  # a stream's trouble must not fail the generation
+                    log.exception("could not publish a delta output")
+                if merged is None:
+                    merged = out
+                else:
+                    merged.add(out, aggregate=True)
             if out.finished:
-                return out
+                return out if merged is None else merged
 
     def _abort(self, rids: list[str]) -> None:
         try:

@@ -24,7 +24,9 @@ from tasks.errors import InvalidRequest, Requeue
 from tasks.generate import FIRST_PROMPT_HEADER, SENT_AT_HEADER, SIGNATURE_HEADER
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
+from tasks.streaming import STREAM_HEADER
 from workers.engine import EngineHost
+from workers.streaming import DeltaPublisher
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class GenerationService:
         self.host = host
         # Reads the prompts a task's requester gave up on (keys.abort_key); None: never.
         self.client = client
+        # Writes streamed tasks' deltas (workers.streaming); None: no Redis, no streaming.
+        self.streams = None if client is None else DeltaPublisher(client)
         self.node = node
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
@@ -133,12 +137,17 @@ class GenerationService:
         task_id = task.request.id
         callback = self.on_submitted
         submitted = None if callback is None else functools.partial(callback, task_id)
+        stream = None
+        if headers.get(STREAM_HEADER) and self.streams is not None and task_id:
+            stream = self.streams.open(task_id, self.node, request.params.logprobs)
         try:
             outputs, version = self.host.generate(
                 request, deadline, self._aborted_reader(task.request.id), submitted,
-                first_prompt(headers),
+                first_prompt(headers), None if stream is None else stream.on_output,
             )
             ok = True
+            if stream is not None:
+                stream.end()
         finally:
             with self._lock:
                 self.inflight_tasks -= 1
