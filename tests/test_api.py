@@ -605,11 +605,11 @@ def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gatew
         host, port = gateway.base.removeprefix("http://").split(":")
         (_, dropped), (kept_reader, kept) = [await asyncio.open_connection(host, int(port)) for _ in "ab"]
         # Written back to back: both land in one batch window, so they share a task.
-        dropped.write(_raw_post({**params, "stream": True, "prompt": [f"story {i}" for i in range(dropped_prompts)]}))
+        dropped.write(_raw_post({**params, "prompt": [f"story {i}" for i in range(dropped_prompts)]}))
         kept.write(_raw_post({**params, "prompt": "kept"}))
         await asyncio.gather(dropped.drain(), kept.drain())
         answer = asyncio.ensure_future(kept_reader.read())  # until the gateway closes: the whole response
-        # Drop the streaming request once its prompts are in the engine (the
+        # Drop the first request once its prompts are in the engine (the
         # worker's own count, set as they go in: no scheduler step to wait for).
         deadline = time.monotonic() + 120
         while (await asyncio.to_thread(_engine_stats))["inflight_requests"] < dropped_prompts + 1:
