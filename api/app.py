@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -38,6 +40,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import checks, errors, translate
+from api import tokenize as token_routes
 from api.batcher import SignatureBatcher
 from api.checks import LimitsReader
 from api.metrics import GatewayMetrics
@@ -47,6 +50,7 @@ from api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, Mod
 from api.settings import ApiSettings
 from api.stream_chunks import chat_events, completion_events
 from api.streaming import StreamRelay
+from api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from api.tokens import TokenNamer
 from tasks import keys
 from tasks.app import app as celery_app
@@ -68,7 +72,14 @@ T = TypeVar("T")
 
 log = logging.getLogger("rollout_queue.api")
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+    "/detokenize", "/version",
+}
+try:
+    _VERSION = importlib.metadata.version("rollout-queue")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    _VERSION = "unknown"
 
 
 class Gateway:
@@ -219,6 +230,7 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.check_model(body.model)
         checks.check_unicode(body.model_dump(exclude_defaults=True))
+        ignored = _ignored_fields(body)
         kind, prompts = translate.completion_prompts(body)
         params = translate.completion_params(body)
         await gateway.admit(body, kind, prompts, params)
@@ -227,17 +239,18 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
             first = await _unless_disconnected(request, anext(items))
             return _sse(completion_events(
                 body, first, items, gateway.namer, translate.new_id("cmpl"), translate.now(), params.n
-            ))
+            ), ignored)
         share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params))
         result = translate.completion_response(
             body, share, gateway.namer, translate.new_id("cmpl"), translate.now()
         )
-        return JSONResponse(translate.to_json(result))
+        return JSONResponse(translate.to_json(result), headers=ignored)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.check_model(body.model)
         checks.check_unicode(body.model_dump(exclude_defaults=True))
+        ignored = _ignored_fields(body)
         prompts = translate.chat_prompts(body)
         params = translate.chat_params(body, settings.default_max_tokens)
         await gateway.admit(body, "chat", prompts, params)
@@ -246,16 +259,36 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
             first = await _unless_disconnected(request, anext(items))
             return _sse(chat_events(
                 body, first, items, gateway.namer, translate.new_id("chatcmpl"), translate.now(), params.n
-            ))
+            ), ignored)
         share = await _unless_disconnected(request, gateway.batcher.submit("chat", prompts, params))
         result = translate.chat_response(
             body, share, gateway.namer, translate.new_id("chatcmpl"), translate.now()
         )
-        return JSONResponse(translate.to_json(result))
+        return JSONResponse(translate.to_json(result), headers=ignored)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.model_name, created=gateway.started)])
+        limits = await gateway.limits.current()
+        return ModelList(data=[ModelCard(
+            id=settings.model_name, created=gateway.started, max_model_len=limits.max_model_len
+        )])
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        if body.model is not None:
+            gateway.check_model(body.model)
+        limits = await gateway.limits.current()
+        return await asyncio.to_thread(token_routes.tokenize, gateway.namer.tokenizer, body, limits.max_model_len)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        if body.model is not None:
+            gateway.check_model(body.model)
+        return await asyncio.to_thread(token_routes.detokenize, gateway.namer.tokenizer, body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _VERSION}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -318,10 +351,27 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _sse(events: Any) -> StreamingResponse:
+def _sse(events: Any, headers: dict[str, str]) -> StreamingResponse:
     return StreamingResponse(
-        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers}
     )
+
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
+
+def _ignored_fields(body: BaseModel) -> dict[str, str]:
+    """Unknown top-level fields: logged, then named in a response header (as vLLM, ignored)."""
+    unknown = sorted(body.model_extra or {})
+    if not unknown:
+        return {}
+    # Names are the client's JSON keys: only plain ones go into a header.
+    shown = [n if _PLAIN_NAME.fullmatch(n) else "(unprintable)" for n in unknown]
+    log.warning("ignored unknown request fields: %s", ", ".join(shown))
+    return {IGNORED_FIELDS_HEADER: ", ".join(shown)}
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _install_error_handlers(app: FastAPI, settings: ApiSettings) -> None:

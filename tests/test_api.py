@@ -366,7 +366,6 @@ def test_missing_or_wrong_token_is_refused_with_401(gateway: Gateway) -> None:
         ({"temperature": -1.0}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2, "temperature": 0}, "n"),
-        ({"extra_body": {"top_k": 5, "no_such_field": 1}}, "no_such_field"),
         ({"extra_body": {"regex": "[a-z]", "choice": ["a"]}}, "regex"),
     ],
 )
@@ -503,7 +502,6 @@ def test_malformed_requests_get_short_400s_and_the_connection_survives(gateway: 
         (b'{"model": "tiny", "prompt": "ok", "stop": ["\\udfff"]}', "stop.0"),
         (b'{"model": "tiny", "prompt": "\xff\xfe bad utf-8"}', None),
         ({**base, "max_tokens": 2**70}, "max_tokens"),
-        ({**base, "extra_body_is_not_a_field": 1}, "extra_body_is_not_a_field"),
         ({**base, "top_k": 2**70}, "top_k"),
         ({**base, "stop_token_ids": [2**40]}, "stop_token_ids.0"),
         ({**base, "seed": 2**70}, "seed"),

@@ -1,0 +1,82 @@
+"""What OpenAI and vLLM clients expect of the gateway besides generation.
+
+Unknown request fields are ignored with a warning header (as vLLM does),
+``/v1/models`` carries ``max_model_len`` from the worker registry, and
+``/tokenize``, ``/detokenize`` and ``/version`` answer. One gateway with
+``API_TOKENIZER`` (the tiny model's) in front of the shared worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.tokenize import TokenizeRequest, tokenize
+from tasks.errors import BadRequest
+from tests.conftest import MAX_MODEL_LEN
+from tests.procs import Proc
+from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
+
+
+@pytest.fixture(scope="module")
+def compat_gateway(redis_url: str, gen_worker: Proc, model_a: Path) -> Iterator[Gateway]:
+    gw = start_gateway("api-compat-gateway", redis_url, {"API_TOKENIZER": str(model_a)})
+    yield gw
+    gw.proc.stop()
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header(compat_gateway: Gateway) -> None:
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 3, "store": False,
+            "metadata": {"run": "7"}, "parallel_tool_calls": True}
+    response = httpx.post(f"{compat_gateway.base}/v1/completions", json=body, timeout=RESULT_TIMEOUT)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ignored-fields"] == "metadata, parallel_tool_calls, store"
+    assert response.json()["usage"]["completion_tokens"] == 3
+    known = httpx.post(f"{compat_gateway.base}/v1/completions", timeout=RESULT_TIMEOUT,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert known.status_code == 200 and "x-ignored-fields" not in known.headers
+
+
+def test_an_unknown_field_inside_a_message_is_still_refused(compat_gateway: Gateway) -> None:
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "mood": "x"}]}
+    response = httpx.post(f"{compat_gateway.base}/v1/chat/completions", json=body, timeout=RESULT_TIMEOUT)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages.0.mood"
+
+
+def test_models_carry_max_model_len_from_the_worker_registry(compat_gateway: Gateway) -> None:
+    models = httpx.get(f"{compat_gateway.base}/v1/models", timeout=30).json()
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, MAX_MODEL_LEN)]
+
+
+def test_tokenize_counts_what_the_worker_counts_and_detokenize_inverts_it(compat_gateway: Gateway) -> None:
+    base = compat_gateway.base
+    text = "Once upon a time"
+    served = httpx.post(f"{base}/v1/completions", timeout=RESULT_TIMEOUT, json={
+        "model": MODEL, "prompt": text, "max_tokens": 1, "return_token_ids": True}).json()
+    tokens = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": text}, timeout=30).json()
+    assert tokens["tokens"] == served["choices"][0]["prompt_token_ids"]
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{base}/v1/chat/completions", timeout=RESULT_TIMEOUT, json={
+        "model": MODEL, "messages": messages, "max_tokens": 1}).json()
+    rendered = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=30).json()
+    assert rendered["count"] == chat["usage"]["prompt_tokens"]
+    plain = httpx.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30).json()
+    back = httpx.post(f"{base}/detokenize", json={"tokens": plain["tokens"]}, timeout=30).json()
+    assert back["prompt"] == text
+    outside = httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}, timeout=30)
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+
+
+def test_tokenize_without_a_tokenizer_says_how_to_get_one() -> None:
+    with pytest.raises(BadRequest, match="API_TOKENIZER"):
+        tokenize(None, TokenizeRequest(prompt="hi"), None)
+
+
+def test_version_answers(compat_gateway: Gateway) -> None:
+    version = httpx.get(f"{compat_gateway.base}/version", timeout=30)
+    assert version.status_code == 200 and version.json()["version"]
