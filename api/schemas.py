@@ -94,6 +94,8 @@ class CompletionRequest(_Sampling):
     max_tokens: Count | None = 16
     logprobs: Count | None = None
     echo: bool = False
+    # vLLM's extra: logprobs of the prompt's tokens (with their top k), as prompt_logprobs per choice.
+    prompt_logprobs: Count | None = None
     suffix: str | None = None
     best_of: Count | None = None
 
@@ -156,7 +158,7 @@ class RolloutInfo(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -168,6 +170,8 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # vLLM's shape: per prompt token {token_id: {"logprob", "rank", "decoded_token"}}, None first.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class Completion(BaseModel):

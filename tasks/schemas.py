@@ -233,6 +233,9 @@ class Sample(_Message):
 class PromptOutput(_Message):
     prompt_token_ids: list[int]
     prompt_logprobs: list[float | None] | None = None
+    # Per prompt token, with prompt_logprobs > 0: [[token_id, logprob], ...] of
+    # the top tokens at that position (None for the first token).
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     samples: list[Sample]
 
 

@@ -552,10 +552,15 @@ class EngineHost:
             self.generated_tokens += len(token_ids)
         self.finished_requests += 1
         prompt_ids = list(out.prompt_token_ids or [])
-        prompt_lps = None
+        prompt_lps = prompt_top = None
         if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_lps = [_logprob_of(p, t) for p, t in zip(out.prompt_logprobs, prompt_ids)]
-        return PromptOutput(prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, samples=samples)
+            if params.prompt_logprobs > 0:
+                prompt_top = [None if p is None else _top(p, params.prompt_logprobs) for p in out.prompt_logprobs]
+        return PromptOutput(
+            prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
+            samples=samples,
+        )
 
     # ------------------------------------------------------- sync and control
 
