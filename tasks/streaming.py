@@ -133,6 +133,7 @@ def stream(
             if follower.worker is not None and not client.exists(keys.worker_key(follower.worker)):
                 follower.worker_gone()
         final = result.get(timeout=max(1.0, deadline - time.monotonic()), propagate=True)
+        result.forget()  # read once, here: do not leave it in the backend
         yield GenerationResult.model_validate(final)
     except BaseException:
         # Nobody reads this task any more: its worker skips or aborts every prompt.
