@@ -98,6 +98,9 @@ async def completion_events(
     except Exception as exc:  # noqa: BLE001  the stream is open: the error travels in it
         log.warning("stream %s stopped: %s", response_id, exc)
         yield _error_event(exc)
+    finally:
+        # Cancelled (the client went away) or done: the relay's cleanup (abort) runs now.
+        await rest.aclose()  # type: ignore[attr-defined]
     yield DONE
 
 
@@ -144,4 +147,7 @@ async def chat_events(
     except Exception as exc:  # noqa: BLE001  the stream is open: the error travels in it
         log.warning("stream %s stopped: %s", response_id, exc)
         yield _error_event(exc)
+    finally:
+        # Cancelled (the client went away) or done: the relay's cleanup (abort) runs now.
+        await rest.aclose()  # type: ignore[attr-defined]
     yield DONE

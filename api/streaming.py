@@ -57,6 +57,7 @@ class StreamRelay:
         self.max_streams = max_streams
         self.open_streams = 0
         self._redis: aioredis.Redis | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     def _client(self) -> aioredis.Redis:
         if self._redis is None:
@@ -67,6 +68,7 @@ class StreamRelay:
         return self._redis
 
     async def close(self) -> None:
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._redis is not None:
             await self._redis.aclose()
 
@@ -99,16 +101,29 @@ class StreamRelay:
                 batch_prompts=len(prompts),
             )
         finally:
+            # No await here: a client that went away cancels this generator's
+            # scope, which would cancel every await again; the cleanup runs as
+            # a task of its own.
             self.open_streams -= 1
+            abandoned = result is not None and not result.done()
             if result is not None and not result.done():
                 result.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await result
-                # Given up before the end (client gone, stream broken): free the engine.
-                with contextlib.suppress(Exception):
-                    await self._abort(task_id, list(range(len(prompts))))
-            with contextlib.suppress(RedisError, OSError):
-                await self._client().delete(keys.token_stream(task_id))
+            self._spawn(self._cleanup(task_id, len(prompts) if abandoned else 0))
+
+    async def _cleanup(self, task_id: str, abandoned_prompts: int) -> None:
+        """Abort the prompts of a stream given up before its end (frees the engine); drop the stream."""
+        if abandoned_prompts:
+            try:
+                await self._abort(task_id, list(range(abandoned_prompts)))
+            except Exception as exc:  # noqa: BLE001  the task then runs to its end; nothing else breaks
+                log.warning("could not abort the abandoned stream %s: %s", task_id, exc)
+        with contextlib.suppress(RedisError, OSError):
+            await self._client().delete(keys.token_stream(task_id))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _follow(self, follower: StreamFollower, result: asyncio.Task[Any]) -> AsyncIterator[SampleDelta]:
         """Deltas until the stream's end, or the result if the stream stops short of it."""

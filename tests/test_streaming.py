@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -154,6 +155,25 @@ def test_a_bad_streamed_request_gets_an_http_error_not_a_stream(stream_gateway: 
         stream_gateway.client().completions.create(
             model=MODEL, prompt="ab " * MAX_MODEL_LEN, max_tokens=4, stream=True
         )
+
+
+def test_a_stream_whose_client_goes_away_has_its_generation_aborted(stream_gateway: Gateway) -> None:
+    from tests.test_api import _engine_stats
+
+    samples, max_tokens = 4, 400
+    before = _engine_stats()["generated_tokens"]
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": max_tokens, "n": samples,
+            "temperature": 1.0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stream_gateway.base}/v1/completions", json=body, timeout=RESULT_TIMEOUT) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first chunk: the worker is generating
+    # Closed: the gateway aborts the task's prompts; the worker's requests end early.
+    stream_gateway.proc.wait_until(lambda: _engine_stats()["inflight_requests"] == 0, RESULT_TIMEOUT,
+                                   "the aborted stream's requests to end")
+    generated = _engine_stats()["generated_tokens"] - before
+    print(f"\nabandoned stream: {generated} of {samples * max_tokens} tokens generated")
+    # The margin: how long the abort takes to land on a loaded machine.
+    assert 0 < generated < samples * max_tokens * 0.9
 
 
 # --------------------------------------------------------------------------
