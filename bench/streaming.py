@@ -6,8 +6,10 @@ One worker on a queue of its own (``benchlib.queue_stack``), one gateway
 
 - latency: one 1-prompt request at a time, the legs alternated: the direct
   engine (``EngineHost.generate`` with a delta hook, as the worker runs it),
-  ``generate.stream`` (Python producer: Redis queue, worker, Redis Stream) and
-  a streamed OpenAI completion through the gateway (HTTP, SSE). For each: time
+  ``generate.stream`` (Python producer: Redis queue, worker, Redis Stream),
+  a streamed OpenAI completion through the gateway (HTTP, SSE), and a plain
+  1-token task sent to its result (what the queue costs before any
+  streaming: the floor of a streamed TTFT through the queue). For each: time
   to the first token (TTFT) p50/p99 and the gaps between tokens' arrivals
   (p50/p99 over every gap; a chunk holding k tokens counts as k gaps, the
   first k-1 of them zero); added TTFT of each leg over the direct one.
@@ -106,6 +108,16 @@ def arrivals_gateway(client: openai.OpenAI, ids: list[int], max_tokens: int) -> 
     return seen
 
 
+def one_token_task(queue: str, ids: list[int]) -> list[tuple[float, int]]:
+    """A plain (not streamed) 1-token task, sent to result: the queue's own round trip."""
+    started = time.perf_counter()
+    handle = generate.apply_async(([ids], SamplingParams(temperature=0, max_tokens=1)), queue=queue)
+    handle.get(timeout=300)
+    seconds = time.perf_counter() - started
+    handle.forget()
+    return [(seconds, 1)]
+
+
 def summarize(runs: list[list[tuple[float, int]]]) -> dict[str, float]:
     ttft = [run[0][0] * 1000 for run in runs]
     gaps: list[float] = []
@@ -154,8 +166,13 @@ def main() -> None:
     bulk = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
 
     from workers.engine import EngineHost
+    from workers.main import cpu_environment
+
+    if settings.device == "cpu":
+        cpu_environment(settings.cpu_weights)  # the worker's engine environment, for the direct engine too
 
     runs: dict[str, list[list[tuple[float, int]]]] = {"direct": [], "python": [], "gateway": []}
+    one_token_task_ms: list[float] = []
     tok_s: dict[str, list[float]] = {"plain": [], "streamed": []}
     with benchlib.queue_stack(args, settings) as stack:
         gateway, base = start_gateway(stack)
@@ -170,13 +187,17 @@ def main() -> None:
                     "direct": lambda ids=ids: arrivals_direct(host, ids, latency),
                     "python": lambda ids=ids: arrivals_python(stack.queue, ids, latency),
                     "gateway": lambda ids=ids: arrivals_gateway(client, ids, args.latency_tokens),
+                    "task": lambda ids=ids: one_token_task(stack.queue, ids),
                 }
-                order = list(legs)[i % 3:] + list(legs)[:i % 3]  # each leg goes first in turn
+                order = list(legs)[i % 4:] + list(legs)[:i % 4]  # each leg goes first in turn
                 for leg in order:
                     time.sleep(benchlib.IDLE_S)  # the other engine's spinning readers go quiet
                     run = legs[leg]()
                     if i >= warmup:
-                        runs[leg].append(run)
+                        if leg == "task":
+                            one_token_task_ms.append(run[0][0] * 1000)
+                        else:
+                            runs[leg].append(run)
             order = ["plain", "streamed"]
             for round_ in range(args.rounds):
                 benchlib.log(f"throughput round {round_ + 1}/{args.rounds}")
@@ -193,6 +214,7 @@ def main() -> None:
     record = {
         "bench": "streaming",
         **{f"{leg}_{key}": value for leg, values in figures.items() for key, value in values.items()},
+        "one_token_task_p50_ms": round(statistics.median(one_token_task_ms), 2),
         "python_added_ttft_p50_ms": round(figures["python"]["ttft_p50_ms"] - direct_ttft, 2),
         "gateway_added_ttft_p50_ms": round(figures["gateway"]["ttft_p50_ms"] - direct_ttft, 2),
         "plain_task_tok_s": round(plain, 1),
