@@ -23,7 +23,7 @@ from tasks import generate, keys
 from tasks.errors import PromptTooLong, StreamInterrupted
 from tasks.schemas import GenerationResult, SampleDelta, StreamEvent
 from tasks.streaming import STREAM_HEADER, StreamFollower
-from tests.conftest import MAX_MODEL_LEN, WorkerStarter
+from tests.conftest import MAX_MODEL_LEN, WorkerStarter, worker_registered
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 
@@ -31,6 +31,17 @@ from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 # registry_ttl_s, 10 s) plus one idle check (1 s); the rest is margin for
 # this loaded 2-core machine.
 DEATH_NOTICED_S = 60
+
+
+VICTIM = "stream-victim@tests"
+VICTIM_QUEUE = "stream-death"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def victim(start_worker: WorkerStarter, model_a: Path) -> Proc:
+    """The worker the death test kills, on a queue of its own: started when the
+    module starts, so its engine loads while the other tests run."""
+    return start_worker(model_a, VICTIM, queue=VICTIM_QUEUE, pool="stream-death", wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +193,10 @@ def test_a_stream_whose_client_goes_away_has_its_generation_aborted(stream_gatew
 
 
 def test_a_worker_killed_mid_stream_ends_both_streams_with_an_error(
-    redis_url: str, start_worker: WorkerStarter, model_a: Path
+    redis_url: str, redis_client: Any, victim: Proc
 ) -> None:
-    queue = "stream-death"
-    victim = start_worker(model_a, "stream-victim@tests", queue=queue, pool="stream-death")
+    queue = VICTIM_QUEUE
+    victim.wait_until(lambda: worker_registered(redis_client, VICTIM), 240, f"{VICTIM} to serve")
     gw = start_gateway("api-stream-death", redis_url, {"API_QUEUE": queue})
     # Long generations (8 samples x 480 tokens each): still running when the kill lands.
     long = {"max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True, "temperature": 1.0, "n": 8}
