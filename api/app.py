@@ -11,9 +11,10 @@ A request is translated (``api.translate``), checked alone (``api.checks``),
 handed to the signature batcher (``api.batcher``), which sends one
 ``generate`` task per batch and waits on the results (``api.results``)
 without blocking the loop. Meanwhile the route listens for the client's
-disconnect: a client that goes away has its prompts aborted. Streams are
-sent once the task is done: the whole text arrives in one content chunk per
-choice (the queue returns finished results, not tokens as they come).
+disconnect: a client that goes away has its prompts aborted. A ``stream:
+true`` request is a task of its own whose worker publishes its tokens as
+they are generated (``api.streaming``); each delta is relayed as an SSE
+chunk when it arrives (``api.stream_chunks``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -37,6 +40,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import checks, errors, translate
+from api import tokenize as token_routes
 from api.batcher import SignatureBatcher
 from api.checks import LimitsReader
 from api.metrics import GatewayMetrics
@@ -44,6 +48,9 @@ from api.middleware import BodyLimit, RequestMetrics
 from api.results import ResultWatcher
 from api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from api.settings import ApiSettings
+from api.stream_chunks import chat_events, completion_events
+from api.streaming import StreamRelay
+from api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from api.tokens import TokenNamer
 from tasks import keys
 from tasks.app import app as celery_app
@@ -59,12 +66,20 @@ from tasks.generate import generate
 from tasks.registry import connect, live_workers
 from tasks.schemas import PromptKind, SamplingParams
 from tasks.settings import ClientSettings
+from tasks.streaming import STREAM_HEADER
 
 T = TypeVar("T")
 
 log = logging.getLogger("rollout_queue.api")
 
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+    "/detokenize", "/version",
+}
+try:
+    _VERSION = importlib.metadata.version("rollout-queue")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    _VERSION = "unknown"
 
 
 class Gateway:
@@ -88,6 +103,10 @@ class Gateway:
             max_inflight_tasks=settings.max_inflight_tasks,
             timeout_s=settings.request_timeout_s,
         )
+        self.relay = StreamRelay(
+            client.redis_url.get_secret_value(), self.send_streamed, self.abort, self.watcher,
+            timeout_s=settings.request_timeout_s, max_streams=settings.max_inflight_tasks,
+        )
         self.namer = TokenNamer(None)
         self._registry = connect(client)
         self.limits = LimitsReader(self._live_workers, settings.queue, None, settings.limits_refresh_s)
@@ -97,6 +116,13 @@ class Gateway:
         """Enqueue one generate task (runs in a worker thread: kombu blocks)."""
         generate.apply_async(
             (prompts, params), task_id=task_id, queue=self.settings.queue, expires=expires_s
+        )
+
+    def send_streamed(self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float) -> None:
+        """Enqueue one task whose worker publishes its tokens as they come (``tasks.streaming``)."""
+        generate.apply_async(
+            (prompts, params), task_id=task_id, queue=self.settings.queue, expires=expires_s,
+            headers={STREAM_HEADER: True},
         )
 
     async def abort(self, task_id: str, indices: list[int]) -> None:
@@ -145,6 +171,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.batcher.close()
+        await self.relay.close()
         await self.watcher.close()
         if self._redis is not None:
             await self._redis.aclose()
@@ -203,35 +230,65 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway.check_model(body.model)
         checks.check_unicode(body.model_dump(exclude_defaults=True))
+        ignored = _ignored_fields(body)
         kind, prompts = translate.completion_prompts(body)
         params = translate.completion_params(body)
         await gateway.admit(body, kind, prompts, params)
+        if body.stream:
+            items = gateway.relay.relay(kind, prompts, params)
+            first = await _unless_disconnected(request, anext(items))
+            return _sse(completion_events(
+                body, first, items, gateway.namer, translate.new_id("cmpl"), translate.now(), params.n
+            ), ignored)
         share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params))
         result = translate.completion_response(
             body, share, gateway.namer, translate.new_id("cmpl"), translate.now()
         )
-        if body.stream:
-            return _sse(translate.completion_chunks(result, body))
-        return JSONResponse(translate.to_json(result))
+        return JSONResponse(translate.to_json(result), headers=ignored)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         gateway.check_model(body.model)
         checks.check_unicode(body.model_dump(exclude_defaults=True))
+        ignored = _ignored_fields(body)
         prompts = translate.chat_prompts(body)
         params = translate.chat_params(body, settings.default_max_tokens)
         await gateway.admit(body, "chat", prompts, params)
+        if body.stream:
+            items = gateway.relay.relay("chat", prompts, params)
+            first = await _unless_disconnected(request, anext(items))
+            return _sse(chat_events(
+                body, first, items, gateway.namer, translate.new_id("chatcmpl"), translate.now(), params.n
+            ), ignored)
         share = await _unless_disconnected(request, gateway.batcher.submit("chat", prompts, params))
         result = translate.chat_response(
             body, share, gateway.namer, translate.new_id("chatcmpl"), translate.now()
         )
-        if body.stream:
-            return _sse(translate.chat_chunks(result, body))
-        return JSONResponse(translate.to_json(result))
+        return JSONResponse(translate.to_json(result), headers=ignored)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.model_name, created=gateway.started)])
+        limits = await gateway.limits.current()
+        return ModelList(data=[ModelCard(
+            id=settings.model_name, created=gateway.started, max_model_len=limits.max_model_len
+        )])
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        if body.model is not None:
+            gateway.check_model(body.model)
+        limits = await gateway.limits.current()
+        return await asyncio.to_thread(token_routes.tokenize, gateway.namer.tokenizer, body, limits.max_model_len)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        if body.model is not None:
+            gateway.check_model(body.model)
+        return await asyncio.to_thread(token_routes.detokenize, gateway.namer.tokenizer, body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _VERSION}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -267,7 +324,7 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     return app
 
 
-async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """``work``'s result, unless the client disconnects first: then ``work`` is cancelled.
 
     Cancelling the batcher's ``submit`` takes the request out of its batch,
@@ -294,10 +351,27 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def _sse(events: Any) -> StreamingResponse:
+def _sse(events: Any, headers: dict[str, str]) -> StreamingResponse:
     return StreamingResponse(
-        iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers}
     )
+
+
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
+
+def _ignored_fields(body: BaseModel) -> dict[str, str]:
+    """Unknown top-level fields: logged, then named in a response header (as vLLM, ignored)."""
+    unknown = sorted(body.model_extra or {})
+    if not unknown:
+        return {}
+    # Names are the client's JSON keys: only plain ones go into a header.
+    shown = [n if _PLAIN_NAME.fullmatch(n) else "(unprintable)" for n in unknown]
+    log.warning("ignored unknown request fields: %s", ", ".join(shown))
+    return {IGNORED_FIELDS_HEADER: ", ".join(shown)}
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _install_error_handlers(app: FastAPI, settings: ApiSettings) -> None:

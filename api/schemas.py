@@ -1,7 +1,11 @@
 """OpenAI wire models: the requests the gateway accepts and the responses it sends.
 
-Requests forbid unknown fields (a typo is a 400 naming the field, never a
-silent default). Ranges are not re-checked here: the translation into
+Unknown top-level fields of a completion or chat request are ignored, as
+vLLM's server does (clients send ``store``, ``metadata``,
+``parallel_tool_calls``...): the gateway logs them and names them in the
+``X-Ignored-Fields`` response header. Nested objects (messages, options)
+still forbid unknown fields: ignoring part of a conversation would change
+what is generated. Ranges are not re-checked here: the translation into
 ``tasks.SamplingParams`` (``api.translate``) is the one place they are. What
 is checked here is that every integer fits what the engine can carry (int32
 counts and token ids, int64 seeds and versions: vLLM's msgpack and tensors
@@ -52,6 +56,9 @@ class ResponseFormat(_Request):
 class _Sampling(_Request):
     """Sampling fields shared by completions and chat, OpenAI's and vLLM's."""
 
+    # Unknown fields land in ``model_extra``; the routes report and ignore them.
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
     model: str
     n: Count = 1
     temperature: float | None = None
@@ -87,6 +94,8 @@ class CompletionRequest(_Sampling):
     max_tokens: Count | None = 16
     logprobs: Count | None = None
     echo: bool = False
+    # vLLM's extra: logprobs of the prompt's tokens (with their top k), as prompt_logprobs per choice.
+    prompt_logprobs: Count | None = None
     suffix: str | None = None
     best_of: Count | None = None
 
@@ -149,7 +158,7 @@ class RolloutInfo(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -161,6 +170,8 @@ class CompletionChoice(BaseModel):
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # vLLM's shape: per prompt token {token_id: {"logprob", "rank", "decoded_token"}}, None first.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class Completion(BaseModel):
@@ -243,6 +254,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "rollout-queue"
+    # The smallest max_model_len among live workers of the gateway's queue
+    # (the worker registry); None while none is live.
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -51,6 +51,11 @@ class TokenNamer:
         return cls(AutoTokenizer.from_pretrained(name))
 
     @property
+    def tokenizer(self) -> Any | None:
+        """The loaded tokenizer (``API_TOKENIZER``), or None."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int | None:
         """Ids below this are tokens of the tokenizer (None: no tokenizer loaded)."""
         return None if self._tokenizer is None else len(self._tokenizer)

@@ -9,6 +9,7 @@ usage and, for ``stream: true``, server-sent-event chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -88,8 +89,8 @@ def _nonempty_text(text: str, param: str) -> str:
 
 
 def _refuse_unsupported_completion_fields(request: CompletionRequest) -> None:
-    if request.echo:
-        raise BadRequest("echo is not supported by this gateway; send echo=false", "echo")
+    if request.echo and request.stream:
+        raise BadRequest("echo is not supported with stream=true; send one or the other", "echo")
     if request.suffix:
         raise BadRequest("suffix is not supported by this gateway", "suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -121,8 +122,25 @@ def chat_prompts(request: ChatCompletionRequest) -> list[Any]:
 
 
 def completion_params(request: CompletionRequest) -> SamplingParams:
+    """The task's params; ``max_tokens: 0`` with ``echo`` scores the prompt (see ``scoring_only``)."""
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # OpenAI's default
-    return _params(request, max_tokens=max_tokens, logprobs=request.logprobs)
+    if max_tokens == 0:
+        if not request.echo:
+            raise BadRequest(
+                "max_tokens 0 returns no tokens; it scores the prompt only with echo=true "
+                "(and logprobs), or ask for at least 1 token", "max_tokens",
+            )
+        max_tokens = 1  # the engine generates at least one token; the response leaves it out
+    prompt_logprobs = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        # Echoed prompt tokens carry logprobs like generated ones (vLLM does the same).
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+    return _params(request, max_tokens=max_tokens, logprobs=request.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def scoring_only(request: CompletionRequest) -> bool:
+    """``max_tokens: 0`` with ``echo``: the prompt's logprobs, no generated token."""
+    return request.echo and request.max_tokens == 0
 
 
 def chat_params(request: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
@@ -136,10 +154,14 @@ def chat_params(request: ChatCompletionRequest, default_max_tokens: int) -> Samp
     return _params(request, max_tokens=max_tokens, logprobs=logprobs)
 
 
-def _params(request: _Sampling, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(
+    request: _Sampling, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     if request.logit_bias:
         raise BadRequest("logit_bias is not supported by this gateway", "logit_bias")
     fields: dict[str, Any] = {"n": request.n, "max_tokens": max_tokens, "logprobs": logprobs}
+    if prompt_logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs
     for name in _PASSTHROUGH:
         value = getattr(request, name)
         if value is not None:
@@ -246,6 +268,7 @@ def completion_logprobs(sample: Sample, namer: TokenNamer) -> CompletionLogprobs
     if sample.logprobs is None:
         return None
     tokens = [namer.name(t) for t in sample.token_ids]
+    top: list[dict[str, float] | None]
     if sample.top_logprobs is not None:
         top = [{namer.name(t): lp for t, lp in position} for position in sample.top_logprobs]
     else:  # logprobs=0: the sampled token only
@@ -280,18 +303,28 @@ def chat_logprobs(sample: Sample, namer: TokenNamer) -> ChatLogprobs | None:
 def completion_response(
     request: CompletionRequest, share: Share, namer: TokenNamer, response_id: str, created: int
 ) -> Completion:
-    choices = [
-        CompletionChoice(
+    if scoring_only(request):
+        share = _without_generated(share)
+    prompt_texts = _prompt_texts(request, share, namer) if request.echo else None
+    choices = []
+    for index, output, sample in _samples(share):
+        logprobs = completion_logprobs(sample, namer)
+        text = sample.text
+        if prompt_texts is not None:
+            prompt_text = prompt_texts[index // request.n]
+            text = prompt_text + text
+            if logprobs is not None:
+                logprobs = _echoed_logprobs(output, logprobs, namer)
+        choices.append(CompletionChoice(
             index=index,
-            text=sample.text,
-            logprobs=completion_logprobs(sample, namer),
+            text=text,
+            logprobs=logprobs,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if request.return_token_ids else None,
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
-        )
-        for index, output, sample in _samples(share)
-    ]
+            prompt_logprobs=_vllm_prompt_logprobs(output, namer) if request.prompt_logprobs is not None else None,
+        ))
     return Completion(
         id=response_id,
         created=created,
@@ -301,6 +334,72 @@ def completion_response(
         usage=usage(share.outputs),
         rollout=rollout_info(share),
     )
+
+
+def _without_generated(share: Share) -> Share:
+    """The share with every sample emptied (``max_tokens: 0``: the token generated is not returned)."""
+    outputs = [
+        output.model_copy(update={"samples": [
+            sample.model_copy(update={
+                "text": "", "token_ids": [], "logprobs": [] if sample.logprobs is not None else None,
+                "top_logprobs": [] if sample.top_logprobs is not None else None, "finish_reason": "length",
+            })
+            for sample in output.samples
+        ]})
+        for output in share.outputs
+    ]
+    return dataclasses.replace(share, outputs=outputs)
+
+
+def _prompt_texts(request: CompletionRequest, share: Share, namer: TokenNamer) -> list[str]:
+    """Each prompt as text, for echo: the string sent, or token ids decoded with
+    ``API_TOKENIZER`` (without a tokenizer a token prompt echoes no text; its
+    tokens are still in logprobs and ``prompt_token_ids``)."""
+    kind, prompts = completion_prompts(request)
+    if kind == "text":
+        return list(prompts)
+    tokenizer = namer.tokenizer
+    return ["" if tokenizer is None else str(tokenizer.decode(o.prompt_token_ids)) for o in share.outputs]
+
+
+def _echoed_logprobs(output: PromptOutput, generated: CompletionLogprobs, namer: TokenNamer) -> CompletionLogprobs:
+    """The prompt's tokens, logprobs and top logprobs, then the generated ones (first prompt token: None)."""
+    prompt_ids = output.prompt_token_ids
+    tokens = [namer.name(t) for t in prompt_ids]
+    lps = output.prompt_logprobs or [None] * len(prompt_ids)
+    tops: list[dict[str, float] | None] = [
+        None if position is None else {namer.name(t): lp for t, lp in position}
+        for position in (output.prompt_top_logprobs or [None] * len(prompt_ids))
+    ]
+    for i, (token, lp) in enumerate(zip(tokens, lps)):
+        if lp is not None and tops[i] is not None:
+            tops[i].setdefault(token, lp)  # type: ignore[union-attr]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens + generated.tokens,
+        token_logprobs=list(lps) + generated.token_logprobs,
+        top_logprobs=tops + (generated.top_logprobs or []),
+        text_offset=offsets + [offset + o for o in generated.text_offset],
+    )
+
+
+def _vllm_prompt_logprobs(output: PromptOutput, namer: TokenNamer) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, ``{id: {logprob, rank, decoded_token}}``."""
+    lps = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    tops = output.prompt_top_logprobs or [None] * len(output.prompt_token_ids)
+    entries: list[dict[str, dict[str, Any]] | None] = []
+    for token, lp, top in zip(output.prompt_token_ids, lps, tops):
+        if lp is None:
+            entries.append(None)
+            continue
+        entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": namer.name(t)}
+                 for rank, (t, v) in enumerate(top or [], start=1)}
+        entry.setdefault(str(token), {"logprob": lp, "rank": None, "decoded_token": namer.name(token)})
+        entries.append(entry)
+    return entries
 
 
 def chat_response(
@@ -339,7 +438,7 @@ def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str
     if data.get("rollout") is None:
         data.pop("rollout", None)
     for choice in data["choices"]:
-        for key in ("token_ids", "prompt_token_ids"):
+        for key in ("token_ids", "prompt_token_ids", "prompt_logprobs"):
             if choice.get(key) is None:
                 choice.pop(key, None)
     return data

@@ -3,6 +3,7 @@
     from tasks import generate, sync_weights
     out = generate.delay(["2+2="], {"temperature": 0.7, "max_tokens": 64}).get()
     report = sync_weights.broadcast(model, version=7)
+    for item in generate.stream(["2+2="], {"max_tokens": 64}): ...   # SampleDelta..., GenerationResult
     for index, result in generate_many(prompts, params, chunk_size=64): ...
     control.sleep(level=1); control.wake_up()    # also pause, resume, engine_stats...
 """
@@ -12,13 +13,14 @@ from tasks.app import app, configure
 from tasks.errors import RolloutError, WeightSyncError
 from tasks.generate import generate
 from tasks.producer import generate_many
-from tasks.schemas import GenerationResult, SamplingParams, SyncReport, WorkerInfo
+from tasks.schemas import GenerationResult, SampleDelta, SamplingParams, SyncReport, WorkerInfo
 from tasks.signature import signature
 from tasks.split import SplitResult
 
 __all__ = [
     "GenerationResult",
     "RolloutError",
+    "SampleDelta",
     "SamplingParams",
     "SplitResult",
     "SyncReport",

@@ -14,6 +14,7 @@
     │   ├── ControlTimeout        workers did not answer in time
     │   ├── ControlFailed         workers answered with an error
     │   └── ControlRefused        (worker side) unsigned, wrongly signed, expired or replayed command
+    ├── StreamInterrupted         a streamed task's tokens stopped: its worker died or the stream broke
     ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
     ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
     ├── GatewayError              the HTTP gateway refused or gave up on a request
@@ -150,6 +151,11 @@ class ControlFailed(ControlError):
     def __str__(self) -> str:
         detail = "; ".join(f"{node}: {error}" for node, error in self.errors.items())
         return f"{self.command} failed on {len(self.errors)} worker(s): {detail}"
+
+
+class StreamInterrupted(RolloutError):
+    """A streamed generation cannot go on: its worker stopped mid-stream, the task
+    restarted after tokens were delivered, or the reader fell behind the stream's bound."""
 
 
 class BatchIncomplete(RolloutError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from celery import Task
@@ -206,6 +206,13 @@ class GenerateTask(Task):
             f"could not enqueue the task: Redis at {url} did not answer for about {waited} s "
             f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
         )
+
+    def stream(self, prompts: Any, params: Any = None, **options: Any) -> Iterator[Any]:
+        """Send one task and yield its tokens as they are generated (``SampleDelta``),
+        then its ``GenerationResult``: see ``tasks.streaming.stream``."""
+        from tasks.streaming import stream
+
+        return stream(self, prompts, params, **options)
 
     def run(self, prompts: Any, params: Any) -> dict[str, Any]:
         if self.executor is None:

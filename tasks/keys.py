@@ -50,6 +50,18 @@ def node_of_inflight_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:inflight:")
 
 
+# A streamed task's token stream: bounded (approximate MAXLEN, in events; a
+# reader that falls this far behind sees a gap and stops with an error) and
+# expiring (refreshed by every write) so an unread stream never lingers.
+TOKEN_STREAM_MAXLEN = 10_000
+TOKEN_STREAM_TTL_S = 600
+
+
+def token_stream(task_id: str) -> str:
+    """Redis Stream of a streamed ``generate`` task's ``StreamEvent`` entries."""
+    return f"{PREFIX}:stream:{task_id}"
+
+
 def abort_key(task_id: str) -> str:
     """Prompt indices of a running ``generate`` task whose requester went away.
 

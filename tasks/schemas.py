@@ -237,6 +237,9 @@ class Sample(_Message):
 class PromptOutput(_Message):
     prompt_token_ids: list[int]
     prompt_logprobs: list[float | None] | None = None
+    # Per prompt token, with prompt_logprobs > 0: [[token_id, logprob], ...] of
+    # the top tokens at that position (None for the first token).
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     samples: list[Sample]
 
 
@@ -257,6 +260,41 @@ class GenerationResult(_Message):
     outputs: list[PromptOutput]
     usage: Usage
     timing: Timing
+
+
+
+class SampleDelta(_Message):
+    """What one sample of a streamed task generated since its previous delta.
+
+    ``prompt`` is the prompt's index in the task, ``sample`` the sample's
+    index among its ``n``; ``finish_reason`` is set on the sample's last delta.
+    """
+
+    prompt: int = Field(ge=0)
+    sample: int = Field(ge=0)
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class StreamEvent(_Message):
+    """One entry of a streamed task's Redis Stream (``keys.token_stream``).
+
+    Each run of the task (``attempt``: a retry or a redelivery is a new one)
+    writes ``start``, its ``delta`` events, then ``end``, numbered by ``seq``
+    from 0 so a reader sees a gap (entries trimmed by the stream's bound).
+    ``end`` is written before the result is stored; the result itself goes to
+    the result backend as for any task.
+    """
+
+    kind: Literal["start", "delta", "end"]
+    attempt: str
+    seq: int = Field(ge=0)
+    worker: str
+    deltas: list[SampleDelta] = []
 
 
 # --------------------------------------------------------------------------

@@ -366,7 +366,6 @@ def test_missing_or_wrong_token_is_refused_with_401(gateway: Gateway) -> None:
         ({"temperature": -1.0}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2, "temperature": 0}, "n"),
-        ({"extra_body": {"top_k": 5, "no_such_field": 1}}, "no_such_field"),
         ({"extra_body": {"regex": "[a-z]", "choice": ["a"]}}, "regex"),
     ],
 )
@@ -503,7 +502,6 @@ def test_malformed_requests_get_short_400s_and_the_connection_survives(gateway: 
         (b'{"model": "tiny", "prompt": "ok", "stop": ["\\udfff"]}', "stop.0"),
         (b'{"model": "tiny", "prompt": "\xff\xfe bad utf-8"}', None),
         ({**base, "max_tokens": 2**70}, "max_tokens"),
-        ({**base, "extra_body_is_not_a_field": 1}, "extra_body_is_not_a_field"),
         ({**base, "top_k": 2**70}, "top_k"),
         ({**base, "stop_token_ids": [2**40]}, "stop_token_ids.0"),
         ({**base, "seed": 2**70}, "seed"),
@@ -605,11 +603,11 @@ def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gatew
         host, port = gateway.base.removeprefix("http://").split(":")
         (_, dropped), (kept_reader, kept) = [await asyncio.open_connection(host, int(port)) for _ in "ab"]
         # Written back to back: both land in one batch window, so they share a task.
-        dropped.write(_raw_post({**params, "stream": True, "prompt": [f"story {i}" for i in range(dropped_prompts)]}))
+        dropped.write(_raw_post({**params, "prompt": [f"story {i}" for i in range(dropped_prompts)]}))
         kept.write(_raw_post({**params, "prompt": "kept"}))
         await asyncio.gather(dropped.drain(), kept.drain())
         answer = asyncio.ensure_future(kept_reader.read())  # until the gateway closes: the whole response
-        # Drop the streaming request once its prompts are in the engine (the
+        # Drop the first request once its prompts are in the engine (the
         # worker's own count, set as they go in: no scheduler step to wait for).
         deadline = time.monotonic() + 120
         while (await asyncio.to_thread(_engine_stats))["inflight_requests"] < dropped_prompts + 1:

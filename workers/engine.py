@@ -67,9 +67,10 @@ class _Live:
     finished: bool = False  # its final output is in (the task may still wait for others)
 
 
-def to_vllm_params(params: SamplingParams, cumulative: bool = False) -> Any:
-    """Our validated params → ``vllm.SamplingParams`` (final output only, or
-    every step's cumulative output: what checkpoints read)."""
+def to_vllm_params(params: SamplingParams, kind: str = "final") -> Any:
+    """Our validated params → ``vllm.SamplingParams``. ``kind``: the output
+    vLLM sends: ``final`` only, every step's ``delta`` (a streamed task), or
+    every step's ``cumulative`` output (what checkpoints read)."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -89,7 +90,8 @@ def to_vllm_params(params: SamplingParams, cumulative: bool = False) -> Any:
         "logprobs": params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
         "ignore_eos": params.ignore_eos,
-        "output_kind": RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY,
+        "output_kind": {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
+                        "cumulative": RequestOutputKind.CUMULATIVE}[kind],
     }
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
@@ -337,6 +339,7 @@ class EngineHost:
         first_index: int = 0,
         checkpoint: TaskCheckpointer | None = None,
         saved: dict[SampleKey, SampleProgress] | None = None,
+        on_output: Callable[[int, Any], None] | None = None,
     ) -> tuple[list[PromptOutput], int]:
         """Run every prompt as one engine request; returns outputs and the final version.
 
@@ -352,20 +355,23 @@ class EngineHost:
 
         ``checkpoint``: save the samples' progress as they grow, and continue
         those in ``saved`` from their saved tokens (``workers.progress``).
+        ``on_output``: a streamed task's hook (``workers.streaming``), called
+        on the engine loop with the prompt's index and each delta output as it
+        comes (a streamed task is not checkpointed).
         """
         prompt_ids = self.prompt_token_ids(request, first_index)
-        if checkpoint is not None:
+        if checkpoint is not None and on_output is None:
             return self._generate_checkpointed(
                 request, prompt_ids, deadline, aborted, on_submitted, checkpoint, saved or {}
             )
-        sampling = to_vllm_params(request.params)
+        sampling = to_vllm_params(request.params, "delta" if on_output is not None else "final")
         batch = uuid.uuid4().hex[:12]
         skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
         run = [i for i in range(len(prompt_ids)) if i not in skipped]
         rids = [f"{batch}-{i}" for i in run]
         try:
             futures = (
-                self._submit(rids, [prompt_ids[i] for i in run], sampling, deadline, on_submitted)
+                self._submit(rids, [prompt_ids[i] for i in run], sampling, deadline, on_submitted, on_output=on_output)
                 if run else []
             )
             stopped = self._wait(run, rids, futures, deadline, aborted)
@@ -415,7 +421,7 @@ class EngineHost:
         rids = [f"{batch}.{k}-{unit.prompt}" for k, unit in enumerate(units)]
         for rid, unit in zip(rids, units):
             checkpoint.watch(rid, unit)
-        samplings = [to_vllm_params(unit.params, cumulative=True) for unit in units]
+        samplings = [to_vllm_params(unit.params, "cumulative") for unit in units]
         try:
             futures = (
                 self._submit(
@@ -531,6 +537,7 @@ class EngineHost:
         self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float,
         on_submitted: Callable[[], None] | None = None,
         observe: Callable[[str, Any], None] | None = None,
+        on_output: Callable[[int, Any], None] | None = None,
     ) -> list[concurrent.futures.Future[Any]]:
         """Add every request to the engine while intake is open; returns result futures.
 
@@ -574,7 +581,8 @@ class EngineHost:
         collected = []
         for rid, queue in zip(rids, queues):
             watch = None if observe is None else functools.partial(observe, rid)
-            future = asyncio.run_coroutine_threadsafe(self._collect(queue, watch), self._loop)
+            hook = None if on_output is None else functools.partial(on_output, int(rid.rsplit("-", 1)[1]))
+            future = asyncio.run_coroutine_threadsafe(self._collect(queue, watch, hook), self._loop)
             future.add_done_callback(lambda _, rid=rid: self._finished(rid))
             collected.append(future)
         if on_submitted is not None:
@@ -623,27 +631,43 @@ class EngineHost:
         return await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
 
     @staticmethod
-    async def _collect(queue: Any, observe: Callable[[Any], None] | None = None) -> Any:
+    async def _collect(
+        queue: Any,
+        observe: Callable[[Any], None] | None = None,
+        on_output: Callable[[Any], None] | None = None,
+    ) -> Any:
         """The request's final output (as ``AsyncLLM.generate`` drains its queue).
 
         With ``observe`` the request is cumulative: each output holds one
         sample's tokens so far (vLLM sends the ``n`` samples of a request
         separately then), so the final output is assembled from the last of each.
+        With ``on_output`` the request streams (delta outputs): each delta goes
+        to it, then is merged into the first, which ends as the whole output.
         """
-        if observe is None:
+        if observe is not None:
+            latest: dict[int, Any] = {}
             while True:
                 out = queue.get_nowait() or await queue.get()
+                for completion in out.outputs:
+                    latest[completion.index] = completion
+                    observe(completion)
                 if out.finished:
+                    out.outputs = [latest[i] for i in sorted(latest)]
                     return out
-        latest: dict[int, Any] = {}
+        merged = None
         while True:
             out = queue.get_nowait() or await queue.get()
-            for completion in out.outputs:
-                latest[completion.index] = completion
-                observe(completion)
+            if on_output is not None:
+                try:
+                    on_output(out)
+                except Exception:  # a stream's trouble must not fail the generation
+                    log.exception("could not publish a delta output")
+                if merged is None:
+                    merged = out
+                else:
+                    merged.add(out, aggregate=True)
             if out.finished:
-                out.outputs = [latest[i] for i in sorted(latest)]
-                return out
+                return out if merged is None else merged
 
     def _abort(self, rids: list[str]) -> None:
         try:
@@ -676,10 +700,15 @@ class EngineHost:
             self.generated_tokens += len(token_ids)
         self.finished_requests += 1
         prompt_ids = list(out.prompt_token_ids or [])
-        prompt_lps = None
+        prompt_lps = prompt_top = None
         if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_lps = [_logprob_of(p, t) for p, t in zip(out.prompt_logprobs, prompt_ids)]
-        return PromptOutput(prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, samples=samples)
+            if params.prompt_logprobs > 0:
+                prompt_top = [None if p is None else _top(p, params.prompt_logprobs) for p in out.prompt_logprobs]
+        return PromptOutput(
+            prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
+            samples=samples,
+        )
 
     # ------------------------------------------------------- sync and control
 

@@ -29,9 +29,11 @@ from tasks.generate import (
 )
 from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from tasks.signature import signature
+from tasks.streaming import STREAM_HEADER
 from workers.engine import EngineHost
 from workers.handed_on import HandedOn
 from workers.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
+from workers.streaming import DeltaPublisher
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ class GenerationService:
         self.host = host
         # Reads the prompts a task's requester gave up on (keys.abort_key); None: never.
         self.client = client
+        # Writes streamed tasks' deltas (workers.streaming); None: no Redis, no streaming.
+        self.streams = None if client is None else DeltaPublisher(client)
         self.node = node
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
@@ -171,17 +175,24 @@ class GenerationService:
         callback = self.on_submitted
         submitted = None if callback is None else functools.partial(callback, task_id)
         checkpoint = None
+        stream = None
+        if headers.get(STREAM_HEADER) and self.streams is not None and task_id:
+            stream = self.streams.open(task_id, self.node, request.params.logprobs)
         try:
             if self.progress is not None:
                 # A task requeued by a pause="abort" sync comes back while the sync
                 # still runs: decide what to keep against the weights it will run on.
                 self.host.wait_for_intake(deadline)
-            checkpoint, saved = self._checkpoint(task_id, headers)
+            # A streamed task is not checkpointed: its client reads the tokens as they come.
+            checkpoint, saved = (None, {}) if stream is not None else self._checkpoint(task_id, headers)
             outputs, version = self.host.generate(
                 request, deadline, self._aborted_reader(task.request.id), submitted,
                 first_prompt(headers), checkpoint, saved,
+                None if stream is None else stream.on_output,
             )
             ok = True
+            if stream is not None:
+                stream.end()
         finally:
             with self._lock:
                 self.inflight_tasks -= 1
