@@ -196,7 +196,7 @@ class BadRequest(GatewayError, InvalidRequest):
 
 
 class RequestTooLarge(GatewayError):
-    """A body or prompt past the gateway's size limits (``API_MAX_BODY_BYTES``...)."""
+    """A body or prompt past the gateway's size limits (``RQ_API_MAX_BODY_BYTES``...)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param

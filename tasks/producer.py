@@ -116,7 +116,7 @@ def generate_many(
     sent: dict[str, tuple[int, int]] = {}  # task id → (first index, prompt count)
     results: list[AsyncResult] = []
     for start, request in zip(starts, requests):
-        # Each chunk is one task, whatever TASK_MAX_PROMPTS says: results
+        # Each chunk is one task, whatever RQ_TASK_MAX_PROMPTS says: results
         # stream per task here, and chunk_size is the caller's split.
         async_result = generate.send(request, {}, options)
         sent[async_result.id] = (start, len(request.prompts))

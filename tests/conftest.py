@@ -136,7 +136,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--queues", queue, "--pool", pool,
         ] + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
-                    env={"REDIS_URL": url or redis_url, "WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
+                    env={"REDIS_URL": url or redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)
         if wait:
             client = redis_client if url is None else redis_lib.Redis.from_url(url, decode_responses=True)

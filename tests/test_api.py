@@ -61,10 +61,10 @@ class Gateway:
 
 def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
     port = free_port()
-    full_env = {"REDIS_URL": redis_url, "API_PORT": str(port), "API_HOST": "127.0.0.1",
-                "API_MODEL_NAME": MODEL, **env}
+    full_env = {"REDIS_URL": redis_url, "RQ_API_PORT": str(port), "RQ_API_HOST": "127.0.0.1",
+                "RQ_API_MODEL_NAME": MODEL, **env}
     proc = Proc(name, [python(), "-m", "workers", "api"], env=full_env)
-    gateway = Gateway(proc, port, env.get("API_TOKEN"))
+    gateway = Gateway(proc, port, env.get("RQ_API_TOKEN"))
 
     def healthy() -> bool:
         return httpx.get(f"{gateway.base}/health", timeout=2).status_code == 200
@@ -78,7 +78,7 @@ def gateway(redis_url: str, gen_worker: Proc) -> Iterator[Gateway]:
     # A 50 ms window (default 5 ms): on this shared 2-core machine 64
     # concurrent requests can take tens of ms to arrive.
     gw = start_gateway(
-        "api-gateway", redis_url, {"API_TOKEN": TOKEN, "API_BATCH_WINDOW_MS": "50", "API_DOCS": "true"}
+        "api-gateway", redis_url, {"RQ_API_TOKEN": TOKEN, "RQ_API_BATCH_WINDOW_MS": "50", "RQ_API_DOCS": "true"}
     )
     yield gw
     gw.proc.stop()
@@ -90,7 +90,7 @@ def stuck_gateway(redis_url: str) -> Iterator[Gateway]:
     gw = start_gateway(
         "api-stuck-gateway",
         redis_url,
-        {"API_QUEUE": "api-nobody-consumes", "API_MAX_INFLIGHT_TASKS": "1", "API_REQUEST_TIMEOUT_S": "3"},
+        {"RQ_API_QUEUE": "api-nobody-consumes", "RQ_API_MAX_INFLIGHT_TASKS": "1", "RQ_API_REQUEST_TIMEOUT_S": "3"},
     )
     yield gw
     gw.proc.stop()
@@ -546,7 +546,7 @@ def test_bodies_and_prompts_past_the_limits_get_413_before_reaching_redis(gatewa
     tasks_before = gateway.metric("rq_api_tasks_total")
     with httpx.Client(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
         huge = _post(client, "completions", json={"model": MODEL, "prompt": "x" * (10 * 2**20)})
-        assert huge.status_code == 413 and "API_MAX_BODY_BYTES" in huge.json()["error"]["message"]
+        assert huge.status_code == 413 and "RQ_API_MAX_BODY_BYTES" in huge.json()["error"]["message"]
         long_text = _post(client, "completions", json={"model": MODEL, "prompt": "x" * 500_001})
         assert _assert_short_error(long_text, 413, "prompt")["code"] == "request_too_large"
         long_chat = _post(client, "chat/completions", json={
