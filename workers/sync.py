@@ -65,7 +65,8 @@ class SyncParticipant:
         self._store: Any = None
         self._store_address: tuple[str, int] | None = None
         self.last_error: str | None = None
-        self.sync_seconds: list[float] = []
+        # Called with each completed sync's seconds (the metrics histogram).
+        self.on_synced: list[Callable[[float], None]] = []
 
     # ---------------------------------------------------------------- accept
 
@@ -184,7 +185,8 @@ class SyncParticipant:
                 self.set_fenced(None)
                 self.set_state("serving")
             self.last_error = None
-            self.sync_seconds.append(time.monotonic() - t_start)
+            for observe in self.on_synced:
+                observe(time.monotonic() - t_start)
             self._ack(plan, "done", True, seconds=seconds)
             log.info("weight sync epoch %d: now at version %d", plan.epoch, plan.version)
         except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
