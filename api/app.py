@@ -183,9 +183,7 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=gateway.metrics, endpoints=_ENDPOINTS)
 
-    # An empty RQ_API_TOKEN (compose passes one through unset) means no auth.
-    token = settings.token.get_secret_value() if settings.token is not None else None
-    token = token or None
+    token = settings.bearer_token()
 
     async def authorized(request: Request) -> None:
         if token is None:

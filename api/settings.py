@@ -62,3 +62,8 @@ class ApiSettings(BaseSettings):
     log_level: str = "info"
     # One uvicorn log line per request (off: it costs throughput).
     access_log: bool = False
+
+    def bearer_token(self) -> str | None:
+        """The token /v1 requests must carry; None (no auth) when unset or empty
+        (compose passes an unset variable through as empty)."""
+        return (self.token.get_secret_value() if self.token is not None else "") or None

@@ -74,6 +74,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
+    # The tensors are float32 now; only the GGUF marker stays, and
+    # transformers refuses to save a model marked quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
