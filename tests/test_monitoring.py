@@ -552,8 +552,10 @@ def resolve(argv: list[str]) -> str:
 
 
 def placeholder(word: str) -> str:
-    """Compose/shell variables (``${MODEL:-...}``, ``$model``, ``$(hostname)``) → ``X``."""
-    return re.sub(r"\$\{[^}]*\}|\$\([^)]*\)|\$\w+", "X", word.replace("$$", "$"))
+    """Compose/shell variables → their default (``${GPU_COUNT:-1}`` → ``1``), else ``X``
+    (``${MODEL}``, ``$model``, ``$(hostname)``)."""
+    word = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word.replace("$$", "$"))
+    return re.sub(r"\$\{[^}]*\}|\$\([^)]*\)|\$\w+", "X", word)
 
 
 def shell_commands(script: str) -> list[list[str]]:
