@@ -83,7 +83,7 @@ def main() -> None:
 
         # The same results as the earlier configuration stored them.
         app.conf.result_extended = True
-        app.conf.result_expires = 24 * 3600
+        app.backend.expires = 24 * 3600  # the backend read result_expires when it was built
         before_ids = []
         for text, result in zip(prompts, results):
             task_id = str(uuid.uuid4())
@@ -94,6 +94,7 @@ def main() -> None:
             app.backend.store_result(task_id, result, states.SUCCESS, request=request)
             before_ids.append(task_id)
         app.conf.result_extended = False
+        app.backend.expires = app.conf.result_expires
         before_bytes, before_keys, before_ttls = key_bytes(client, before_ids)
 
         benchlib.log(f"{args.tasks} tasks through generate_many (reads, then deletes)")

@@ -45,8 +45,9 @@ def _reachable(url: str) -> bool:
 def start_redis_server(name: str, port: int | None = None, password: str | None = None) -> tuple[Proc, str]:
     """A private Redis-protocol server on a free port (for tests that stop it)."""
     port = port or free_port()
+    # Enough databases for RQ_TEST_DB (a server has 16 unless told).
     argv = [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no"]
+            "--appendonly", "no", "--databases", str(max(16, TEST_DB + 1))]
     if password:
         argv += ["--requirepass", password]
     proc = Proc(name, argv)
