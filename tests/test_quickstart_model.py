@@ -26,10 +26,11 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 @pytest.fixture(scope="module")
 def smol_worker(start_worker: WorkerStarter) -> Proc:
     """A worker on the converted SmolLM2-135M-Instruct (built by ``make setup``), with a
-    vLLM engine flag the worker itself does not know: ``--max-logprobs 2``."""
+    vLLM engine flag the worker itself does not know: ``--max-logprobs 2``. Eager:
+    compiling its 30 layers took minutes on a loaded 2-core machine."""
     model = ensure_quickstart_model(MODELS)
     return start_worker(model, "smol@tests", queue=QUEUE, pool=QUEUE, max_inflight=4,
-                        extra=["--max-logprobs", "2"])
+                        extra=["--max-logprobs", "2", "--enforce-eager"])
 
 
 def ask(prompts: list[Any], params: dict[str, Any]) -> dict[str, Any]:

