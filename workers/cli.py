@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr, ValidationError
-from pydantic_core import PydanticUndefined
 
 from tasks.settings import ENV_ALIASES, describe_invalid, env_name
 from workers.settings import WorkerSettings
@@ -41,7 +40,7 @@ def _setting_help(field: str, text: str) -> str:
     info = WorkerSettings.model_fields[field]
     if info.default_factory is not None:
         default = "worker@<host name>" if field == "name" else "computed"
-    elif info.default is PydanticUndefined or info.default is None:
+    elif info.is_required() or info.default is None:
         default = "none"
     elif isinstance(info.default, SecretStr):
         default = info.default.get_secret_value()
