@@ -13,6 +13,7 @@ are set).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Literal, get_args, get_origin
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, model_validator
@@ -150,8 +151,12 @@ def _allowed(field: FieldInfo) -> str:
     return f"{kind} " + " and ".join(bounds) if bounds else ""
 
 
-def describe_invalid(exc: ValidationError, model: type[BaseSettings], env_prefix: str = ENV_PREFIX) -> list[str]:
-    """One line per bad setting: its flag, its variable, the value, what is allowed.
+def describe_invalid(
+    exc: ValidationError, model: type[BaseSettings], env_prefix: str = ENV_PREFIX,
+    flagged: Collection[str] = (),
+) -> list[str]:
+    """One line per bad setting: its flag (fields in ``flagged``), its variable, the value,
+    what is allowed.
 
     ``--gpu-memory-utilization / RQ_GPU_MEMORY_UTILIZATION = 2: allowed: a number > 0 and <= 1``
     """
@@ -167,5 +172,6 @@ def describe_invalid(exc: ValidationError, model: type[BaseSettings], env_prefix
             variable += f" (or {ENV_ALIASES[name]})"
         allowed = _allowed(field)
         reason = f"allowed: {allowed}" if allowed else str(error["msg"])
-        lines.append(f"--{name.replace('_', '-')} / {variable} = {error.get('input')!r}: {reason}")
+        flag = f"--{name.replace('_', '-')} / " if name in flagged else ""
+        lines.append(f"{flag}{variable} = {error.get('input')!r}: {reason}")
     return lines

@@ -4,6 +4,7 @@ and vLLM's own engine arguments on the worker command line."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 
 import pytest
@@ -111,3 +112,15 @@ def test_unknown_worker_flags_are_parsed_by_vllms_own_engine_argument_parser(
     assert exited.value.code == 2 and "kv-cache-dtype" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_engine_args(["--no-such-engine-option", "1"])
+
+
+def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
+    # Importing tasks/ builds the Celery app's settings: a fresh process shows that path.
+    import subprocess
+
+    from tests.procs import ROOT, python
+
+    run = subprocess.run([python(), "-m", "workers", "worker", "--model", "m"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "RQ_TASK_MAX_PROMPTS": "0"}, check=False)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == "rollout-queue worker: RQ_TASK_MAX_PROMPTS = '0': allowed: an integer >= 1"

@@ -17,9 +17,6 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from tasks.settings import ENV_ALIASES, describe_invalid, env_name
-from workers.settings import WorkerSettings
-
 PROG = "rollout-queue"
 
 
@@ -37,6 +34,9 @@ def version_line() -> str:
 
 def _setting_help(field: str, text: str) -> str:
     """``text (default: X; env RQ_X)`` from the field's own default."""
+    from tasks.settings import ENV_ALIASES, env_name
+    from workers.settings import WorkerSettings
+
     info = WorkerSettings.model_fields[field]
     if info.default_factory is not None:
         default = "worker@<host name>" if field == "name" else "computed"
@@ -64,6 +64,7 @@ def _switch(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
 def _worker(args: argparse.Namespace) -> int:
     from workers.engine_cli import parse_engine_args
     from workers.main import run_worker
+    from workers.settings import WorkerSettings
 
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items()
@@ -127,7 +128,7 @@ def _worker_parser(sub: Any) -> None:
                     "(--quantization, --kv-cache-dtype, --trust-remote-code, --revision, "
                     "--enable-lora...) is passed to vLLM by its own name and checked by vLLM; "
                     "env RQ_ENGINE_ARGS takes the same as a JSON object.")
-    w.add_argument("--model", required=not os.environ.get(env_name("model")),
+    w.add_argument("--model", required=not os.environ.get("RQ_MODEL"),
                    help="model path or Hugging Face id (env RQ_MODEL)")
     _add_setting(w, "--device", "engine device", choices=["cpu", "cuda"])
     _add_setting(w, "--name", "Celery node name; %h, %n, %d expand to the host name, its first "
@@ -215,21 +216,33 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, unknown = parser().parse_known_args(argv)
-    if unknown and args.command != "worker":
-        parser().error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.engine_argv = unknown
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        # Importing tasks/ builds the Celery app's settings from the environment:
+        # a bad RQ_* value fails here, before any flag is parsed.
+        root = parser()
+        args, unknown = root.parse_known_args(argv)
+        if unknown and args.command != "worker":
+            root.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.engine_argv = unknown
         return int(args.func(args) or 0)
     except ValidationError as exc:
-        from api.settings import ApiSettings
-        from tasks.settings import ClientSettings
-
-        model, prefix = {"ApiSettings": (ApiSettings, "RQ_API_"),
-                         "ClientSettings": (ClientSettings, "RQ_")}.get(exc.title, (WorkerSettings, "RQ_"))
-        for line in describe_invalid(exc, model, prefix):
-            print(f"{PROG} {args.command}: {line}", file=sys.stderr)
+        _print_invalid(exc, next((a for a in argv if not a.startswith("-")), ""))
         return 2
+
+
+def _print_invalid(exc: ValidationError, command: str) -> None:
+    from api.settings import ApiSettings
+    from tasks.settings import ClientSettings, describe_invalid
+    from workers.settings import WorkerSettings
+
+    model, prefix = {"ApiSettings": (ApiSettings, "RQ_API_"),
+                     "ClientSettings": (ClientSettings, "RQ_")}.get(exc.title, (WorkerSettings, "RQ_"))
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    chosen = sub.choices.get(command)
+    flagged = {a.dest for a in chosen._actions if a.option_strings} if chosen else set()
+    for line in describe_invalid(exc, model, prefix, flagged):
+        print(f"{PROG} {command}: {line}" if chosen else f"{PROG}: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":
