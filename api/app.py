@@ -3,8 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``; ``/docs``, ``/redoc`` and ``/openapi.json`` only with
-``API_DOCS``. Those and the ``/v1`` routes need ``Authorization: Bearer
-<API_TOKEN>`` when a token is set; ``/health`` and ``/metrics`` are open
+``RQ_API_DOCS``. Those and the ``/v1`` routes need ``Authorization: Bearer
+<RQ_API_TOKEN>`` when a token is set; ``/health`` and ``/metrics`` are open
 (probes, scrapers).
 
 A request is translated (``api.translate``), checked alone (``api.checks``),
@@ -210,9 +210,7 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=gateway.metrics, endpoints=_ENDPOINTS)
 
-    # An empty API_TOKEN (compose passes one through unset) means no auth.
-    token = settings.token.get_secret_value() if settings.token is not None else None
-    token = token or None
+    token = settings.bearer_token()
 
     async def authorized(request: Request) -> None:
         if token is None:
@@ -220,7 +218,7 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given:
-            raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <API_TOKEN>'")
+            raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <RQ_API_TOKEN>'")
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise Unauthorized("wrong API token")
 

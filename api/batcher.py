@@ -151,7 +151,7 @@ class SignatureBatcher:
                 self._metrics.rejected.labels(reason="saturated").inc()
                 raise GatewaySaturated(
                     f"the gateway has {self.max_inflight_tasks} generate tasks in flight "
-                    "(API_MAX_INFLIGHT_TASKS); retry later"
+                    "(RQ_API_MAX_INFLIGHT_TASKS); retry later"
                 )
             batch = _Batch(kind=kind, signature=sig, params=params)
             self._open[key] = batch

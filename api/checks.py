@@ -7,9 +7,9 @@ gateway knows:
 - every string is valid Unicode (a lone surrogate such as ``"\\ud800"`` has no
   UTF-8 form): 400 naming the field;
 - size limits, before anything reaches Redis: a text prompt (or a chat
-  conversation's contents) of more than ``API_MAX_PROMPT_CHARS`` characters, a
-  token prompt of more than ``API_MAX_PROMPT_TOKENS`` ids: 413;
-- token ids below the vocabulary size (``API_TOKENIZER``'s, else the one the
+  conversation's contents) of more than ``RQ_API_MAX_PROMPT_CHARS`` characters, a
+  token prompt of more than ``RQ_API_MAX_PROMPT_TOKENS`` ids: 413;
+- token ids below the vocabulary size (``RQ_API_TOKENIZER``'s, else the one the
   serving workers report in the registry)
   and token prompts shorter than the serving workers' ``max_model_len`` (read
   from the worker registry, ``ModelLimits``): 400;
@@ -132,7 +132,7 @@ def check_prompts(
                 what = "the conversation" if kind == "chat" else where
                 raise RequestTooLarge(
                     f"{what} has {chars} characters; this gateway takes at most {max_chars} "
-                    "per prompt (API_MAX_PROMPT_CHARS)",
+                    "per prompt (RQ_API_MAX_PROMPT_CHARS)",
                     "messages" if kind == "chat" else "prompt",
                 )
 
@@ -141,7 +141,7 @@ def _check_token_prompt(where: str, ids: list[int], limits: ModelLimits, max_tok
     if len(ids) > max_tokens:
         raise RequestTooLarge(
             f"{where} has {len(ids)} token ids; this gateway takes at most {max_tokens} "
-            "per prompt (API_MAX_PROMPT_TOKENS)",
+            "per prompt (RQ_API_MAX_PROMPT_TOKENS)",
             "prompt",
         )
     vocab = limits.vocab_size

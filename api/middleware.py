@@ -10,7 +10,7 @@ took into a 500 in the OpenAI error shape *here*, inside Starlette's
 keep-alive connection.
 
 ``BodyLimit`` reads the body before the app does and answers 413 once it
-passes ``API_MAX_BODY_BYTES`` (at once when ``Content-Length`` says so): a
+passes ``RQ_API_MAX_BODY_BYTES`` (at once when ``Content-Length`` says so): a
 body past the limit is never parsed, let alone sent to Redis.
 """
 
@@ -102,7 +102,7 @@ class BodyLimit:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         error = RequestTooLarge(
             f"the request body has {size}; this gateway takes at most {self.max_bytes} "
-            "(API_MAX_BODY_BYTES)"
+            "(RQ_API_MAX_BODY_BYTES)"
         )
         await errors.from_exception(error)(scope, receive, send)
 

@@ -87,11 +87,11 @@ class ResultWatcher:
         future = self._futures[task_id]
         try:
             meta = await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ResultTimeout(
                 f"no result for task {task_id} within {timeout:g}s; the task expires unserved. "
                 "Check that workers consume this gateway's queue (`rollout-queue status`) "
-                "or raise API_REQUEST_TIMEOUT_S"
+                "or raise RQ_API_REQUEST_TIMEOUT_S"
             ) from None
         finally:
             self._futures.pop(task_id, None)

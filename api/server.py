@@ -33,7 +33,8 @@ def run_api(
     logging.getLogger("rollout_queue.api").info(
         "gateway on %s:%d, queue %r, broker %s, auth %s",
         settings.host, settings.port, settings.queue, client.redacted_url,
-        "on" if settings.token is not None else "off",
+        "on (bearer token)" if settings.bearer_token() else
+        "OFF: RQ_API_TOKEN is unset or empty, anyone who reaches the port can generate",
     )
     uvicorn.run(
         create_app(settings, client),

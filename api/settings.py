@@ -1,8 +1,9 @@
 """``ApiSettings``: what the HTTP gateway process reads from its environment.
 
-Every field reads the environment variable ``API_<FIELD>`` (``API_TOKEN``,
-``API_PORT``, ``API_BATCH_WINDOW_MS``...). The queue connection itself
-(``REDIS_URL``, time limits) is the shared ``tasks.settings.ClientSettings``.
+Every field reads the environment variable ``RQ_API_<FIELD>`` (``RQ_API_TOKEN``,
+``RQ_API_PORT``, ``RQ_API_BATCH_WINDOW_MS``...). The queue connection itself
+(``RQ_REDIS_URL`` or ``REDIS_URL``, time limits) is the shared
+``tasks.settings.ClientSettings``.
 Built once, in ``run_api``, and passed down.
 """
 
@@ -15,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class ApiSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="API_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RQ_API_", extra="ignore")
 
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
@@ -56,8 +57,13 @@ class ApiSettings(BaseSettings):
     # The workers' max_model_len (prompts must fit it) is read from the worker
     # registry at most this often (seconds).
     limits_refresh_s: float = Field(5.0, gt=0.0)
-    # Serve /docs, /redoc and /openapi.json (behind API_TOKEN when it is set).
+    # Serve /docs, /redoc and /openapi.json (behind RQ_API_TOKEN when it is set).
     docs: bool = False
     log_level: str = "info"
     # One uvicorn log line per request (off: it costs throughput).
     access_log: bool = False
+
+    def bearer_token(self) -> str | None:
+        """The token /v1 requests must carry; None (no auth) when unset or empty
+        (compose passes an unset variable through as empty)."""
+        return (self.token.get_secret_value() if self.token is not None else "") or None

@@ -1,6 +1,6 @@
 """``/tokenize`` and ``/detokenize``: vLLM's token endpoints, on the gateway's tokenizer.
 
-They need ``API_TOKENIZER`` (the tokenizer of the served model): without it
+They need ``RQ_API_TOKENIZER`` (the tokenizer of the served model): without it
 the gateway holds no tokenizer and answers 400 saying so. A chat request
 is rendered with the tokenizer's chat template first (what a worker does).
 """
@@ -47,7 +47,7 @@ class DetokenizeResponse(BaseModel):
 def _require(tokenizer: Any | None) -> Any:
     if tokenizer is None:
         raise BadRequest(
-            "this gateway has no tokenizer: start it with API_TOKENIZER=<the served model's "
+            "this gateway has no tokenizer: start it with RQ_API_TOKENIZER=<the served model's "
             "path or Hugging Face id> to serve /tokenize and /detokenize"
         )
     return tokenizer

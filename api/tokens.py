@@ -3,7 +3,7 @@
 OpenAI responses name each token by a string (and, in chat, its UTF-8
 bytes). Without a tokenizer the gateway spells token ``N`` as
 ``"token_id:N"``, vLLM's ``--return-tokens-as-token-ids`` format: exact,
-free, and parsed back by RL tooling. With ``API_TOKENIZER`` set, tokens are
+free, and parsed back by RL tooling. With ``RQ_API_TOKENIZER`` set, tokens are
 decoded with that Hugging Face tokenizer (``transformers`` only, never vLLM),
 and for byte-level BPE vocabularies the bytes are the token's real bytes, so
 a character split across tokens can be put back together.
@@ -52,7 +52,7 @@ class TokenNamer:
 
     @property
     def tokenizer(self) -> Any | None:
-        """The loaded tokenizer (``API_TOKENIZER``), or None."""
+        """The loaded tokenizer (``RQ_API_TOKENIZER``), or None."""
         return self._tokenizer
 
     @property

@@ -353,7 +353,7 @@ def _without_generated(share: Share) -> Share:
 
 def _prompt_texts(request: CompletionRequest, share: Share, namer: TokenNamer) -> list[str]:
     """Each prompt as text, for echo: the string sent, or token ids decoded with
-    ``API_TOKENIZER`` (without a tokenizer a token prompt echoes no text; its
+    ``RQ_API_TOKENIZER`` (without a tokenizer a token prompt echoes no text; its
     tokens are still in logprobs and ``prompt_token_ids``)."""
     kind, prompts = completion_prompts(request)
     if kind == "text":

@@ -297,7 +297,7 @@ def run_sim_process(args: argparse.Namespace) -> int:
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     conn = app.connection_for_read()
     conn.ensure_connection(max_retries=3)
-    nodes = [SimNode(f"sim{i}@{SIM_HOST}", args.pool, args.queue, args.model, os.environ["WEIGHT_SYNC_SECRET"], conn)
+    nodes = [SimNode(f"sim{i}@{SIM_HOST}", args.pool, args.queue, args.model, os.environ["RQ_WEIGHT_SYNC_SECRET"], conn)
              for i in range(args.first, args.first + args.count)]
 
     def beat() -> None:  # every node's heartbeat and reaper pass, spread over the interval
@@ -379,7 +379,7 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
                    "--count", str(min(per, workers - first)), "--pool", pool, "--queue", queue,
                    "--model", model, "--lifetime", str(args.lifetime)]
         children.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=sys.stderr,
-                                         env={**os.environ, "WEIGHT_SYNC_SECRET": secret}))
+                                         env={**os.environ, "RQ_WEIGHT_SYNC_SECRET": secret}))
     try:
         wait_for_fleet(client, pool, workers, timeout=120)
         started_s = time.monotonic() - began
@@ -532,7 +532,7 @@ def main() -> None:
     if args.sim_process:
         sys.exit(run_sim_process(args))
     secret = secrets.token_hex(32)
-    os.environ["WEIGHT_SYNC_SECRET"] = secret
+    os.environ["RQ_WEIGHT_SYNC_SECRET"] = secret
     configure(ClientSettings())
     with tempfile.TemporaryDirectory(prefix="ctlsim-model-") as folder:
         write_checkpoint(Path(folder))

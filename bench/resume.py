@@ -77,7 +77,7 @@ def main() -> None:
             max_model_len=max(settings.max_model_len or 0, args.input_len + kill_len + 8),
             max_inflight=256, gpu_memory_utilization=settings.gpu_memory_utilization,
             extra=["--checkpoint-tokens", str(checkpoint_tokens)],
-            env={"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"},
+            env={"RQ_REGISTRY_TTL_S": "6", "RQ_REAP_GRACE_S": "4"},
         )
 
     def workload(round_index: int) -> list[list[list[int]]]:

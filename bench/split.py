@@ -1,7 +1,7 @@
 """Latency a split adds: one big call split into parts vs the same call as one task.
 
 The same prompts go to one worker both ways, alternating round by round
-after a warm-up round of each: as one ``generate`` task (TASK_MAX_PROMPTS at
+after a warm-up round of each: as one ``generate`` task (RQ_TASK_MAX_PROMPTS at
 the call's size) and split into parts of at most ``--max-prompts``
 (``tasks.split``), timed from ``apply_async`` until ``.get()`` returns the
 joined result. Greedy, so both legs must generate the same tokens.
@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--rounds", type=int)
     p.add_argument("--max-prompts", type=int, default=None,
-                   help="TASK_MAX_PROMPTS of the split leg (default: the setting's default)")
+                   help="RQ_TASK_MAX_PROMPTS of the split leg (default: the setting's default)")
     args = p.parse_args()
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:

@@ -50,8 +50,8 @@ DEFAULTS = {
 
 def start_gateway(stack: Any) -> tuple[LocalProcess, str]:
     port = free_port()
-    env = {"REDIS_URL": stack.redis_url, "API_QUEUE": stack.queue, "API_HOST": "127.0.0.1",
-           "API_PORT": str(port), "API_MODEL_NAME": MODEL_NAME, "API_LOG_LEVEL": "warning"}
+    env = {"REDIS_URL": stack.redis_url, "RQ_API_QUEUE": stack.queue, "RQ_API_HOST": "127.0.0.1",
+           "RQ_API_PORT": str(port), "RQ_API_MODEL_NAME": MODEL_NAME, "RQ_API_LOG_LEVEL": "warning"}
     argv = [sys.executable, "-m", "workers", "api"]
     proc = LocalProcess("gateway", argv, benchlib.ROOT / ".run" / "bench" / "gateway.log", env)
     base = f"http://127.0.0.1:{port}"

@@ -95,7 +95,9 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
         "event_serializer": "json",
         "result_compression": "gzip",
         "result_expires": settings.result_expires,
-        "result_extended": True,
+        # Not extended: a result would hold the task's prompts (args) a second
+        # time, next to the outputs that already carry their token ids.
+        "result_extended": False,
         # Delivery: ack after the result is stored; one task prefetched at a
         # time per thread. A worker that dies is handled by the reaper
         # (workers/reaper.py): the threads pool has no child to lose, and

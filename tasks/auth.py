@@ -4,7 +4,7 @@ Every command that changes a worker's state (weight sync, pause/resume,
 sleep/wake, prefix-cache reset, the bench's raw receives) carries an ``auth``
 argument, a :class:`~tasks.schemas.ControlAuth`::
 
-    hmac = HMAC-SHA256(WEIGHT_SYNC_SECRET,
+    hmac = HMAC-SHA256(RQ_WEIGHT_SYNC_SECRET,
                        canonical JSON of {command, arguments, issued_at, nonce, destination})
 
 Senders (``tasks.control``, ``tasks.sync_weights``) build it with
@@ -114,7 +114,7 @@ class CommandVerifier:
         if auth is None:
             raise ControlRefused(
                 f"{label} is unsigned; this worker accepts state-changing commands only when "
-                "signed with its WEIGHT_SYNC_SECRET: set the same WEIGHT_SYNC_SECRET where the "
+                "signed with its RQ_WEIGHT_SYNC_SECRET: set the same RQ_WEIGHT_SYNC_SECRET where the "
                 "command is sent from (tasks.control / sync_weights sign with it)"
             )
         try:
@@ -126,7 +126,7 @@ class CommandVerifier:
         if not hmac.compare_digest(parsed.hmac, expected):
             raise ControlRefused(
                 f"{label} is wrongly signed (another key, or altered on the way); the sender "
-                "must use the same WEIGHT_SYNC_SECRET as the workers"
+                "must use the same RQ_WEIGHT_SYNC_SECRET as the workers"
             )
         if parsed.destination is not None and self.node not in parsed.destination:
             raise ControlRefused(f"{label} was signed for {', '.join(parsed.destination)}, not {self.node}")

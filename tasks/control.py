@@ -10,7 +10,7 @@ given) or to the named ``workers``, waits for one reply per worker until
     ...                               # optimizer step
     control.wake_up(["weights"]); sync_weights.broadcast(model); control.wake_up(["kv_cache"])
 
-Commands that change a worker's state are signed with ``WEIGHT_SYNC_SECRET``
+Commands that change a worker's state are signed with ``RQ_WEIGHT_SYNC_SECRET``
 (``ClientSettings.weight_sync_secret``, see ``tasks.auth``); a worker refuses
 them unsigned or wrongly signed, and that refusal comes back as
 :class:`ControlFailed`. Read-only ones (``engine_stats``, ``world_size``)

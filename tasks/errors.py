@@ -28,7 +28,7 @@
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
         ├── RendezvousTimeout     a worker did not join the process group in time
-        │   └── RendezvousUnreachable  a worker cannot reach RENDEZVOUS_HOST (wrong address)
+        │   └── RendezvousUnreachable  a worker cannot reach RQ_RENDEZVOUS_HOST (wrong address)
         ├── ManifestMismatch      a worker refused the manifest (name, shape, dtype)
         ├── SyncRefused           a worker refused the command (signature, state)
         └── WorkerLost            a worker stopped answering mid-sync
@@ -203,7 +203,7 @@ class BadRequest(GatewayError, InvalidRequest):
 
 
 class RequestTooLarge(GatewayError):
-    """A body or prompt past the gateway's size limits (``API_MAX_BODY_BYTES``...)."""
+    """A body or prompt past the gateway's size limits (``RQ_API_MAX_BODY_BYTES``...)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param

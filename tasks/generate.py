@@ -6,7 +6,7 @@ message carries the canonical params and the signature (also as a header,
 so Flower and routers see it without parsing args). Monitors show a one-line
 summary (:func:`task_summary`) where the args go, never the prompts.
 
-A call with more than ``TASK_MAX_PROMPTS`` prompts (``ClientSettings``) is
+A call with more than ``RQ_TASK_MAX_PROMPTS`` prompts (``ClientSettings``) is
 split into several such tasks and returns a ``tasks.split.SplitResult``
 whose ``.get()`` joins them into one result; smaller calls (and calls that
 name their ``task_id``) are one task, as always.
@@ -174,8 +174,8 @@ class GenerateTask(Task):
         if refused:
             raise InvalidRequest(
                 f"{', '.join(refused)} cannot be used with a split generate call "
-                f"({len(request.prompts)} prompts > TASK_MAX_PROMPTS={limit}); send at most "
-                f"{limit} prompts per call, or raise TASK_MAX_PROMPTS"
+                f"({len(request.prompts)} prompts > RQ_TASK_MAX_PROMPTS={limit}); send at most "
+                f"{limit} prompts per call, or raise RQ_TASK_MAX_PROMPTS"
             )
         split_id = str(uuid.uuid4())
         app = self._get_app()

@@ -116,12 +116,13 @@ def generate_many(
     sent: dict[str, tuple[int, int]] = {}  # task id → (first index, prompt count)
     results: list[AsyncResult] = []
     for start, request in zip(starts, requests):
-        # Each chunk is one task, whatever TASK_MAX_PROMPTS says: results
+        # Each chunk is one task, whatever RQ_TASK_MAX_PROMPTS says: results
         # stream per task here, and chunk_size is the caller's split.
         async_result = generate.send(request, {}, options)
         sent[async_result.id] = (start, len(request.prompts))
         results.append(async_result)
 
+    by_id = {result.id: result for result in results}
     failed: dict[str, str] = {}
     done: set[str] = set()
     bar = _Progress(len(prompts), progress)
@@ -142,6 +143,9 @@ def generate_many(
                 else:
                     failed[task_id] = _error_of(meta)
                     bar.advance(count, len(failed))
+                # Read once, kept by the caller: Redis need not hold it until
+                # it expires (an RL loop would pile up every step's results).
+                by_id[task_id].forget()
         except CeleryTimeoutError:
             pass  # reported below with the unfinished task ids
     finally:

@@ -305,7 +305,7 @@ class StreamEvent(_Message):
 class ControlAuth(_Message):
     """The signature a state-changing control command carries (its ``auth`` argument).
 
-    ``hmac`` is HMAC-SHA256, keyed with ``WEIGHT_SYNC_SECRET``, over the
+    ``hmac`` is HMAC-SHA256, keyed with ``RQ_WEIGHT_SYNC_SECRET``, over the
     command's name, its other arguments and the fields below
     (``tasks.auth.signing_payload``). A worker refuses it outside a short
     window around ``issued_at``, a ``nonce`` it has already seen, and a

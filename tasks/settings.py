@@ -3,13 +3,21 @@
 Nothing here is read at import time: ``ClientSettings()`` reads the
 environment when it is built, which the Celery app does the first time it is
 configured, and the CLIs do in ``main()``.
+
+Every field ``x`` reads the variable ``RQ_X`` (``RQ_RESULT_EXPIRES``,
+``RQ_WEIGHT_SYNC_SECRET``...): a prefix, so that a variable some systems set
+for other reasons (``NAME``, ``MODEL``) never changes a worker. One widely
+known name is kept as an alias: ``REDIS_URL`` (``RQ_REDIS_URL`` wins when both
+are set).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Collection
+from typing import Literal, get_args, get_origin
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,14 +31,32 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user}:***@{host}"
 
 
+ENV_PREFIX = "RQ_"
+# The variables read besides RQ_<FIELD>: names users already set for other tools.
+ENV_ALIASES = {"redis_url": "REDIS_URL"}
+
+
+def env_name(field: str) -> str:
+    """The environment variable a settings field is read from."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
 class ClientSettings(BaseSettings):
     """What every process that talks to the queue needs (producer, worker, api)."""
 
-    model_config = SettingsConfigDict(env_prefix="", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
-    # Seconds a result stays in Redis.
-    result_expires: int = 24 * 3600
+    redis_url: SecretStr = Field(
+        default=SecretStr("redis://localhost:6379/0"),
+        validation_alias=AliasChoices("rq_redis_url", "redis_url"),
+    )
+    # Seconds a finished task's result stays in Redis unless its reader
+    # deletes it (``generate_many`` and the gateway do, once read; a plain
+    # ``AsyncResult.get()`` does not: call ``.forget()``). 6 h, the default
+    # visibility timeout: a message whose ack was lost comes back after that
+    # long at most, and its stored result is what marks it done
+    # (workers/dedup.py). Celery's default is a day.
+    result_expires: int = Field(default=6 * 3600, ge=1)
     # Seconds before Redis hands an unacknowledged task to another worker.
     # Must stay well above the longest generation (late acks).
     visibility_timeout: int = 6 * 3600
@@ -93,7 +119,7 @@ class SyncTimeouts(BaseModel):
 class SyncSettings(BaseSettings):
     """The trainer's side of the weight sync."""
 
-    model_config = SettingsConfigDict(env_prefix="", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     # Address workers use to reach the trainer's TCPStore. Bound as given.
     rendezvous_host: str = "127.0.0.1"
@@ -108,6 +134,44 @@ class SyncSettings(BaseSettings):
     # A worker loading directly (CUDA) receives them straight into the
     # parameters that hold them (workers/inplace.py).
     direct_bytes: int = Field(default=16 << 20, ge=0)
-    # HMAC key the sync trigger is signed with; the workers' WEIGHT_SYNC_SECRET.
+    # HMAC key the sync trigger is signed with; the workers' RQ_WEIGHT_SYNC_SECRET.
     weight_sync_secret: SecretStr | None = None
     timeouts: SyncTimeouts = SyncTimeouts()
+
+
+def _allowed(field: FieldInfo) -> str:
+    """The values a field accepts, in words: "a number > 0 and <= 1", "one of a, b"."""
+    choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else ()
+    if choices:
+        return "one of " + ", ".join(str(c) for c in choices)
+    bounds = [f"{op} {getattr(m, attr)}" for m in field.metadata
+              for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+              if getattr(m, attr, None) is not None]
+    kind = "an integer" if int in (field.annotation, *get_args(field.annotation)) else "a number"
+    return f"{kind} " + " and ".join(bounds) if bounds else ""
+
+
+def describe_invalid(
+    exc: ValidationError, model: type[BaseSettings], env_prefix: str = ENV_PREFIX,
+    flagged: Collection[str] = (),
+) -> list[str]:
+    """One line per bad setting: its flag (fields in ``flagged``), its variable, the value,
+    what is allowed.
+
+    ``--gpu-memory-utilization / RQ_GPU_MEMORY_UTILIZATION = 2: allowed: a number > 0 and <= 1``
+    """
+    lines = []
+    for error in exc.errors(include_url=False):
+        name = str(error["loc"][0]) if error["loc"] else ""
+        field = model.model_fields.get(name)
+        if field is None:  # a check across fields: its message says it all
+            lines.append(str(error["msg"]).removeprefix("Value error, "))
+            continue
+        variable = f"{env_prefix}{name.upper()}"
+        if name in ENV_ALIASES:
+            variable += f" (or {ENV_ALIASES[name]})"
+        allowed = _allowed(field)
+        reason = f"allowed: {allowed}" if allowed else str(error["msg"])
+        flag = f"--{name.replace('_', '-')} / " if name in flagged else ""
+        lines.append(f"{flag}{variable} = {error.get('input')!r}: {reason}")
+    return lines

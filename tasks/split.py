@@ -1,6 +1,6 @@
 """Split generate calls: one big call as several ``generate`` tasks, joined on ``.get()``.
 
-``generate.delay(prompts, params)`` with more than ``TASK_MAX_PROMPTS``
+``generate.delay(prompts, params)`` with more than ``RQ_TASK_MAX_PROMPTS``
 prompts (``ClientSettings.task_max_prompts``) is sent as ``k`` ordinary
 ``generate`` tasks (:func:`plan_parts`: consecutive prompt ranges of nearly
 equal size, each prompt's ``n`` samples in one task), so the workers' engines

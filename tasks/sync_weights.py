@@ -9,7 +9,7 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
     1 membership  live workers of the pool
                   from the Redis registry
     2 rendezvous  host a TCPStore at
-                  RENDEZVOUS_HOST:PORT (kept)
+                  RQ_RENDEZVOUS_HOST:PORT (kept)
     3 trigger     manifest (names/dtypes/shapes   accept: HMAC; manifest by digest (kept,
                   + bucket/piece plan) into Redis  or read from Redis and hashed) vs
                   by digest, once per layout;      checkpoint (names, shapes, dtype)
@@ -299,7 +299,7 @@ class WeightSender:
         except Exception as exc:  # torch raises RuntimeError/DistNetworkError
             raise RendezvousTimeout(
                 f"could not host the rendezvous store at {self.settings.rendezvous_host}:"
-                f"{self.settings.rendezvous_port}: {exc}; set RENDEZVOUS_HOST to an address of "
+                f"{self.settings.rendezvous_port}: {exc}; set RQ_RENDEZVOUS_HOST to an address of "
                 "this machine that workers can reach",
                 phase="rendezvous",
             ) from exc
@@ -350,7 +350,7 @@ class WeightSender:
             self._decide(plan, SyncDecision(go=False, reason="no worker answered"))
             raise WorkerLost(
                 f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))} "
-                "(a worker does not answer a trigger that is not signed with its WEIGHT_SYNC_SECRET: "
+                "(a worker does not answer a trigger that is not signed with its RQ_WEIGHT_SYNC_SECRET: "
                 "check that the trainer has the workers' secret)",
                 phase="trigger", workers=missing,
             )

@@ -210,7 +210,7 @@ def local_address_towards(host: str) -> str:
     """The address of this machine that its routes use to reach ``host``.
 
     A UDP ``connect`` sends nothing: the kernel only picks the route and the
-    source address. On the trainer, ``host`` is its own ``RENDEZVOUS_HOST``,
+    source address. On the trainer, ``host`` is its own ``RQ_RENDEZVOUS_HOST``,
     so the answer is that address.
     """
     family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]

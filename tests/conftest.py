@@ -45,8 +45,9 @@ def _reachable(url: str) -> bool:
 def start_redis_server(name: str, port: int | None = None, password: str | None = None) -> tuple[Proc, str]:
     """A private Redis-protocol server on a free port (for tests that stop it)."""
     port = port or free_port()
+    # Enough databases for RQ_TEST_DB (a server has 16 unless told).
     argv = [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no"]
+            "--appendonly", "no", "--databases", str(max(16, TEST_DB + 1))]
     if password:
         argv += ["--requirepass", password]
     proc = Proc(name, argv)
@@ -136,7 +137,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--queues", queue, "--pool", pool,
         ] + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
-                    env={"REDIS_URL": url or redis_url, "WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
+                    env={"REDIS_URL": url or redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)
         if wait:
             client = redis_client if url is None else redis_lib.Redis.from_url(url, decode_responses=True)

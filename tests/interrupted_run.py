@@ -24,7 +24,7 @@ def test_starts_processes_then_waits_to_be_interrupted() -> None:
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--gpu-memory-utilization", "0.1", "--name", "guard@tests", "--queues", "guard",
         "--pool", "guard",
-    ], env={"REDIS_URL": url, "WEIGHT_SYNC_SECRET": CONTROL_SECRET})
+    ], env={"REDIS_URL": url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET})
     sleeper = subprocess.Popen(["sleep", "600"])  # in pytest's own process group
     port = url.rsplit(":", 1)[1].split("/")[0]
     Path(os.environ["RQ_GUARD_READY"]).write_text(json.dumps({"sleeper": sleeper.pid, "port": port}))

@@ -80,7 +80,7 @@ class RedisServer:
         """Environment a worker needs to reach this server."""
         env = {"REDIS_URL": self.url}
         if self.ca_file is not None:
-            env["REDIS_TLS_CA_FILE"] = str(self.ca_file)
+            env["RQ_REDIS_TLS_CA_FILE"] = str(self.ca_file)
         return env
 
     # --------------------------------------------------------- lifecycle

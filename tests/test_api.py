@@ -61,10 +61,10 @@ class Gateway:
 
 def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
     port = free_port()
-    full_env = {"REDIS_URL": redis_url, "API_PORT": str(port), "API_HOST": "127.0.0.1",
-                "API_MODEL_NAME": MODEL, **env}
+    full_env = {"REDIS_URL": redis_url, "RQ_API_PORT": str(port), "RQ_API_HOST": "127.0.0.1",
+                "RQ_API_MODEL_NAME": MODEL, **env}
     proc = Proc(name, [python(), "-m", "workers", "api"], env=full_env)
-    gateway = Gateway(proc, port, env.get("API_TOKEN"))
+    gateway = Gateway(proc, port, env.get("RQ_API_TOKEN"))
 
     def healthy() -> bool:
         return httpx.get(f"{gateway.base}/health", timeout=2).status_code == 200
@@ -78,7 +78,7 @@ def gateway(redis_url: str, gen_worker: Proc) -> Iterator[Gateway]:
     # A 50 ms window (default 5 ms): on this shared 2-core machine 64
     # concurrent requests can take tens of ms to arrive.
     gw = start_gateway(
-        "api-gateway", redis_url, {"API_TOKEN": TOKEN, "API_BATCH_WINDOW_MS": "50", "API_DOCS": "true"}
+        "api-gateway", redis_url, {"RQ_API_TOKEN": TOKEN, "RQ_API_BATCH_WINDOW_MS": "50", "RQ_API_DOCS": "true"}
     )
     yield gw
     gw.proc.stop()
@@ -90,7 +90,7 @@ def stuck_gateway(redis_url: str) -> Iterator[Gateway]:
     gw = start_gateway(
         "api-stuck-gateway",
         redis_url,
-        {"API_QUEUE": "api-nobody-consumes", "API_MAX_INFLIGHT_TASKS": "1", "API_REQUEST_TIMEOUT_S": "3"},
+        {"RQ_API_QUEUE": "api-nobody-consumes", "RQ_API_MAX_INFLIGHT_TASKS": "1", "RQ_API_REQUEST_TIMEOUT_S": "3"},
     )
     yield gw
     gw.proc.stop()
@@ -288,11 +288,11 @@ async def _concurrent(gw: Gateway, requests: list[dict[str, Any]]) -> list[Any]:
 def test_64_concurrent_requests_with_one_signature_share_few_tasks(gateway: Gateway) -> None:
     # Prompt i has i + 1 byte tokens, so usage tells which prompt each answer is for.
     prompts = ["q" * (i + 1) for i in range(64)]
-    tasks_before = gateway.metric("rq_api_tasks_total")
+    tasks_before = gateway.metric("rollout_queue_api_tasks_total")
     responses = asyncio.run(
         _concurrent(gateway, [{"prompt": p, "max_tokens": 6, "temperature": 0} for p in prompts])
     )
-    tasks_sent = gateway.metric("rq_api_tasks_total") - tasks_before
+    tasks_sent = gateway.metric("rollout_queue_api_tasks_total") - tasks_before
     task_ids = collections.Counter(rollout(r)["task_id"] for r in responses)
     assert tasks_sent == len(task_ids) <= 64 // 4, f"64 requests took {tasks_sent:g} tasks"
     assert sum(task_ids.values()) == 64
@@ -394,7 +394,7 @@ def test_request_without_a_result_in_time_gets_504(stuck_gateway: Gateway) -> No
         stuck_gateway.client().completions.create(model=MODEL, prompt="nobody serves this", max_tokens=2)
     assert timed_out.value.status_code == 504
     _assert_openai_error(timed_out.value.response.json(), "timeout_error")
-    wait_for_metric(stuck_gateway, "rq_api_inflight_tasks", 0, 10)
+    wait_for_metric(stuck_gateway, "rollout_queue_api_inflight_tasks", 0, 10)
 
 
 def test_saturated_gateway_refuses_new_tasks_with_429(stuck_gateway: Gateway) -> None:
@@ -408,7 +408,7 @@ def test_saturated_gateway_refuses_new_tasks_with_429(stuck_gateway: Gateway) ->
 
     holder = threading.Thread(target=first_request)
     holder.start()
-    wait_for_metric(stuck_gateway, "rq_api_inflight_tasks", 1, 10)
+    wait_for_metric(stuck_gateway, "rollout_queue_api_inflight_tasks", 1, 10)
     with pytest.raises(openai.RateLimitError) as refused:
         stuck_gateway.client().completions.create(model=MODEL, prompt="one too many", max_tokens=4)
     assert refused.value.status_code == 429
@@ -481,7 +481,7 @@ def test_a_bad_prompt_fails_alone_and_its_batch_mates_get_their_results(gateway:
         ({**_gate(4), "prompt": [5] * 600}, 400, "max_model_len"),  # the gateway knows the limit
         ({**_gate(4), "prompt": [-1, 2]}, 400, "token id -1"),
     ]
-    failed_before = gateway.metric("rq_api_failed_tasks_total")
+    failed_before = gateway.metric("rollout_queue_api_failed_tasks_total")
     responses = asyncio.run(_fire(gateway, [*good, *(b for b, _, _ in bad)]))
     expected = texts(direct([g["prompt"] for g in good], {"temperature": 0, "max_tokens": 4, "ignore_eos": True}))
     assert [r.status_code for r in responses[: len(good)]] == [200] * len(good)
@@ -491,7 +491,7 @@ def test_a_bad_prompt_fails_alone_and_its_batch_mates_get_their_results(gateway:
         assert words in error["message"], error
     # The one only a worker can refuse (a text prompt's token count) did reach a
     # task, and failed only its own request.
-    assert gateway.metric("rq_api_failed_tasks_total") - failed_before >= 1
+    assert gateway.metric("rollout_queue_api_failed_tasks_total") - failed_before >= 1
 
 
 def test_malformed_requests_get_short_400s_and_the_connection_survives(gateway: Gateway) -> None:
@@ -541,10 +541,10 @@ def test_integers_at_the_engine_bounds_are_served(gateway: Gateway) -> None:
 
 
 def test_bodies_and_prompts_past_the_limits_get_413_before_reaching_redis(gateway: Gateway) -> None:
-    tasks_before = gateway.metric("rq_api_tasks_total")
+    tasks_before = gateway.metric("rollout_queue_api_tasks_total")
     with httpx.Client(base_url=gateway.base, timeout=RESULT_TIMEOUT) as client:
         huge = _post(client, "completions", json={"model": MODEL, "prompt": "x" * (10 * 2**20)})
-        assert huge.status_code == 413 and "API_MAX_BODY_BYTES" in huge.json()["error"]["message"]
+        assert huge.status_code == 413 and "RQ_API_MAX_BODY_BYTES" in huge.json()["error"]["message"]
         long_text = _post(client, "completions", json={"model": MODEL, "prompt": "x" * 500_001})
         assert _assert_short_error(long_text, 413, "prompt")["code"] == "request_too_large"
         long_chat = _post(client, "chat/completions", json={
@@ -552,7 +552,7 @@ def test_bodies_and_prompts_past_the_limits_get_413_before_reaching_redis(gatewa
         _assert_short_error(long_chat, 413, "messages")
         long_ids = _post(client, "completions", json={"model": MODEL, "prompt": [1] * 131_073})
         _assert_short_error(long_ids, 413, "prompt")
-    assert gateway.metric("rq_api_tasks_total") == tasks_before
+    assert gateway.metric("rollout_queue_api_tasks_total") == tasks_before
 
 
 def test_docs_sit_behind_the_token_or_are_off(gateway: Gateway, stuck_gateway: Gateway) -> None:
@@ -630,7 +630,7 @@ def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gatew
     # The dropped prompts generated something (they were running), not all of
     # it (the margin: how long the abort takes to land on a loaded machine).
     assert max_tokens < generated < max_tokens + dropped_full * 0.9, (generated, dropped_full)
-    assert gateway.metric("rq_api_aborted_requests_total") >= 1
+    assert gateway.metric("rollout_queue_api_aborted_requests_total") >= 1
 
 
 _good_prompt = st.text(alphabet="abcdefghij klmnop=+?", min_size=1, max_size=24)

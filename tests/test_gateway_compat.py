@@ -3,7 +3,7 @@
 Unknown request fields are ignored with a warning header (as vLLM does),
 ``/v1/models`` carries ``max_model_len`` from the worker registry, and
 ``/tokenize``, ``/detokenize`` and ``/version`` answer. One gateway with
-``API_TOKENIZER`` (the tiny model's) in front of the shared worker.
+``RQ_API_TOKENIZER`` (the tiny model's) in front of the shared worker.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 
 @pytest.fixture(scope="module")
 def compat_gateway(redis_url: str, gen_worker: Proc, model_a: Path) -> Iterator[Gateway]:
-    gw = start_gateway("api-compat-gateway", redis_url, {"API_TOKENIZER": str(model_a)})
+    gw = start_gateway("api-compat-gateway", redis_url, {"RQ_API_TOKENIZER": str(model_a)})
     yield gw
     gw.proc.stop()
 
@@ -75,7 +75,7 @@ def test_tokenize_counts_what_the_worker_counts_and_detokenize_inverts_it(compat
 
 
 def test_tokenize_without_a_tokenizer_says_how_to_get_one() -> None:
-    with pytest.raises(BadRequest, match="API_TOKENIZER"):
+    with pytest.raises(BadRequest, match="RQ_API_TOKENIZER"):
         tokenize(None, TokenizeRequest(prompt="hi"), None)
 
 

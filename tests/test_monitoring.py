@@ -423,7 +423,10 @@ def test_metrics_count_requests_tokens_latency_and_report_weight_version_and_kv(
     assert after["rollout_queue_weight_version{}"] == registry_info(redis_client, OPS).weight_version
     assert after["rollout_queue_state{state=serving}"] == 1
     assert after["rollout_queue_weight_sync_seconds_count{}"] == 0
-    assert 0.0 <= after["rollout_queue_kv_cache_usage{}"] <= 1.0
+    assert 0.0 <= after["rollout_queue_kv_cache_usage_ratio{}"] <= 1.0
+    info = [name for name in after if name.startswith("rollout_queue_worker_info{")]
+    assert len(info) == 1 and after[info[0]] == 1 and "device=cpu" in info[0] and "vllm_version=0." in info[0]
+    assert not any("per_second" in name for name in after if name.startswith("rollout_queue_"))
     assert "vllm:kv_cache_usage_perc{}" in after  # vLLM's own metrics come along
 
 
@@ -549,8 +552,10 @@ def resolve(argv: list[str]) -> str:
 
 
 def placeholder(word: str) -> str:
-    """Compose/shell variables (``${MODEL:-...}``, ``$model``, ``$(hostname)``) → ``X``."""
-    return re.sub(r"\$\{[^}]*\}|\$\([^)]*\)|\$\w+", "X", word.replace("$$", "$"))
+    """Compose/shell variables → their default (``${GPU_COUNT:-1}`` → ``1``), else ``X``
+    (``${MODEL}``, ``$model``, ``$(hostname)``)."""
+    word = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", word.replace("$$", "$"))
+    return re.sub(r"\$\{[^}]*\}|\$\([^)]*\)|\$\w+", "X", word)
 
 
 def shell_commands(script: str) -> list[list[str]]:

@@ -128,7 +128,7 @@ def start_worker(net: Network, host: str, model: Path) -> Proc:
         "--redis-url", REDIS_URL, "--heartbeat-s", str(HEARTBEAT_S),
         "--registry-ttl-s", str(REGISTRY_TTL_S), "--reap-grace-s", str(REAP_GRACE_S),
     ]
-    return Proc(f"mh-{host}", net.exec_argv(host, argv), env={"WEIGHT_SYNC_SECRET": SECRET})
+    return Proc(f"mh-{host}", net.exec_argv(host, argv), env={"RQ_WEIGHT_SYNC_SECRET": SECRET})
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_the_default_rendezvous_host_across_hosts_fails_fast_saying_what_to_set(
     answer = hosts.agent.call("sync", model=str(tiny_model(2)), version=1, rendezvous_host="127.0.0.1",
                               timeouts=SYNC_TIMEOUTS, timeout=60, pool=POOL)
     assert answer.get("error") == "RendezvousUnreachable", answer
-    assert "RENDEZVOUS_HOST" in answer["message"] and "loopback" in answer["message"]
+    assert "RQ_RENDEZVOUS_HOST" in answer["message"] and "loopback" in answer["message"]
     assert sorted(answer["workers"]) == ["w1@mh", "w2@mh"]
     # Refused before any pause: well inside the ready phase's 30 s.
     assert answer["seconds"] < 10, answer

@@ -41,7 +41,7 @@ from workers.reaper import InflightLedger, Reaper
 QUEUE = POOL = "poison"
 NODE = "poison-a@tests"
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
-WORKER_ENV = {"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"}
+WORKER_ENV = {"RQ_REGISTRY_TTL_S": "6", "RQ_REAP_GRACE_S": "4"}
 FIGURES = ARTIFACTS / "figures" / "poison.json"
 # A loaded 2-core machine with other engines on it: a 1-token task can wait
 # seconds for a CPU; a minute means something is stuck.

@@ -56,7 +56,7 @@ from workers.service import time_limit
 
 QUEUE = POOL = "rel"
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
-WORKER_ENV = {"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"}
+WORKER_ENV = {"RQ_REGISTRY_TTL_S": "6", "RQ_REAP_GRACE_S": "4"}
 WORKER_ARGS = ["--max-model-len", "1024"]  # room for 512 generated tokens
 FIGURES = ARTIFACTS / "figures" / "reliability.json"
 
@@ -349,7 +349,7 @@ def test_512_prompts_with_logprobs_come_back_in_one_compressed_result(
 ) -> None:
     from tasks.app import settings as client_settings
 
-    # One task of 512 prompts, not split into parts (TASK_MAX_PROMPTS, 128 by
+    # One task of 512 prompts, not split into parts (RQ_TASK_MAX_PROMPTS, 128 by
     # default): this is about one big result in the backend.
     monkeypatch.setattr(client_settings(), "task_max_prompts", 512)
     started = time.monotonic()
@@ -592,7 +592,7 @@ def test_a_task_whose_worker_died_after_storing_its_result_is_acked_and_never_ru
     # The window, made deterministic: rel-a is fenced (the pool's fleet
     # version is ahead of it), so only the victim, in a pool of its own, takes
     # the task; it stores the result and kills itself before the ack
-    # (FAULT_DIE_BEFORE_ACK). Then rel-a is unfenced, its reaper puts the
+    # (RQ_FAULT_DIE_BEFORE_ACK). Then rel-a is unfenced, its reaper puts the
     # message back, and rel-a gets it.
     client = server.client()
     client.set(keys.fleet_version(POOL), 1)
@@ -601,7 +601,7 @@ def test_a_task_whose_worker_died_after_storing_its_result_is_acked_and_never_ru
                               "rel-a to fence itself (one heartbeat)")
         victim = start_worker(model_a, "rel-d@tests", queue=QUEUE, pool="rel-d", url=server.url,
                               max_inflight=2, extra=WORKER_ARGS,
-                              env={**WORKER_ENV, "FAULT_DIE_BEFORE_ACK": "1"})
+                              env={**WORKER_ENV, "RQ_FAULT_DIE_BEFORE_ACK": "1"})
         with TaskEvents(producer[0]) as events:
             result = send(producer, ["once", "only"], {"max_tokens": 8, "ignore_eos": True})
             assert victim.popen.wait(120) == -signal.SIGKILL, victim.tail()

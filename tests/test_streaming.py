@@ -197,7 +197,7 @@ def test_a_worker_killed_mid_stream_ends_both_streams_with_an_error(
 ) -> None:
     queue = VICTIM_QUEUE
     victim.wait_until(lambda: worker_registered(redis_client, VICTIM), 240, f"{VICTIM} to serve")
-    gw = start_gateway("api-stream-death", redis_url, {"API_QUEUE": queue})
+    gw = start_gateway("api-stream-death", redis_url, {"RQ_API_QUEUE": queue})
     # Long generations (8 samples x 480 tokens each): still running when the kill lands.
     long = {"max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True, "temperature": 1.0, "n": 8}
     try:

@@ -38,7 +38,7 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def sync_workers(start_worker: WorkerStarter, model_a: Path) -> list[Any]:
-    env = {"WEIGHT_SYNC_SECRET": SECRET}
+    env = {"RQ_WEIGHT_SYNC_SECRET": SECRET}
     # sync0 runs vLLM's packed CPU weights (layerwise reload), sync1 plain ones
     # (direct loads, received in place from the second sync on).
     procs = [
@@ -297,7 +297,7 @@ def test_a_worker_that_missed_syncs_serves_nothing_until_a_catch_up_sync(
     fleet = fleet_version(redis_client, POOL)
     assert fleet > 0 and MODEL_AT[fleet] == "B"
     late = start_worker(model_a, "sync1@tests", queue=QUEUE, pool=POOL,
-                        env={"WEIGHT_SYNC_SECRET": SECRET}, wait=False)
+                        env={"RQ_WEIGHT_SYNC_SECRET": SECRET}, wait=False)
     late.wait_until(lambda: worker_registered(redis_client, "sync1@tests", state="fenced"), 300,
                     "the late worker to come up fenced")
     assert all(r["worker"] == "sync0@tests" for r in results_from_both_workers(GREEDY, rounds=2))

