@@ -58,7 +58,7 @@ class WorkerSettings(EngineSettings):
     metrics_port: int | None = None  # Prometheus /metrics; None = off
     # Every this many generated tokens a sample's progress is saved to Redis,
     # so a redelivered task continues from there (workers/progress.py); 0: off.
-    checkpoint_tokens: int = Field(64, ge=0)
+    checkpoint_tokens: int = Field(0, ge=0)
     # SIGTERM: finish in-flight tasks for at most this long, then checkpoint,
     # abort and requeue them for other workers; None: finish them (no deadline).
     drain_timeout: float | None = Field(None, ge=0.0)
