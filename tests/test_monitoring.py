@@ -204,7 +204,9 @@ def test_a_task_refused_on_the_worker_fails_at_once_with_what_was_wrong(gen_work
     assert stored["status"] == "FAILURE"
     assert stored["result"]["exc_type"] == "InvalidRequest"
     assert str(caught.value) in stored["result"]["exc_message"]
-    assert stored["retries"] == 0  # refused, not retried as an engine failure
+    # Refused, not retried as an engine failure (results are not extended, so
+    # the stored meta has no retry count: the worker's log says it).
+    assert f"[{sent.id}] retry" not in gen_worker.log_path.read_text(errors="replace")
 
 
 # ------------------------------------------------------------------ status
