@@ -224,7 +224,8 @@ def test_a_request_the_engine_refuses_fails_at_once_naming_why_and_the_worker_se
     with pytest.raises(InvalidRequest) as caught:
         poison.get(timeout=90)
     assert "the engine refused the request" in str(caught.value) and "Lookbehind" in str(caught.value)
-    assert poison.retries == 0
+    # Not retried (results are not extended: the worker's log says it).
+    assert f"[{poison.id}] retry" not in rel_worker.log_path.read_text(errors="replace")
     out = send(producer, ["next"], {"max_tokens": 4}).get(timeout=60)
     assert len(out["outputs"]) == 1
     assert rel_worker.alive()
