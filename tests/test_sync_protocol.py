@@ -442,5 +442,5 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
     assert host.calls == []
     ready = SyncAck.model_validate_json(redis_client.lpop(keys.sync_acks(plan.sync_id, "ready")))
     assert not ready.ok and (ready.error or "").startswith("RendezvousUnreachable")
-    assert "set RENDEZVOUS_HOST on the trainer" in (ready.error or "") and "own loopback" in (ready.error or "")
+    assert "set RQ_RENDEZVOUS_HOST on the trainer" in (ready.error or "") and "own loopback" in (ready.error or "")
     assert fences == ["missed sync to version 3"] and states[-1] == "fenced"
