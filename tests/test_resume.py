@@ -119,12 +119,31 @@ def registry(client: redis_lib.Redis, node: str) -> WorkerInfo | None:
     return WorkerInfo.model_validate_json(raw) if raw else None  # type: ignore[arg-type]
 
 
+# The workers the kill and SIGTERM tests end, each on a queue of its own that
+# the survivor consumes too (it takes over what they leave), and in a pool of
+# its own (the survivor's fence leaves them serving): started with the
+# survivor, so their engines load together (~30 s each here), not one after
+# another inside the tests.
+VICTIMS = {"res-b@tests": (VICTIM_POOL, []), "res-c@tests": ("res-leaving", ["--drain-timeout", "0.5"])}
+
+
+def own_queue(node: str) -> str:
+    return node.split("@")[0]
+
+
 @pytest.fixture(scope="module")
-def survivor(start_worker: WorkerStarter, model_a: Path) -> Iterator[Proc]:
-    proc = start_worker(model_a, "res-a@tests", queue=QUEUE, pool=POOL, max_inflight=4,
-                        extra=WORKER_ARGS, env=WORKER_ENV)
+def survivor(start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis) -> Iterator[Proc]:
+    proc = start_worker(model_a, "res-a@tests", queue=",".join([QUEUE, *map(own_queue, VICTIMS)]), pool=POOL,
+                        max_inflight=4, extra=WORKER_ARGS, env=WORKER_ENV, wait=False)
+    victims = {node: start_worker(model_a, node, queue=own_queue(node), pool=pool, max_inflight=4,
+                                  extra=[*WORKER_ARGS, *extra], env=WORKER_ENV, wait=False)
+               for node, (pool, extra) in VICTIMS.items()}
+    proc.victims = victims  # type: ignore[attr-defined]
+    proc.wait_until(lambda: worker_registered(redis_client, "res-a@tests"), 300, "res-a to serve")
     yield proc
     proc.stop()
+    for victim in victims.values():
+        victim.kill_tree(signal.SIGKILL)
 
 
 class Fenced:
@@ -145,14 +164,12 @@ class Fenced:
 
 
 @contextmanager
-def victim_worker(start_worker: WorkerStarter, model: Path, client: redis_lib.Redis, name: str, pool: str,
-                  extra: list[str]) -> Iterator[Proc]:
-    """A second worker on the queue, killed when the test ends however it ends:
-    a victim left running would take the next test's task."""
-    proc = start_worker(model, name, queue=QUEUE, pool=pool, max_inflight=4, extra=[*WORKER_ARGS, *extra],
-                        env=WORKER_ENV, wait=False)
+def victim_worker(survivor: Proc, client: redis_lib.Redis, name: str) -> Iterator[Proc]:
+    """A pre-started victim (``VICTIMS``) once it serves, killed when the test
+    ends however it ends."""
+    proc: Proc = survivor.victims[name]  # type: ignore[attr-defined]
     try:
-        proc.wait_until(lambda: worker_registered(client, name), 240, f"{name} to serve")
+        proc.wait_until(lambda: worker_registered(client, name), 300, f"{name} to serve")
         yield proc
     finally:
         proc.kill_tree(signal.SIGKILL)
@@ -191,11 +208,11 @@ def assert_resumed(result: dict[str, Any], params: dict[str, Any], kept: dict[tu
 
 
 def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its_checkpoint(
-    survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
+    survivor: Proc, redis_client: redis_lib.Redis,
 ) -> None:
     with Fenced(redis_client, survivor):
-        with victim_worker(start_worker, model_a, redis_client, "res-b@tests", VICTIM_POOL, []) as victim:
-            handle = generate.apply_async((PROMPTS, LONG), queue=QUEUE)
+        with victim_worker(survivor, redis_client, "res-b@tests") as victim:
+            handle = generate.apply_async((PROMPTS, LONG), queue=own_queue("res-b@tests"))
             wait_for_checkpoint(redis_client, handle.id, 4, 2 * INTERVAL, victim)
             victim.kill_tree(signal.SIGKILL)
             victim.popen.wait(10)
@@ -222,17 +239,16 @@ def test_kill_9_mid_generation_resumes_every_sample_on_the_other_worker_from_its
 
 
 def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_and_exits_0(
-    survivor: Proc, start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
+    survivor: Proc, redis_client: redis_lib.Redis,
 ) -> None:
     # Far more generation than the drain deadline, even on an idle machine
     # (seen: 2 x 400 tokens done in 1.8 s, inside a 2 s deadline): 2 x 960
     # tokens against 0.5 s.
-    drain = 0.5
+    drain = 0.5  # res-c's --drain-timeout (VICTIMS)
     params = {**LONG, "max_tokens": 960}
     with Fenced(redis_client, survivor):
-        with victim_worker(start_worker, model_a, redis_client, "res-c@tests", "res-leaving",
-                           ["--drain-timeout", str(drain)]) as leaving:
-            handle = generate.apply_async((PROMPTS[:1], params), queue=QUEUE)
+        with victim_worker(survivor, redis_client, "res-c@tests") as leaving:
+            handle = generate.apply_async((PROMPTS[:1], params), queue=own_queue("res-c@tests"))
             wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, leaving)
             signalled = time.monotonic()
             leaving.send_signal(signal.SIGTERM)

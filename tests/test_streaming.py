@@ -33,6 +33,9 @@ from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 DEATH_NOTICED_S = 60
 
 
+# What the worker logs when it aborts prompts whose requester went away.
+ABORTED_LINE = "their client went away"
+
 VICTIM = "stream-victim@tests"
 VICTIM_QUEUE = "stream-death"
 
@@ -168,10 +171,15 @@ def test_a_bad_streamed_request_gets_an_http_error_not_a_stream(stream_gateway: 
         )
 
 
-def test_a_stream_whose_client_goes_away_has_its_generation_aborted(stream_gateway: Gateway) -> None:
+def test_a_stream_whose_client_goes_away_has_its_generation_aborted(
+    stream_gateway: Gateway, gen_worker: Proc
+) -> None:
     from tests.test_api import _engine_stats
 
-    samples, max_tokens = 4, 400
+    # 8 x 480 tokens: seconds of generation, so the abort lands mid-way even on
+    # a loaded machine (4 x 400 ran to the end before it, seen in CI).
+    samples, max_tokens = 8, MAX_MODEL_LEN - 32
+    aborted_before = gen_worker.log_path.read_text(errors="replace").count(ABORTED_LINE)
     before = _engine_stats()["generated_tokens"]
     body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": max_tokens, "n": samples,
             "temperature": 1.0, "ignore_eos": True, "stream": True}
@@ -183,7 +191,11 @@ def test_a_stream_whose_client_goes_away_has_its_generation_aborted(stream_gatew
                                    "the aborted stream's requests to end")
     generated = _engine_stats()["generated_tokens"] - before
     print(f"\nabandoned stream: {generated} of {samples * max_tokens} tokens generated")
-    # The margin: how long the abort takes to land on a loaded machine.
+    # The worker aborted the task's prompts (its own log line), and stopped
+    # generating them early (the margin: how long the abort takes to land).
+    gen_worker.wait_until(
+        lambda: gen_worker.log_path.read_text(errors="replace").count(ABORTED_LINE) > aborted_before,
+        RESULT_TIMEOUT, "the worker to log the abort")
     assert 0 < generated < samples * max_tokens * 0.9
 
 
@@ -198,8 +210,12 @@ def test_a_worker_killed_mid_stream_ends_both_streams_with_an_error(
     queue = VICTIM_QUEUE
     victim.wait_until(lambda: worker_registered(redis_client, VICTIM), 240, f"{VICTIM} to serve")
     gw = start_gateway("api-stream-death", redis_url, {"RQ_API_QUEUE": queue})
-    # Long generations (8 samples x 480 tokens each): still running when the kill lands.
-    long = {"max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True, "temperature": 1.0, "n": 8}
+    # Long generations (16 samples x 480 tokens each): still running when the
+    # kill lands. The gateway's stream starts first; the kill follows the
+    # Python producer's first delta, so neither has had time to finish (seen
+    # in CI with both started at once: the Python side's task ended before the
+    # gateway's first chunk came).
+    long = {"max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True, "temperature": 1.0, "n": 16}
     try:
         streaming = threading.Event()
 
@@ -215,12 +231,12 @@ def test_a_worker_killed_mid_stream_ends_both_streams_with_an_error(
             return "ended without an error"
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            python_side = pool.submit(python_stream)
             chunks = gw.client().completions.create(
                 model=MODEL, prompt="Tell me a story", stream=True, **{k: v for k, v in long.items() if k != "ignore_eos"},
                 extra_body={"ignore_eos": True},
             )
             next(iter(chunks))
+            python_side = pool.submit(python_stream)
             assert streaming.wait(RESULT_TIMEOUT), "the Python producer's stream never started"
             killed_at = time.monotonic()
             victim.kill_tree(signal.SIGKILL)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tasks import app, generate, keys, sync_weights, transport
+from tasks import app, control, generate, keys, sync_weights, transport
 from tasks.auth import signed_arguments
 from tasks.errors import ManifestMismatch, WorkerLost
 from tasks.registry import fleet_version, live_workers
@@ -24,6 +24,7 @@ from tests.conftest import WorkerStarter, engine_results, wait_for, worker_regis
 
 POOL = QUEUE = "sync"
 SECRET = "sync-test-secret"
+SYNC_NODES = ["sync0@tests", "sync1@tests"]
 PROMPTS = [f"Prompt number {i} says" + " more" * (i % 5) for i in range(10)]
 GREEDY = {"temperature": 0.0, "max_tokens": 16}
 
@@ -32,12 +33,21 @@ def run(prompts: list[str], params: dict[str, Any], queue: str, timeout: float =
     return generate.apply_async((prompts, params), queue=queue).get(timeout=timeout)
 
 
+def both_generating() -> bool:
+    """Both sync workers' engines hold requests (False if one does not answer in time)."""
+    try:
+        stats = control.engine_stats(SYNC_NODES, timeout=10)
+    except Exception:  # noqa: BLE001  no answer yet: not yet
+        return False
+    return set(stats) == set(SYNC_NODES) and all(s["inflight_requests"] > 0 for s in stats.values())
+
+
 def tokens(result: dict[str, Any]) -> list[list[int]]:
     return [o["samples"][0]["token_ids"] for o in result["outputs"]]
 
 
 @pytest.fixture(scope="module")
-def sync_workers(start_worker: WorkerStarter, model_a: Path) -> list[Any]:
+def sync_workers(start_worker: WorkerStarter, model_a: Path, ref_b: Any) -> list[Any]:
     env = {"RQ_WEIGHT_SYNC_SECRET": SECRET}
     # sync0 runs vLLM's packed CPU weights (layerwise reload), sync1 plain ones
     # (direct loads, received in place from the second sync on).
@@ -57,7 +67,9 @@ def sync_workers(start_worker: WorkerStarter, model_a: Path) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def ref_b(start_worker: WorkerStarter, model_b: Path) -> Any:
-    return start_worker(model_b, "refb@tests", queue="ref-b", pool="ref-b")
+    """A fresh engine on model B (the reference), starting while the sync
+    workers start; ``references`` waits for it."""
+    return start_worker(model_b, "refb@tests", queue="ref-b", pool="ref-b", wait=False)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +98,8 @@ def weights(model_a: Path, model_b: Path) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def references(gen_worker: Any, ref_b: Any) -> dict[str, list[list[int]]]:
+def references(gen_worker: Any, ref_b: Any, redis_client: Any) -> dict[str, list[list[int]]]:
+    ref_b.wait_until(lambda: worker_registered(redis_client, "refb@tests"), 300, "refb to serve")
     return {
         "A": tokens(run(PROMPTS, GREEDY, keys.GENERATE_QUEUE)),
         "B": tokens(run(PROMPTS, GREEDY, "ref-b")),
@@ -241,12 +254,16 @@ def test_sync_while_100_prompts_are_in_flight_loses_nothing(
         "B": tokens(run(PROMPTS, LONG, "ref-b")),
     }
     state_version = {current: old_model, current + 1: new_model}
-    handles = [generate.apply_async((PROMPTS, LONG), queue=QUEUE) for _ in range(10)]
-    wait_for(lambda: sum(h.state == "STARTED" for h in handles) >= 2, 60, "tasks to start")
+    # 30 tasks of 10 prompts: both workers' engines busy for seconds, so the
+    # pause finds requests in flight even when the sync takes long to start on
+    # a loaded machine (10 tasks had all finished before it, seen in CI). The
+    # sync starts once both engines hold requests (their own count).
+    handles = [generate.apply_async((PROMPTS, LONG), queue=QUEUE) for _ in range(30)]
+    wait_for(lambda: both_generating(), 120, "both sync workers' engines to generate")
     report = sync_to(sender, weights, new_model, current + 1, pause=pause)
     assert len(report.workers) == 2
     results = [h.get(timeout=300) for h in handles]
-    assert len({h.id for h in handles}) == 10 and len(results) == 10
+    assert len({h.id for h in handles}) == 30 and len(results) == 30
     crossed = 0
     for result in results:
         assert result["weight_version"] in state_version

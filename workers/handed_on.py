@@ -18,8 +18,9 @@ The reaper names each message it takes from a node in that node's
   anyway): a task handed on raises Celery's ``Ignore`` (no result stored),
   and its ack clears only this process's bookkeeping
   (``workers.reliable_redis.forget_on_ack``);
-* every heartbeat (:meth:`notice`): a worker that finds the set logs that it
-  was declared dead and how many tasks went on. Its heartbeat has already put
+* every heartbeat (:meth:`notice`), and the first task that finds its tag
+  there: a worker that finds the set logs that it was declared dead and how
+  many tasks went on. Its heartbeat has already put
   it back in the registry, so it serves again.
 """
 
@@ -71,6 +72,11 @@ class HandedOn:
                 time.sleep(0.5)
         if not handed_on:
             return
+        if not self.seen:  # say so now: tasks that end as the link returns can empty
+            try:           # the set before a heartbeat reads it
+                self._declared_dead(int(self.client.scard(self.key)))  # type: ignore[arg-type]
+            except redis.RedisError:
+                pass
         forget_on_ack(str(tag))
         try:
             self.client.srem(self.key, tag)
@@ -86,8 +92,12 @@ class HandedOn:
         """Log once per new batch when the fleet declared this worker dead."""
         count = int(self.client.scard(self.key))  # type: ignore[arg-type]
         if count > self.seen:
-            log.warning(
-                "%s was declared dead while cut off from Redis: %d task(s) it held were handed to other "
-                "workers; back in the registry, serving again", self.node, count,
-            )
+            self._declared_dead(count)
         self.seen = count
+
+    def _declared_dead(self, count: int) -> None:
+        self.seen = count
+        log.warning(
+            "%s was declared dead while cut off from Redis: %d task(s) it held were handed to other "
+            "workers; back in the registry, serving again", self.node, count,
+        )

@@ -27,7 +27,11 @@ with SIGKILL (OOM killer, lost host) would hold its tasks that long. So:
 A worker restarted under the same node name restores its previous
 incarnation's messages at start (:meth:`Reaper.reclaim_own`); a message left
 in a live worker's own processing list (a fetch whose reply was lost to a
-dropped connection) is restored after ``stale_fetch_s``.
+dropped connection) is restored after ``stale_fetch_s``, and so is a message
+in its in-flight set that no task of the process holds for that long
+(:meth:`Reaper.check_orphans`: a fetch cut off by a lost connection after its
+record was written, a message Celery dropped when it closed the channel, an
+ack that never reached Redis).
 
 An item no message can be made of (``workers.poison.check_envelope``) is
 not restored: it moves to its queue's dead-letter list, in one script. Each
@@ -46,6 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +160,7 @@ class Reaper:
         counter_ttl_s: int,
         ledger: InflightLedger,
         stale_fetch_s: float = 30.0,
+        held: Callable[[], set[str]] | None = None,
     ) -> None:
         self.app = app
         self.client = client
@@ -166,6 +172,9 @@ class Reaper:
         self.ledger = ledger
         self.stale_fetch_s = stale_fetch_s
         self._fetch_seen: dict[bytes, float] = {}
+        # () -> the delivery tags this process's tasks hold (None: not a worker).
+        self.held = held
+        self._orphan_seen: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}
         self.reports: list[ReapReport] = []
         self._stop = threading.Event()
@@ -184,6 +193,7 @@ class Reaper:
             try:
                 self.ledger.prune()
                 self.check_own_fetches()
+                self.check_orphans()
                 if self.holds_sweep_lease():
                     self.sweep()
                 else:
@@ -322,6 +332,40 @@ class Reaper:
                         report.restored, report.dead_lettered, report.gone, report.errors)
         return len(stale)
 
+    def check_orphans(self) -> int:
+        """Restore messages of this node's in-flight set that no task of this
+        process has held for ``stale_fetch_s``; returns how many.
+
+        The set names what the node fetched and has not acked. A live worker
+        is never reaped, so a message it holds no task for would wait there
+        for ``visibility_timeout`` (hours): one whose fetch wrote its record
+        but lost its reply to a dropped connection, one Celery dropped unrun
+        when it closed the channel after a lost connection, one whose ack did
+        not reach Redis. Seen: one task of 24 never done after two Redis
+        restarts. A restore here is not counted as a redelivery (the task did
+        not kill anything); one whose result is stored comes back to be acked
+        unrun (``workers.dedup``).
+        """
+        if self.held is None:
+            return 0
+        ledger = keys.inflight_key(self.node)
+        listed = {_text(tag) for tag in self.client.smembers(ledger)}
+        orphans = listed - self.held() if listed else set()
+        now = time.monotonic()
+        self._orphan_seen = {tag: self._orphan_seen.get(tag, now) for tag in orphans}
+        stale = sorted(tag for tag, first in self._orphan_seen.items() if now - first >= self.stale_fetch_s)
+        if not stale:
+            return 0
+        report = ReapReport(node=self.node)
+        with self.app.connection_for_write() as conn:
+            for tag in stale:
+                self._isolated(report, self._restore_one, conn.default_channel, ledger, tag, False)
+                self._orphan_seen.pop(tag, None)
+        log.warning("reaper: %d message(s) in this node's in-flight set held by no task for %.0f s; "
+                    "redelivered %s, dead-lettered %s, %d gone, %d left after errors", len(stale),
+                    self.stale_fetch_s, report.restored, report.dead_lettered, report.gone, report.errors)
+        return len(stale)
+
     def _restore_fetched(self, channel: Any, processing: str, item: bytes) -> tuple[str, str]:
         """Move one message from a processing list back to its queue, atomically
         (a poison item to its dead-letter list)."""
@@ -360,8 +404,11 @@ class Reaper:
                 except redis.WatchError:
                     continue
 
-    def _restore_one(self, channel: Any, ledger: str, tag: str) -> tuple[str, str]:
-        """Move one message from ``unacked`` back to its queue, atomically."""
+    def _restore_one(self, channel: Any, ledger: str, tag: str, count: bool = True) -> tuple[str, str]:
+        """Move one message from ``unacked`` back to its queue, atomically.
+
+        ``count``: a redelivery (its holder died): counted, and failed for good
+        past ``max_redeliveries``."""
         client = channel.client
         with client.pipeline() as pipe:
             while True:
@@ -384,10 +431,10 @@ class Reaper:
                     task_id = str((payload.get("headers") or {}).get("id") or tag)
                     counter = keys.redeliveries(task_id)
                     pipe.watch(counter)
-                    count = int(pipe.get(counter) or 0)
-                    if count >= self.max_redeliveries:
+                    delivered = int(pipe.get(counter) or 0)
+                    if count and delivered >= self.max_redeliveries:
                         pipe.unwatch()
-                        self._fail(task_id, count)
+                        self._fail(task_id, delivered)
                         self._drop(client, ledger, tag)
                         return "failed", task_id
                     holder = keys.node_of_inflight_key(ledger)
@@ -399,8 +446,9 @@ class Reaper:
                     if holder != self.node:  # it may still run it, cut off: tell it (workers.handed_on)
                         pipe.sadd(keys.handed_on(holder), tag)
                         pipe.expire(keys.handed_on(holder), self.counter_ttl_s)
-                    pipe.incr(counter)
-                    pipe.expire(counter, self.counter_ttl_s)
+                    if count:
+                        pipe.incr(counter)
+                        pipe.expire(counter, self.counter_ttl_s)
                     pipe.execute()
                     return "restored", task_id
                 except redis.WatchError:

@@ -61,6 +61,7 @@ class WorkerRuntime:
             interval_s=settings.heartbeat_s,
             counter_ttl_s=settings.result_expires,
             ledger=self.ledger,
+            held=held_delivery_tags,
         )
         # Checks the signature of every state-changing control command (workers/control.py).
         self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s)
@@ -202,3 +203,16 @@ class WorkerRuntime:
                 )
         elif reason is not None and reason.startswith(("fleet is at", "missed sync")):
             self.set_fenced(None)
+
+
+def held_delivery_tags() -> set[str]:
+    """The delivery tags of the tasks this worker process holds (received, not
+    finished): Celery's worker state, read from the reaper's thread."""
+    from celery.worker import state
+
+    while True:
+        try:
+            requests = tuple(state.requests.values())
+        except RuntimeError:  # changed size while copied (the consumer's thread): again
+            continue
+        return {request.message.delivery_tag for request in requests}
