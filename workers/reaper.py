@@ -96,11 +96,11 @@ class InflightLedger:
         # Past visibility_timeout kombu restores the messages itself.
         self.ttl_s = ttl_s
 
-    def prune(self) -> int:
-        """Drop the tags no longer in kombu's ``unacked`` hash; returns how many remain."""
-        tags = sorted(self.client.smembers(self.key))
+    def prune(self) -> set[str]:
+        """Drop the tags no longer in kombu's ``unacked`` hash; returns those that remain."""
+        tags = sorted(_text(tag) for tag in self.client.smembers(self.key))
         if not tags:
-            return 0
+            return set()
         pipe = self.client.pipeline(transaction=False)
         for tag in tags:
             pipe.hexists(keys.KOMBU_UNACKED, tag)
@@ -111,12 +111,12 @@ class InflightLedger:
             pipe.srem(self.key, *gone)
         pipe.expire(self.key, self.ttl_s)
         pipe.execute()
-        return len(tags) - len(gone)
+        return set(tags) - set(gone)
 
     def close(self) -> None:
         """At a clean exit: drop the ledger if nothing is left in it."""
         try:
-            if self.prune() == 0:
+            if not self.prune():
                 self.client.delete(self.key)
         except redis.RedisError as exc:
             log.warning("could not close the in-flight ledger %s: %s", self.key, exc)
@@ -191,9 +191,9 @@ class Reaper:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.ledger.prune()
+                listed = self.ledger.prune()
                 self.check_own_fetches()
-                self.check_orphans()
+                self.check_orphans(listed)
                 if self.holds_sweep_lease():
                     self.sweep()
                 else:
@@ -318,10 +318,7 @@ class Reaper:
             channel = conn.default_channel
             # Bytes, not this client's decoded text: an item need not be UTF-8.
             items = channel.client.lrange(processing, 0, -1)
-            now = time.monotonic()
-            seen = {item: self._fetch_seen.get(item, now) for item in items}
-            self._fetch_seen = seen
-            stale = [item for item, first in seen.items() if now - first >= self.stale_fetch_s]
+            self._fetch_seen, stale = _aged(self._fetch_seen, items, self.stale_fetch_s)
             report = ReapReport(node=self.node)
             for item in stale:
                 self._isolated(report, self._restore_fetched, channel, processing, item)
@@ -332,9 +329,10 @@ class Reaper:
                         report.restored, report.dead_lettered, report.gone, report.errors)
         return len(stale)
 
-    def check_orphans(self) -> int:
-        """Restore messages of this node's in-flight set that no task of this
-        process has held for ``stale_fetch_s``; returns how many.
+    def check_orphans(self, listed: set[str]) -> int:
+        """Restore messages of this node's in-flight set (``listed``: its tags,
+        as :meth:`InflightLedger.prune` left it) that no task of this process
+        has held for ``stale_fetch_s``; returns how many.
 
         The set names what the node fetched and has not acked. A live worker
         is never reaped, so a message it holds no task for would wait there
@@ -348,17 +346,14 @@ class Reaper:
         """
         if self.held is None:
             return 0
-        ledger = keys.inflight_key(self.node)
-        listed = {_text(tag) for tag in self.client.smembers(ledger)}
         orphans = listed - self.held() if listed else set()
-        now = time.monotonic()
-        self._orphan_seen = {tag: self._orphan_seen.get(tag, now) for tag in orphans}
-        stale = sorted(tag for tag, first in self._orphan_seen.items() if now - first >= self.stale_fetch_s)
+        self._orphan_seen, stale = _aged(self._orphan_seen, orphans, self.stale_fetch_s)
         if not stale:
             return 0
+        ledger = keys.inflight_key(self.node)
         report = ReapReport(node=self.node)
         with self.app.connection_for_write() as conn:
-            for tag in stale:
+            for tag in sorted(stale):
                 self._isolated(report, self._restore_one, conn.default_channel, ledger, tag, False)
                 self._orphan_seen.pop(tag, None)
         log.warning("reaper: %d message(s) in this node's in-flight set held by no task for %.0f s; "
@@ -509,6 +504,14 @@ def _queue_of_unacked(raw: bytes | str) -> str:
     except Exception:  # noqa: BLE001  unreadable: no queue to name
         return keys.UNKNOWN_QUEUE
     return routing_key if isinstance(routing_key, str) and routing_key else keys.UNKNOWN_QUEUE
+
+
+def _aged(first_seen: dict[Any, float], current: Any, after_s: float) -> tuple[dict[Any, float], list[Any]]:
+    """When each of ``current`` was first seen (kept from ``first_seen``, now if
+    new; items gone are forgotten), and those seen for ``after_s`` or longer."""
+    now = time.monotonic()
+    seen = {item: first_seen.get(item, now) for item in current}
+    return seen, [item for item, first in seen.items() if now - first >= after_s]
 
 
 def _text(value: Any) -> str:
