@@ -37,6 +37,10 @@ WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL)]
 # it could finish (the tiny model makes a few hundred tokens a second here).
 LONG = {"max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2}
 PROMPTS = ["the resumed sample", "another long one"]
+# A sync must land mid-generation: from the checkpoint the test waits for to
+# the engine's pause, the broadcast travels and the worker accepts (seen: 2 x
+# 300 tokens finished first on a fast machine). 2 x 960 tokens leave seconds.
+SYNCED = {**LONG, "max_tokens": 960}
 
 
 # ---------------------------------------------------------------------------
@@ -280,29 +284,29 @@ def test_a_pause_abort_sync_mid_generation_resumes_the_samples_on_the_new_weight
     info = registry(redis_client, "res-a@tests")
     assert info is not None
     old = info.weight_version
-    handle = generate.apply_async((PROMPTS[:1], LONG), queue=QUEUE)
+    handle = generate.apply_async((PROMPTS[:1], SYNCED), queue=QUEUE)
     wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, survivor)
     report = sender.sync(load_file(str(model_b / "model.safetensors")), version=old + 1, pause="abort")
     assert report.workers == ["res-a@tests"]
-    result = handle.get(timeout=300)  # the sync, then 2 x up to 300 tokens
+    result = handle.get(timeout=300)  # the sync, then 2 x up to 960 tokens
     assert result["weight_version"] == old + 1
     # The kept part is what the old weights generated before the abort (saved
     # then, so at least what the checkpoint had when the sync began).
     for s, sample in enumerate(result["outputs"][0]["samples"]):
         (start, v0), (boundary, v1) = sample["weight_versions"]
         assert (start, v0, v1) == (0, old, old + 1)
-        assert INTERVAL <= boundary < LONG["max_tokens"]
-        assert len(sample["token_ids"]) == LONG["max_tokens"]
+        assert INTERVAL <= boundary < SYNCED["max_tokens"]
+        assert len(sample["token_ids"]) == SYNCED["max_tokens"]
         assert sample["workers"] == [[0, "res-a@tests"]]
 
     # Restart instead: the samples generated on older weights start over.
-    handle = generate.apply_async((PROMPTS[:1], LONG), queue=QUEUE, on_new_weights="restart")
+    handle = generate.apply_async((PROMPTS[:1], SYNCED), queue=QUEUE, on_new_weights="restart")
     wait_for_checkpoint(redis_client, handle.id, 2, INTERVAL, survivor)
     sender.sync(load_file(str(model_a / "model.safetensors")), version=old + 2, pause="abort")
     result = handle.get(timeout=300)
     for sample in result["outputs"][0]["samples"]:
         assert sample["weight_versions"] == [[0, old + 2]]
-        assert len(sample["token_ids"]) == LONG["max_tokens"]
+        assert len(sample["token_ids"]) == SYNCED["max_tokens"]
 
 
 def test_on_new_weights_refuses_an_unknown_choice_before_sending() -> None:
