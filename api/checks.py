@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import re
 import time
 from collections.abc import Callable
@@ -127,7 +128,7 @@ def check_prompts(
         if kind == "tokens":
             _check_token_prompt(where, prompt, limits, max_tokens)
         else:
-            chars = len(prompt) if kind == "text" else sum(len(m["content"]) for m in prompt)
+            chars = len(prompt) if kind == "text" else _conversation_chars(prompt)
             if chars > max_chars:
                 what = "the conversation" if kind == "chat" else where
                 raise RequestTooLarge(
@@ -135,6 +136,16 @@ def check_prompts(
                     "per prompt (RQ_API_MAX_PROMPT_CHARS)",
                     "messages" if kind == "chat" else "prompt",
                 )
+
+
+def _conversation_chars(prompt: Any) -> int:
+    """Characters of a chat prompt's messages, their tool calls and its tool specs."""
+    messages = prompt["messages"] if isinstance(prompt, dict) else prompt
+    chars = sum(len(m.get("content") or "") for m in messages)
+    chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+    if isinstance(prompt, dict) and prompt.get("tools"):
+        chars += len(json.dumps(prompt["tools"]))
+    return chars
 
 
 def _check_token_prompt(where: str, ids: list[int], limits: ModelLimits, max_tokens: int) -> None:

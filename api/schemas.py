@@ -120,10 +120,45 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Request):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns of an agent transcript
+    tool_call_id: str | None = None  # tool results
+    reasoning_content: str | None = None  # sent back by some clients; not rendered
+
+
+class FunctionSpec(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -132,6 +167,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Count | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
+    # vLLM's chat-template extras.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -199,9 +241,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -225,9 +279,22 @@ class ChatCompletion(BaseModel):
     rollout: RolloutInfo | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):

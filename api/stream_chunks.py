@@ -17,7 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api import errors, translate
+from api import errors, tools, translate
 from api.batcher import Share
 from api.schemas import (
     ChatChunkChoice,
@@ -109,7 +109,8 @@ async def chat_events(
     response_id: str, created: int, n: int,
 ) -> AsyncIterator[str]:
     with_usage = request.stream_options is not None and request.stream_options.include_usage
-    started: set[int] = set()
+    tool_mode = tools.mode(request)
+    choices: dict[int, tools.ChoiceStream] = {}
 
     def chunk(choice: ChatChunkChoice) -> str:
         body = translate.to_json(
@@ -132,17 +133,22 @@ async def chat_events(
                     yield _event(translate.to_json(last))
                 break
             index = _index(item, n)
-            if index not in started:
-                started.add(index)
+            if index not in choices:
+                choices[index] = tools.ChoiceStream(request, tool_mode)
                 yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
-            yield chunk(ChatChunkChoice(
-                index=index,
-                delta=ChatDelta(content=item.text),
-                logprobs=translate.chat_logprobs(_sample(item), namer),
-                finish_reason=item.finish_reason,
-                stop_reason=item.stop_reason,
-                token_ids=item.token_ids if request.return_token_ids else None,
-            ))
+            content, calls = choices[index].pieces(item)
+            logprobs = translate.chat_logprobs(_sample(item), namer)
+            # A parser may hold text back (a tag begun): nothing to send yet, unless token ids are asked for.
+            held = tool_mode in ("auto", "required") and not (content or calls or logprobs)
+            if not held or item.finish_reason is not None or request.return_token_ids:
+                yield chunk(ChatChunkChoice(
+                    index=index,
+                    delta=ChatDelta(content=content, tool_calls=calls),
+                    logprobs=logprobs,
+                    finish_reason=choices[index].finish_reason(item.finish_reason),
+                    stop_reason=item.stop_reason,
+                    token_ids=item.token_ids if request.return_token_ids else None,
+                ))
             item = await anext(rest, None)
     except Exception as exc:  # noqa: BLE001  the stream is open: the error travels in it
         log.warning("stream %s stopped: %s", response_id, exc)

@@ -18,14 +18,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from api import tools
 from api.batcher import Share
 from api.schemas import (
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
     ChatLogprobs,
     ChatMessageOut,
     Completion,
@@ -40,7 +39,7 @@ from api.schemas import (
 )
 from api.tokens import TokenNamer
 from tasks.errors import BadRequest
-from tasks.schemas import PromptKind, PromptOutput, Sample, SamplingParams
+from tasks.schemas import Conversation, PromptKind, PromptOutput, Sample, SamplingParams
 
 # Request fields copied as they are when given (None: the SamplingParams default).
 _PASSTHROUGH = (
@@ -102,7 +101,8 @@ def _refuse_unsupported_completion_fields(request: CompletionRequest) -> None:
 
 
 def chat_prompts(request: ChatCompletionRequest) -> list[Any]:
-    """The conversation as one chat prompt (``[{"role", "content"}, ...]``)."""
+    """The conversation as one chat prompt: ``[{"role", "content"}, ...]``, or with tools
+    or template options a ``Conversation`` (``{"messages", "tools", ...}``)."""
     conversation = []
     for i, message in enumerate(request.messages):
         content = message.content
@@ -117,8 +117,24 @@ def chat_prompts(request: ChatCompletionRequest) -> list[Any]:
                     )
                 parts.append(part.text)
             content = "\n".join(parts)
-        conversation.append({"role": message.role, "content": content or ""})
-    return [conversation]
+        entry: dict[str, Any] = {"role": message.role, "content": content}
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        elif not content:
+            entry["content"] = ""
+        for field in ("name", "tool_call_id"):
+            if getattr(message, field) is not None:
+                entry[field] = getattr(message, field)
+        conversation.append(entry)
+    prompt = tools.conversation(request, conversation, tools.mode(request))
+    try:  # the task's own rules (tasks.schemas.Conversation), said as the request's
+        Conversation.model_validate(prompt if isinstance(prompt, dict) else {"messages": prompt})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        reason = str(error["msg"]).removeprefix("Value error, ")
+        raise BadRequest(f"{where}: {reason}" if where else reason, where or "messages") from None
+    return [prompt]
 
 
 def completion_params(request: CompletionRequest) -> SamplingParams:
@@ -151,11 +167,16 @@ def chat_params(request: ChatCompletionRequest, default_max_tokens: int) -> Samp
         default_max_tokens,
     )
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return _params(request, max_tokens=max_tokens, logprobs=logprobs)
+    forced = tools.structured(request, tools.mode(request))
+    if forced and _structured(request):
+        raise BadRequest("a named or required tool_choice constrains the output to its tool's arguments; "
+                         "it cannot be combined with response_format or guided decoding", "tool_choice")
+    return _params(request, max_tokens=max_tokens, logprobs=logprobs, forced=forced)
 
 
 def _params(
-    request: _Sampling, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    request: _Sampling, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+    forced: dict[str, Any] | None = None,
 ) -> SamplingParams:
     if request.logit_bias:
         raise BadRequest("logit_bias is not supported by this gateway", "logit_bias")
@@ -168,7 +189,7 @@ def _params(
             fields[name] = value
     if request.stop is not None:
         fields["stop"] = request.stop
-    fields.update(_structured(request))
+    fields.update(forced or _structured(request))
     try:
         params = SamplingParams.model_validate(fields)
     except ValidationError as exc:
@@ -405,18 +426,19 @@ def _vllm_prompt_logprobs(output: PromptOutput, namer: TokenNamer) -> list[dict[
 def chat_response(
     request: ChatCompletionRequest, share: Share, namer: TokenNamer, response_id: str, created: int
 ) -> ChatCompletion:
-    choices = [
-        ChatChoice(
+    tool_mode = tools.mode(request)
+    choices = []
+    for index, output, sample in _samples(share):
+        content, calls, finish_reason = tools.message(request, tool_mode, sample)
+        choices.append(ChatChoice(
             index=index,
-            message=ChatMessageOut(content=sample.text),
+            message=ChatMessageOut(content=content, tool_calls=calls),
             logprobs=chat_logprobs(sample, namer),
-            finish_reason=sample.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=sample.stop_reason,
             token_ids=sample.token_ids if request.return_token_ids else None,
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
-        )
-        for index, output, sample in _samples(share)
-    ]
+        ))
     return ChatCompletion(
         id=response_id,
         created=created,
@@ -426,10 +448,6 @@ def chat_response(
         usage=usage(share.outputs),
         rollout=rollout_info(share),
     )
-
-
-def _include_usage(request: _Sampling) -> bool:
-    return request.stream_options is not None and request.stream_options.include_usage
 
 
 def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str, Any]:
@@ -442,71 +460,3 @@ def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str
             if choice.get(key) is None:
                 choice.pop(key, None)
     return data
-
-
-def completion_chunks(completion: Completion, request: CompletionRequest) -> Iterator[str]:
-    """The finished completion as SSE events: one chunk per choice, usage, [DONE]."""
-    with_usage = _include_usage(request)
-    for choice in completion.choices:
-        chunk = to_json(completion.model_copy(update={"choices": [choice], "rollout": None}))
-        if with_usage:
-            chunk["usage"] = None
-        else:
-            chunk.pop("usage")
-        yield _event(chunk)
-    if with_usage:
-        yield _event(to_json(completion.model_copy(update={"choices": [], "rollout": None})))
-    yield "data: [DONE]\n\n"
-
-
-def chat_chunks(completion: ChatCompletion, request: ChatCompletionRequest) -> Iterator[str]:
-    """The finished chat completion as SSE events: role, content, finish per choice."""
-    with_usage = _include_usage(request)
-
-    def chunk(choice: ChatChunkChoice) -> str:
-        body = to_json(
-            ChatCompletionChunk(
-                id=completion.id,
-                created=completion.created,
-                model=completion.model,
-                system_fingerprint=completion.system_fingerprint,
-                choices=[choice],
-            )
-        )
-        if not with_usage:
-            body.pop("usage")
-        return _event(body)
-
-    for choice in completion.choices:
-        yield chunk(ChatChunkChoice(index=choice.index, delta=ChatDelta(role="assistant", content="")))
-        yield chunk(
-            ChatChunkChoice(
-                index=choice.index,
-                delta=ChatDelta(content=choice.message.content),
-                logprobs=choice.logprobs,
-                token_ids=choice.token_ids,
-            )
-        )
-        yield chunk(
-            ChatChunkChoice(
-                index=choice.index,
-                delta=ChatDelta(),
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-            )
-        )
-    if with_usage:
-        last = ChatCompletionChunk(
-            id=completion.id,
-            created=completion.created,
-            model=completion.model,
-            system_fingerprint=completion.system_fingerprint,
-            choices=[],
-            usage=completion.usage,
-        )
-        yield _event(to_json(last))
-    yield "data: [DONE]\n\n"
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

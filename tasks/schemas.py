@@ -160,14 +160,70 @@ class SamplingParams(_Message):
         return self.model_dump(mode="json")
 
 
+class ToolFunction(_Message):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Message):
+    """A call of a tool, in an assistant message or parsed from a sample (OpenAI's shape)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class ChatMessage(_Message):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | None = None  # None: an assistant message with tool calls only
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may stand alone)")
+        return self
+
+
+class Conversation(_Message):
+    """A chat prompt with the options its chat template is rendered with (vLLM's ``chat()``).
+
+    ``tools`` (OpenAI function specs) are rendered by the model's template; with
+    ``tool_choice`` other than "none" and a worker started with a tool-call
+    parser (``--tool-call-parser hermes``), each sample's tool calls are parsed
+    into ``Sample.tool_calls``. A plain list of messages is a conversation with
+    the defaults.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] = "auto"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_ending(self) -> Conversation:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message needs add_generation_prompt=false: the last "
+                                 "message is continued, not answered")
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message continues the last message, which must be the "
+                                 f"assistant's (it is {self.messages[-1].role!r})")
+        return self
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether the worker parses this conversation's samples for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 TextPrompt = Annotated[str, Field(min_length=1)]
 TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
-ChatPrompt = Annotated[list[ChatMessage], Field(min_length=1)]
+ChatPrompt = Annotated[list[ChatMessage], Field(min_length=1)] | Conversation
 PromptKind = Literal["text", "chat", "tokens"]
 
 
@@ -176,6 +232,11 @@ class GenerateRequest(_Message):
 
     prompts: list[TextPrompt] | list[TokenPrompt] | list[ChatPrompt]
     params: SamplingParams
+
+    def conversation(self, index: int) -> Conversation:
+        """Prompt ``index`` of a chat task, as a conversation with its options."""
+        prompt = self.prompts[index]
+        return prompt if isinstance(prompt, Conversation) else Conversation(messages=prompt)  # type: ignore[arg-type]
 
     @field_validator("prompts", mode="before")
     @classmethod
@@ -190,8 +251,9 @@ class GenerateRequest(_Message):
         if None in kinds:
             bad = next(i for i, p in enumerate(value) if _kind_of(p) is None)
             raise ValueError(
-                f"prompt {bad} is {type(value[bad]).__name__}; expected a string, "
-                "a chat conversation ([{'role', 'content'}, ...]) or a list of token ids"
+                f"prompt {bad} is {type(value[bad]).__name__}; expected a string, a chat "
+                "conversation ([{'role', 'content'}, ...] or {'messages': [...], 'tools': [...]}) "
+                "or a list of token ids"
             )
         if len(kinds) > 1:
             raise ValueError(f"prompts mix kinds ({', '.join(sorted(map(str, kinds)))}); one kind per task")
@@ -207,6 +269,8 @@ class GenerateRequest(_Message):
 def _kind_of(prompt: Any) -> PromptKind | None:
     if isinstance(prompt, str):
         return "text"
+    if isinstance(prompt, Conversation) or (isinstance(prompt, dict) and "messages" in prompt):
+        return "chat"
     if isinstance(prompt, (list, tuple)) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return "tokens"
@@ -232,6 +296,10 @@ class Sample(_Message):
     # more than one span only when the task was resumed from a checkpoint on
     # another worker (or after a pause="abort" sync) — a trainer can filter on it.
     workers: list[tuple[int, str]] = Field(default_factory=list)
+    # Parsed by the worker's tool-call parser (a conversation with tools):
+    # the calls in ``text``, and the text around them. None: not parsed.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
 
 class PromptOutput(_Message):
@@ -263,6 +331,14 @@ class GenerationResult(_Message):
 
 
 
+class ToolCallDelta(_Message):
+    index: int = Field(ge=0)
+    id: str | None = None
+    type: Literal["function"] | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+
 class SampleDelta(_Message):
     """What one sample of a streamed task generated since its previous delta.
 
@@ -278,6 +354,12 @@ class SampleDelta(_Message):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # With a tool-call parser (see ``Sample.tool_calls``): what the parser let
+    # through of this delta, text and tool-call fragments (OpenAI's streamed
+    # ``tool_calls`` entries: index, then id, name, argument pieces).
+    parsed: bool = False
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class StreamEvent(_Message):

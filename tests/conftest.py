@@ -87,11 +87,14 @@ def redis_client(redis_url: str) -> redis_lib.Redis:
 
 
 def tiny_model(seed: int) -> Path:
-    path = MODELS / f"tiny-llama-seed{seed}"
-    if not (path / "model.safetensors").exists():
-        from workers.tiny_model import make_tiny_model
+    from workers.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
+    path = MODELS / f"tiny-llama-seed{seed}"
+    template = path / "chat_template.jinja"
+    if not (path / "model.safetensors").exists():
         make_tiny_model(path, seed=seed)
+    elif not template.exists() or template.read_text() != CHAT_TEMPLATE:
+        make_tiny_model(path, seed=seed, weights=False)  # made by an older checkout: its template only
     return path
 
 
@@ -156,8 +159,9 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
 
 @pytest.fixture(scope="session")
 def gen_worker(start_worker: WorkerStarter, model_a: Path) -> Proc:
-    """The shared worker on the default queue, model A, weights never changed."""
-    return start_worker(model_a, "gen@tests")
+    """The shared worker on the default queue, model A, weights never changed; it
+    parses tool calls the Hermes way (tests/test_tools.py)."""
+    return start_worker(model_a, "gen@tests", extra=["--tool-call-parser", "hermes"])
 
 
 @pytest.fixture(scope="session")

@@ -128,7 +128,7 @@ def test_requests_accept_one_prompt_kind_per_task(prompts: Any) -> None:
         ([[]], "at least 1 item"),
         ([[1, -2]], "greater than or equal to 0"),
         ([[{"role": "wizard", "content": "x"}]], "role"),
-        ([[{"role": "user", "content": "x", "name": "n"}]], "name"),
+        ([[{"role": "user", "content": "x", "mood": "n"}]], "mood"),
         ([3.5], "prompt 0 is float"),
     ],
     ids=["empty", "bare-string", "mixed", "empty-text", "empty-tokens", "negative-id", "bad-role",

@@ -154,6 +154,8 @@ def _worker_parser(sub: Any) -> None:
     _add_setting(w, "--cpu-weights", "CPU: vLLM's packed GEMM weights, or plain tensors (faster "
                  "weight syncs)", choices=["packed", "plain"])
     _add_setting(w, "--load-format", "vLLM load format, e.g. 'dummy' for random weights")
+    _add_setting(w, "--tool-call-parser", "parse tool calls out of chat samples with this vLLM parser "
+                 "(hermes, llama3_json, pythonic...; none: tools are rendered, not parsed)")
     _add_setting(w, "--metrics-port", "Prometheus /metrics port (none: off)", type=int)
     _add_setting(w, "--metrics-host", "address /metrics listens on (0.0.0.0: all)")
     _add_setting(w, "--pool", "weight-sync pool (workers of one policy)")

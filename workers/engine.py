@@ -36,6 +36,7 @@ from workers.progress import (
     plan_units,
 )
 from workers.settings import EngineSettings
+from workers.tools import ToolCalls, render
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,6 +197,8 @@ class EngineHost:
         self.settings = settings
         self.weight_version = 0
         self.tokenizer: Any = None
+        # Tool calls parsed out of chat samples (--tool-call-parser); checked before the engine starts.
+        self.tool_calls = ToolCalls(settings.tool_call_parser)
         self.max_model_len = 0
         self.vocab_size = 0
         self.dtype = ""
@@ -266,6 +269,7 @@ class EngineHost:
         try:
             self.engine = self.call(create())
             self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model)
+            self.tool_calls.tokenizer = self.tokenizer
         except Exception as exc:  # vLLM raises many kinds; report the reason
             raise EngineError(f"could not load model {self.settings.model!r}: {exc}") from exc
         config = self.engine.model_config
@@ -305,8 +309,9 @@ class EngineHost:
             if request.kind == "text":
                 tokens = list(tok(prompt).input_ids)
             elif request.kind == "chat":
-                messages = [m.model_dump() for m in prompt]  # type: ignore[union-attr]
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                conversation = request.conversation(i - first_index)
+                self.tool_calls.check(conversation)
+                text = render(tok, conversation)
                 tokens = list(tok(text, add_special_tokens=False).input_ids)
             else:
                 tokens = list(prompt)  # type: ignore[arg-type]

@@ -34,6 +34,7 @@ from workers.engine import EngineHost
 from workers.handed_on import HandedOn
 from workers.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
 from workers.streaming import DeltaPublisher
+from workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ class GenerationService:
         )
         return checkpointer, saved
 
+    def _tool_stream(self, request: GenerateRequest, prompt: int) -> ToolStream | None:
+        """A streamed chat sample's incremental tool-call parser (None: not parsed)."""
+        return self.host.tool_calls.streamer(request.conversation(prompt))
+
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
         try:
@@ -177,7 +182,8 @@ class GenerationService:
         checkpoint = None
         stream = None
         if headers.get(STREAM_HEADER) and self.streams is not None and task_id:
-            stream = self.streams.open(task_id, self.node, request.params.logprobs)
+            tools = functools.partial(self._tool_stream, request) if request.kind == "chat" else None
+            stream = self.streams.open(task_id, self.node, request.params.logprobs, tools)
         try:
             if self.progress is not None:
                 # A task requeued by a pause="abort" sync comes back while the sync
@@ -205,10 +211,13 @@ class GenerationService:
         if checkpoint is not None and self.progress is not None:
             # After any write still queued on the writer thread.
             self.progress.writer.submit(self.progress.drop, task_id)
-        for output in outputs:
+        for index, output in enumerate(outputs):
+            conversation = request.conversation(index) if request.kind == "chat" else None
             for sample in output.samples:
                 if not sample.workers:
                     sample.workers = [(0, self.node)]
+                if conversation is not None:
+                    self.host.tool_calls.parse(conversation, sample)
         done = time.time()
         result = GenerationResult(
             signature=headers.get(SIGNATURE_HEADER) or signature(request.params),

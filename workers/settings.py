@@ -34,6 +34,10 @@ class EngineSettings(ClientSettings):
     # "auto": layerwise reload on CPU with packed weights (a bare load_weights
     # leaves the old weights in use there), direct load_weights otherwise.
     weight_load_mode: Literal["auto", "layerwise", "direct"] = "auto"
+    # vLLM's tool-call parser for chat prompts with tools (hermes, llama3_json,
+    # pythonic...: vLLM's --tool-call-parser); None: tools are rendered, calls
+    # are not parsed, and tool_choice "auto" is refused.
+    tool_call_parser: str | None = None
     # Any other vLLM engine argument, by its EngineArgs name (the worker's
     # unknown flags, parsed by vLLM: workers/engine_cli.py). Applied last.
     engine_args: dict[str, Any] = {}  # noqa: RUF012  pydantic copies defaults

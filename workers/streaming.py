@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -24,6 +25,7 @@ import redis
 from tasks import keys
 from tasks.schemas import SampleDelta, StreamEvent
 from workers.engine import _logprob_of, _top
+from workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +43,16 @@ class DeltaPublisher:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
-    def open(self, task_id: str, worker: str, logprobs: int | None) -> TaskStream:
+    def open(
+        self, task_id: str, worker: str, logprobs: int | None,
+        tools: Callable[[int], ToolStream | None] | None = None,
+    ) -> TaskStream:
+        """``tools``: a prompt's tool-call parser for each of its samples (chat with tools), or None."""
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="delta-publisher", daemon=True)
                 self._thread.start()
-        stream = TaskStream(self, keys.token_stream(task_id), worker, logprobs)
+        stream = TaskStream(self, keys.token_stream(task_id), worker, logprobs, tools)
         stream.emit("start")
         return stream
 
@@ -86,11 +92,16 @@ class DeltaPublisher:
 class TaskStream:
     """One attempt of one streamed task: numbers its events and converts engine outputs."""
 
-    def __init__(self, publisher: DeltaPublisher, key: str, worker: str, logprobs: int | None) -> None:
+    def __init__(
+        self, publisher: DeltaPublisher, key: str, worker: str, logprobs: int | None,
+        tools: Callable[[int], ToolStream | None] | None = None,
+    ) -> None:
         self._publisher = publisher
         self._key = key
         self._worker = worker
         self._logprobs = logprobs
+        self._tools = tools
+        self._parsers: dict[tuple[int, int], ToolStream | None] = {}
         self._attempt = uuid.uuid4().hex[:12]
         self._seq = 0
         self._lock = threading.Lock()  # outputs come from the engine loop, start/end from the task
@@ -119,11 +130,19 @@ class TaskStream:
                 logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
                 if self._logprobs > 0:
                     top = [_top(p, self._logprobs) for p in positions]
-            deltas.append(SampleDelta(
+            delta = SampleDelta(
                 prompt=prompt, sample=comp.index, text=comp.text, token_ids=token_ids,
                 logprobs=logprobs, top_logprobs=top, finish_reason=comp.finish_reason,
                 stop_reason=comp.stop_reason,
-            ))
+            )
+            if self._tools is not None:
+                key = (prompt, comp.index)
+                if key not in self._parsers:
+                    self._parsers[key] = self._tools(prompt)
+                parser = self._parsers[key]
+                if parser is not None:
+                    parser.feed(delta)
+            deltas.append(delta)
         if deltas:
             self.emit("delta", deltas)
 

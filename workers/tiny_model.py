@@ -15,10 +15,19 @@ import json
 from pathlib import Path
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, with tools and tool calls rendered the Hermes way (Qwen's): the
+# function specs in a system turn, each call as <tool_call>{json}</tool_call>;
+# enable_thinking=False closes an empty think block, as Qwen3's template does.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": {{ call['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 
