@@ -27,11 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tasks import generate, signature
+from tests.conftest import MAX_MODEL_LEN
 from tests.procs import Proc, free_port, python
 
 TOKEN = "test-token-5f2a"
 MODEL = "tiny"
 RESULT_TIMEOUT = 120
+STUCK_TIMEOUT_S = 6  # stuck_gateway's request timeout
 
 
 class Gateway:
@@ -75,10 +77,12 @@ def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
 
 @pytest.fixture(scope="module")
 def gateway(redis_url: str, gen_worker: Proc) -> Iterator[Gateway]:
-    # A 50 ms window (default 5 ms): on this shared 2-core machine 64
-    # concurrent requests can take tens of ms to arrive.
+    # A 150 ms window (default 5 ms): on a loaded 2-core machine the client
+    # sends 64 concurrent requests, and the gateway parses them, over hundreds
+    # of ms (at 50 ms, 64 requests spread over 0.8 s already need 17 tasks);
+    # two requests written back to back must land in one window too.
     gw = start_gateway(
-        "api-gateway", redis_url, {"RQ_API_TOKEN": TOKEN, "RQ_API_BATCH_WINDOW_MS": "50", "RQ_API_DOCS": "true"}
+        "api-gateway", redis_url, {"RQ_API_TOKEN": TOKEN, "RQ_API_BATCH_WINDOW_MS": "150", "RQ_API_DOCS": "true"}
     )
     yield gw
     gw.proc.stop()
@@ -86,11 +90,17 @@ def gateway(redis_url: str, gen_worker: Proc) -> Iterator[Gateway]:
 
 @pytest.fixture(scope="module")
 def stuck_gateway(redis_url: str) -> Iterator[Gateway]:
-    """Sends to a queue no worker consumes: every task stays in flight until it times out."""
+    """Sends to a queue no worker consumes: every task stays in flight until it times out.
+
+    The timeout is how long the 429 test has, from its first request taking
+    the one slot, to see the slot taken (a /metrics poll) and send a second
+    request: 3 s was two HTTP round trips away from the slot's end on a loaded
+    machine."""
     gw = start_gateway(
         "api-stuck-gateway",
         redis_url,
-        {"RQ_API_QUEUE": "api-nobody-consumes", "RQ_API_MAX_INFLIGHT_TASKS": "1", "RQ_API_REQUEST_TIMEOUT_S": "3"},
+        {"RQ_API_QUEUE": "api-nobody-consumes", "RQ_API_MAX_INFLIGHT_TASKS": "1",
+         "RQ_API_REQUEST_TIMEOUT_S": str(STUCK_TIMEOUT_S)},
     )
     yield gw
     gw.proc.stop()
@@ -594,7 +604,14 @@ def _raw_post(body: dict[str, Any]) -> bytes:
 
 
 def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gateway) -> None:
-    max_tokens, dropped_prompts = 400, 8
+    # The abort must land before 90 % of the dropped prompts' tokens: from the
+    # moment they run, a control round trip to the busy worker (seen: 0.9 s
+    # while it generates), the disconnect, and the worker's next abort poll.
+    # 8 x 400 tokens took 2-3 s in all on a 2-core machine, 17 x 480 took 2.1 s
+    # once with the abort at 93 %: 64 x 480 make each engine step several
+    # times slower while those latencies stay. Once they are aborted only the
+    # kept prompt runs on.
+    max_tokens, dropped_prompts = MAX_MODEL_LEN - 32, 64
     params = {"model": MODEL, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
     before = _engine_stats()
     assert before["inflight_requests"] == 0, before
@@ -607,10 +624,15 @@ def test_a_dropped_request_is_aborted_and_its_batch_mate_finishes(gateway: Gatew
         kept.write(_raw_post({**params, "prompt": "kept"}))
         await asyncio.gather(dropped.drain(), kept.drain())
         answer = asyncio.ensure_future(kept_reader.read())  # until the gateway closes: the whole response
-        # Drop the first request once its prompts are in the engine (the
-        # worker's own count, set as they go in: no scheduler step to wait for).
+        # Drop the first request once its prompts generate: all in the engine
+        # (the worker's own count, set as they go in) and run by a step the
+        # engine reported (its first token each), so an abort landing at once
+        # still cuts requests that generated something.
+        def generating(stats: dict[str, Any]) -> bool:
+            return min(stats["inflight_requests"], stats["running_requests"]) >= dropped_prompts + 1
+
         deadline = time.monotonic() + 120
-        while (await asyncio.to_thread(_engine_stats))["inflight_requests"] < dropped_prompts + 1:
+        while not generating(await asyncio.to_thread(_engine_stats)):
             assert time.monotonic() < deadline and not answer.done(), "the batch never ran"
             await asyncio.sleep(0.1)
         dropped.close()

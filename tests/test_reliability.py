@@ -480,6 +480,16 @@ def test_a_worker_of_two_queues_blocks_on_its_first_and_still_sweeps_the_other(q
         with conn.Consumer([Queue(first), Queue(second)], accept=["json"],
                            callbacks=[lambda _body, msg: got.append(msg)]):
             channel = conn.default_channel
+            # Every fetch command the channel sends, as it sends it (where a
+            # drain's timeout falls between a sweep and a block is timing).
+            sent: list[tuple[str, str | None]] = []
+            start = channel._brpop_start
+
+            def recording_start(*args: Any, **kwargs: Any) -> None:
+                start(*args, **kwargs)
+                sent.append(channel._rq_pending)
+
+            channel._brpop_start = recording_start
             for queue in (first, second, first):
                 task.apply_async((["q"], {"max_tokens": 1}), queue=queue)
                 before = len(got)
@@ -487,11 +497,16 @@ def test_a_worker_of_two_queues_blocks_on_its_first_and_still_sweeps_the_other(q
                     conn.drain_events(timeout=5)
                 assert got[-1].delivery_info["routing_key"] == queue
                 # The next empty sweep, then the block: on the first queue,
-                # for at most the multi-queue block.
-                with pytest.raises(TimeoutError):
-                    conn.drain_events(timeout=0.3)
-                command, key = channel._rq_pending
-                assert command == "BLMOVE" and key == first, channel._rq_pending
+                # for at most the multi-queue block (then sweep, block, ...).
+                after = len(sent)
+                deadline = time.monotonic() + 30
+                while not any(command == "BLMOVE" for command, _ in sent[after:]):
+                    assert time.monotonic() < deadline, sent[after:]
+                    with pytest.raises(TimeoutError):
+                        conn.drain_events(timeout=0.3)
+                assert sent[after][0] == "EVAL", sent[after:]
+                blocks = {key for command, key in sent[after:] if command == "BLMOVE"}
+                assert blocks == {first}, sent[after:]
         for message in got:
             message.ack()
     assert channel.rq_multi_queue_block_s < channel.brpop_timeout
@@ -531,7 +546,9 @@ def test_one_reaper_of_the_fleet_sweeps_and_another_takes_over_when_it_stops(qui
     client.delete(keys.REAPER_SWEEP_LEASE)
     first, second = _reaper(quiet), _reaper(quiet)
     second.node = "reaper-2@tests"
-    first.interval_s = second.interval_s = 0.2  # a lease of 0.6 s
+    # A lease of 3 s: the checks below assume it does not run out between two
+    # Redis calls (at 0.6 s a loaded machine could stall that long).
+    first.interval_s = second.interval_s = 1.0
     assert first.holds_sweep_lease() and first.holds_sweep_lease(), "taken, then renewed"
     assert not second.holds_sweep_lease()
     assert client.get(keys.REAPER_SWEEP_LEASE) == "reaper@tests"

@@ -123,8 +123,9 @@ def test_tls_rediss_url_carries_tasks_registry_and_control(
     assert connect(settings).ping()  # the registry client, as workers and `status` use it
     assert run(producer, ["over tls"], {"max_tokens": 4})["worker"] == NODE
     app, _ = producer
+    # Returns at the first reply (limit); 5 s without one was tight on a loaded machine.
     replies = app.control.broadcast(keys.CONTROL_ENGINE, arguments={"op": "info", "args": {}},
-                                    destination=[NODE], reply=True, timeout=5)
+                                    destination=[NODE], reply=True, timeout=30, limit=1)
     assert replies and replies[0][NODE]["ok"]
     # A client that does not trust the certificate is refused.
     untrusting = redis_lib.Redis.from_url(secure_server.url, socket_connect_timeout=2)
