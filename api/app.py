@@ -41,12 +41,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api import checks, errors, translate
 from api import tokenize as token_routes
-from api.batcher import SignatureBatcher
+from api.batcher import Share, SignatureBatcher
 from api.checks import LimitsReader
 from api.metrics import GatewayMetrics
 from api.middleware import BodyLimit, RequestMetrics
 from api.results import ResultWatcher
 from api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from api.sessions import Sessions
 from api.settings import ApiSettings
 from api.stream_chunks import chat_events, completion_events
 from api.streaming import StreamRelay
@@ -111,19 +112,42 @@ class Gateway:
         self._registry = connect(client)
         self.limits = LimitsReader(self._live_workers, settings.queue, None, settings.limits_refresh_s)
         self._redis: aioredis.Redis | None = None  # abort sets
+        self.sessions = Sessions(client.redis_url.get_secret_value(), settings.queue)
 
-    def send(self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float) -> None:
-        """Enqueue one generate task (runs in a worker thread: kombu blocks)."""
+    def send(
+        self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float,
+        queue: str | None = None, headers: dict[str, Any] | None = None,
+    ) -> None:
+        """Enqueue one generate task (runs in a worker thread: kombu blocks). ``queue``: a
+        sticky session's worker queue (the reaper moves it back to ours if that worker dies)."""
+        headers = dict(headers or {})
+        if queue is not None and queue != self.settings.queue:
+            headers[keys.FALLBACK_QUEUE_HEADER] = self.settings.queue
         generate.apply_async(
-            (prompts, params), task_id=task_id, queue=self.settings.queue, expires=expires_s
+            (prompts, params), task_id=task_id, queue=queue or self.settings.queue, expires=expires_s,
+            headers=headers,
         )
 
-    def send_streamed(self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float) -> None:
+    def send_streamed(
+        self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float, queue: str | None = None,
+    ) -> None:
         """Enqueue one task whose worker publishes its tokens as they come (``tasks.streaming``)."""
-        generate.apply_async(
-            (prompts, params), task_id=task_id, queue=self.settings.queue, expires=expires_s,
-            headers={STREAM_HEADER: True},
-        )
+        self.send(prompts, params, task_id, expires_s, queue, {STREAM_HEADER: True})
+
+    async def route(self, request: Request, body: Any) -> tuple[str | None, str | None]:
+        """A request's session (``X-Session-ID``, else ``user``) and the queue its turn goes to."""
+        session = request.headers.get("x-session-id") or getattr(body, "user", None)
+        queue, route = await self.sessions.queue_for(session)
+        if session:
+            self.metrics.session_turns.labels(route=route).inc()
+        return session, (None if queue == self.settings.queue else queue)
+
+    async def remembering(self, session: str | None, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A streamed task's items, unchanged; the session's worker is recorded from the last."""
+        async for item in items:
+            if isinstance(item, Share):
+                await self.sessions.served(session, item.worker)
+            yield item
 
     async def abort(self, task_id: str, indices: list[int]) -> None:
         """Ask the task's worker to abort these prompts (their client went away)."""
@@ -173,6 +197,7 @@ class Gateway:
         await self.batcher.close()
         await self.relay.close()
         await self.watcher.close()
+        await self.sessions.close()
         if self._redis is not None:
             await self._redis.aclose()
 
@@ -232,13 +257,15 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
         kind, prompts = translate.completion_prompts(body)
         params = translate.completion_params(body)
         await gateway.admit(body, kind, prompts, params)
+        session, queue = await gateway.route(request, body)
         if body.stream:
-            items = gateway.relay.relay(kind, prompts, params)
+            items = gateway.remembering(session, gateway.relay.relay(kind, prompts, params, queue))
             first = await _unless_disconnected(request, anext(items))
             return _sse(completion_events(
                 body, first, items, gateway.namer, translate.new_id("cmpl"), translate.now(), params.n
             ), ignored)
-        share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params))
+        share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params, queue))
+        await gateway.sessions.served(session, share.worker)
         result = translate.completion_response(
             body, share, gateway.namer, translate.new_id("cmpl"), translate.now()
         )
@@ -252,13 +279,15 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
         prompts = translate.chat_prompts(body)
         params = translate.chat_params(body, settings.default_max_tokens)
         await gateway.admit(body, "chat", prompts, params)
+        session, queue = await gateway.route(request, body)
         if body.stream:
-            items = gateway.relay.relay("chat", prompts, params)
+            items = gateway.remembering(session, gateway.relay.relay("chat", prompts, params, queue))
             first = await _unless_disconnected(request, anext(items))
             return _sse(chat_events(
                 body, first, items, gateway.namer, translate.new_id("chatcmpl"), translate.now(), params.n
             ), ignored)
-        share = await _unless_disconnected(request, gateway.batcher.submit("chat", prompts, params))
+        share = await _unless_disconnected(request, gateway.batcher.submit("chat", prompts, params, queue))
+        await gateway.sessions.served(session, share.worker)
         result = translate.chat_response(
             body, share, gateway.namer, translate.new_id("chatcmpl"), translate.now()
         )

@@ -1,7 +1,8 @@
 """``SignatureBatcher``: concurrent requests with one sampling signature share one task.
 
 A request arrives with its prompts, their kind (text, chat, tokens) and its
-validated ``SamplingParams``. Its batch key is ``(kind, signature(params))``:
+validated ``SamplingParams`` (and, for a sticky session, the queue of its
+worker). Its batch key is ``(kind, signature(params), queue)``:
 one task carries one prompt kind and one signature, so requests with
 different signatures (or kinds) never share a task. The first request of a
 key opens a batch and starts a timer of ``batch_window_ms``; requests with
@@ -59,8 +60,9 @@ from tasks.signature import signature
 
 log = logging.getLogger("rollout_queue.api")
 
-# (prompts, params, task_id, expires_s) -> None; sends one generate task.
-Sender = Callable[[list[Any], SamplingParams, str, float], None]
+# (prompts, params, task_id, expires_s, queue) -> None; sends one generate task
+# (queue None: the gateway's own).
+Sender = Callable[[list[Any], SamplingParams, str, float, str | None], None]
 # (task_id, prompt indices) -> None; asks the task's worker to abort those prompts.
 Aborter = Callable[[str, list[int]], Awaitable[None]]
 
@@ -96,13 +98,14 @@ class _Batch:
     kind: PromptKind
     signature: str
     params: SamplingParams
+    queue: str | None = None  # a sticky session's worker queue; None: the gateway's
     waiters: list[_Waiter] = field(default_factory=list)
     prompts: int = 0
     timer: asyncio.TimerHandle | None = None
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.kind, self.signature)
+    def key(self) -> tuple[str, str, str | None]:
+        return (self.kind, self.signature, self.queue)
 
 
 class SignatureBatcher:
@@ -126,7 +129,7 @@ class SignatureBatcher:
         self.max_batch_prompts = max_batch_prompts
         self.max_inflight_tasks = max_inflight_tasks
         self.timeout_s = timeout_s
-        self._open: dict[tuple[str, str], _Batch] = {}
+        self._open: dict[tuple[str, str, str | None], _Batch] = {}
         self._inflight = 0  # tasks sent (or being sent) and not yet answered
         self._running: set[asyncio.Task[None]] = set()
 
@@ -138,10 +141,13 @@ class SignatureBatcher:
     def open_batches(self) -> int:
         return len(self._open)
 
-    async def submit(self, kind: PromptKind, prompts: list[Any], params: SamplingParams) -> Share:
-        """Queue ``prompts`` with ``params``; returns this request's outputs, in order."""
+    async def submit(
+        self, kind: PromptKind, prompts: list[Any], params: SamplingParams, queue: str | None = None,
+    ) -> Share:
+        """Queue ``prompts`` with ``params`` (for ``queue``: a sticky session's worker; None:
+        the gateway's); returns this request's outputs, in order."""
         sig = signature(params)
-        key = (kind, sig)
+        key = (kind, sig, queue)
         batch = self._open.get(key)
         if batch is not None and batch.prompts + len(prompts) > self.max_batch_prompts:
             self._flush(batch)
@@ -153,7 +159,7 @@ class SignatureBatcher:
                     f"the gateway has {self.max_inflight_tasks} generate tasks in flight "
                     "(RQ_API_MAX_INFLIGHT_TASKS); retry later"
                 )
-            batch = _Batch(kind=kind, signature=sig, params=params)
+            batch = _Batch(kind=kind, signature=sig, params=params, queue=queue)
             self._open[key] = batch
             loop = asyncio.get_running_loop()
             batch.timer = loop.call_later(self.window_s, self._flush, batch)
@@ -263,7 +269,7 @@ class SignatureBatcher:
         started = time.monotonic()
         self._watcher.expect(task_id)
         try:
-            await asyncio.to_thread(self._send, prompts, batch.params, task_id, self.timeout_s)
+            await asyncio.to_thread(self._send, prompts, batch.params, task_id, self.timeout_s, batch.queue)
         except BaseException:
             self._watcher.forget(task_id)
             raise

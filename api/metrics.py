@@ -57,6 +57,11 @@ class GatewayMetrics:
         self.open_batches = Gauge(
             f"{PREFIX}_open_batches", "Batches collecting requests, not yet sent", registry=r
         )
+        self.session_turns = Counter(
+            f"{PREFIX}_session_turns",
+            "Requests with a session key, by route: sticky (its worker's queue), shared (that worker "
+            "gone, busy or not sticky), new (no earlier turn known)", ["route"], registry=r,
+        )
         self.rejected = Counter(
             f"{PREFIX}_rejected", "Requests refused before a task was sent", ["reason"], registry=r
         )

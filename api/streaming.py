@@ -34,7 +34,8 @@ from tasks.streaming import IDLE_CHECK_S, StreamFollower
 log = logging.getLogger("rollout_queue.api")
 
 # (prompts, params, task_id, expires_s) -> None; sends one streamed generate task.
-StreamSender = Callable[[list[Any], SamplingParams, str, float], None]
+# (prompts, params, task_id, expires_s, queue) -> None
+StreamSender = Callable[[list[Any], SamplingParams, str, float, str | None], None]
 Aborter = Callable[[str, list[int]], Awaitable[None]]
 
 
@@ -73,9 +74,10 @@ class StreamRelay:
             await self._redis.aclose()
 
     async def relay(
-        self, kind: PromptKind, prompts: list[Any], params: SamplingParams
+        self, kind: PromptKind, prompts: list[Any], params: SamplingParams, queue: str | None = None,
     ) -> AsyncIterator[SampleDelta | Share]:
-        """Send the task; yield its deltas as they come, then its ``Share`` (whole result)."""
+        """Send the task (to ``queue``; None: the gateway's); yield its deltas as they come,
+        then its ``Share`` (whole result)."""
         if self.open_streams >= self.max_streams:
             raise GatewaySaturated(
                 f"the gateway has {self.max_streams} streams open (API_MAX_INFLIGHT_TASKS); retry later"
@@ -87,7 +89,7 @@ class StreamRelay:
         result: asyncio.Task[Any] | None = None
         try:
             try:
-                await asyncio.to_thread(self._send, prompts, params, task_id, self.timeout_s)
+                await asyncio.to_thread(self._send, prompts, params, task_id, self.timeout_s, queue)
             except BaseException:
                 self._watcher.forget(task_id)
                 raise

@@ -6,6 +6,8 @@ between the producer, the worker and the trainer.
 
 from __future__ import annotations
 
+import hashlib
+
 GENERATE_TASK = "rollout_queue.generate"
 GENERATE_QUEUE = "generate"
 
@@ -146,3 +148,26 @@ def progress_key(task_id: str) -> str:
     """A running ``generate`` task's checkpointed samples (workers/progress.py):
     a hash of ``<prompt>:<sample>`` → the sample's tokens so far; expires."""
     return f"{PREFIX}:progress:{task_id}"
+
+
+# Sticky sessions (api/sessions.py): each worker also consumes a queue of its
+# own, which the gateway sends a session's next turn to; a session key names
+# the worker that served its last turn. A message in a dead worker's own queue
+# goes to the queue in its FALLBACK_QUEUE_HEADER (workers/reaper.py).
+NODE_QUEUE_PREFIX = "rq.node."
+NODE_QUEUE_PATTERN = f"{NODE_QUEUE_PREFIX}*"
+FALLBACK_QUEUE_HEADER = "rq_fallback_queue"
+SESSION_TTL_S = 3600
+
+
+def node_queue(node: str) -> str:
+    return f"{NODE_QUEUE_PREFIX}{node}"
+
+
+def node_of_queue(queue: str) -> str:
+    return queue.removeprefix(NODE_QUEUE_PREFIX)
+
+
+def session_key(session: str) -> str:
+    digest = hashlib.sha256(session.encode()).hexdigest()[:32]  # any client string, bounded
+    return f"{PREFIX}:session:{digest}"

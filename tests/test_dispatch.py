@@ -1,6 +1,7 @@
 """Dispatch by engine room (``workers.intake``): a worker takes a task only
 when its engine has room, so idle workers share a burst and a smaller one
-gets proportionally less.
+gets proportionally less. And sticky sessions: a conversation's next turn
+goes to the worker that served its last (``api.sessions``).
 
 Two workers on a queue and pool of their own (``disp``), both idle when a
 burst of tasks is sent at once: ``disp-4`` fetches while its engine holds
@@ -17,12 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tasks.control import engine_command
 from tasks.generate import generate
 from tests.conftest import WorkerStarter, worker_registered
 from tests.procs import ARTIFACTS, Proc
+from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 from workers.engine_stats import StatsSnapshot
 from workers.intake import Intake
 
@@ -47,7 +50,7 @@ def own_queue(node: str) -> str:
 def disp_workers(start_worker: WorkerStarter, model_a: Path, redis_client: Any) -> Iterator[list[Proc]]:
     procs = [
         start_worker(model_a, node, queue=f"{QUEUE},{own_queue(node)}", pool=POOL, max_inflight=16,
-                     extra=["--intake-sequences", str(budget)], wait=False)
+                     extra=["--intake-sequences", str(budget), "--sticky-sessions"], wait=False)
         for node, budget in BUDGETS.items()
     ]
     for proc, node in zip(procs, BUDGETS, strict=True):  # both engines load at once
@@ -160,3 +163,105 @@ def test_the_intake_takes_one_task_at_a_time_while_the_engine_has_room() -> None
     intake.entered("b")
     intake.entered("b")  # idempotent: a task that ends after its requests went in
     assert intake.has_room(), "nothing is between the fetch and the engine"
+
+
+# --------------------------------------------------------- sticky sessions
+
+
+@pytest.fixture(scope="module")
+def session_gateway(redis_url: str, disp_workers: list[Proc]) -> Iterator[Gateway]:
+    gw = start_gateway("api-session-gateway", redis_url, {"RQ_API_QUEUE": QUEUE})
+    yield gw
+    gw.proc.stop()
+
+
+def _turn(gateway: Gateway, session: str, turn: int, via: str = "header") -> str:
+    """One chat turn of ``session``; the worker that served it."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                            "messages": [{"role": "user", "content": f"{session} turn {t}"} for t in range(turn + 1)]}
+    headers = {"X-Session-ID": session} if via == "header" else {}
+    if via == "user":
+        body["user"] = session
+    response = httpx.post(f"{gateway.base}/v1/chat/completions", json=body, headers=headers, timeout=RESULT_TIMEOUT)
+    assert response.status_code == 200, response.text
+    return str(response.json()["rollout"]["worker"])
+
+
+def _session_turns(gateway: Gateway) -> dict[str, float]:
+    text = httpx.get(f"{gateway.base}/metrics", timeout=10).text
+    return {route: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            for route in ("new", "sticky", "shared") if line.startswith(f'rollout_queue_api_session_turns_total{{route="{route}"}}')}
+
+
+def test_every_turn_of_a_session_goes_to_the_worker_that_served_its_first(session_gateway: Gateway) -> None:
+    sessions = {f"s{i}": ("header" if i % 2 else "user") for i in range(8)}
+    first = {s: _turn(session_gateway, s, 0, via) for s, via in sessions.items()}
+    for turn in (1, 2, 3):
+        for session, via in sessions.items():
+            assert _turn(session_gateway, session, turn, via) == first[session], (session, turn)
+    # Idle workers with room: every later turn went to its worker's own queue.
+    assert _session_turns(session_gateway) == {"new": 8, "sticky": 24}, _session_turns(session_gateway)
+
+
+def test_a_session_whose_worker_is_gone_or_busy_goes_to_the_shared_queue(
+    session_gateway: Gateway, redis_client: Any,
+) -> None:
+    from tasks import keys
+
+    before = _session_turns(session_gateway)
+    redis_client.set(keys.session_key("orphan"), "gone@tests", ex=60)  # a worker no longer registered
+    served = _turn(session_gateway, "orphan", 1)
+    assert served in BUDGETS
+    assert redis_client.get(keys.session_key("orphan")) == served  # sticky from here on
+    assert _session_turns(session_gateway)["shared"] == before.get("shared", 0) + 1
+
+
+def test_the_route_skips_a_worker_that_is_busy_fenced_or_not_sticky(redis_client: Any, redis_url: str) -> None:
+    import asyncio
+    import time
+
+    from api.sessions import Sessions
+    from tasks import keys
+    from tasks.schemas import WorkerInfo
+
+    def registered(node: str, **fields: Any) -> None:
+        info = WorkerInfo.model_validate({
+            "node": node, "model": "m", "device": "cpu", "dtype": "float32", "state": "serving",
+            "queues": [QUEUE, keys.node_queue(node)], "heartbeat_at": time.time(), **fields})
+        redis_client.set(keys.worker_key(node), info.model_dump_json(), ex=30)
+        redis_client.set(keys.session_key(node), node, ex=30)  # a session named after its worker
+
+    registered("route-idle@tests")
+    registered("route-busy@tests", waiting_requests=3)  # its running batch is full
+    registered("route-fenced@tests", state="fenced")
+    registered("route-plain@tests", queues=[QUEUE])  # not started with --sticky-sessions
+
+    async def routes() -> dict[str, tuple[str, str]]:
+        sessions = Sessions(redis_url, QUEUE)
+        try:
+            return {name: await sessions.queue_for(name) for name in
+                    ("route-idle@tests", "route-busy@tests", "route-fenced@tests", "route-plain@tests",
+                     "never-seen", "")}
+        finally:
+            await sessions.close()
+
+    try:
+        assert asyncio.run(routes()) == {
+            "route-idle@tests": (keys.node_queue("route-idle@tests"), "sticky"),
+            "route-busy@tests": (QUEUE, "shared"), "route-fenced@tests": (QUEUE, "shared"),
+            "route-plain@tests": (QUEUE, "shared"), "never-seen": (QUEUE, "new"), "": (QUEUE, "new"),
+        }
+    finally:
+        for node in ("route-idle@tests", "route-busy@tests", "route-fenced@tests", "route-plain@tests"):
+            redis_client.delete(keys.worker_key(node), keys.session_key(node))
+
+
+def test_a_turn_left_in_a_dead_workers_own_queue_is_moved_to_the_shared_queue(disp_workers: list[Proc]) -> None:
+    from tasks import keys
+
+    # Sent as the gateway sends a sticky turn, to a worker that died before taking it.
+    handle = generate.apply_async((["left behind"], {"max_tokens": 4, "ignore_eos": True}),
+                                  queue=keys.node_queue("ghost@tests"), headers={keys.FALLBACK_QUEUE_HEADER: QUEUE})
+    # The reapers (in the disp workers) find the queue, wait the grace (10 s), move it.
+    result = handle.get(timeout=120)
+    assert result["worker"] in BUDGETS and result["usage"]["completion_tokens"] == 4

@@ -173,6 +173,8 @@ def _worker_parser(sub: Any) -> None:
     _add_setting(w, "--log-level", "log level")
     _switch(w, "--insecure-control", "start without RQ_WEIGHT_SYNC_SECRET: accept unsigned control "
             "commands from any Redis client (loopback-only setups)")
+    _switch(w, "--sticky-sessions", "also consume this worker's own queue, where the gateway sends "
+            "the next turn of a session it served (its prefix cache holds the conversation)")
     _switch(w, "--allow-celery-control", "accept Celery's unsigned state-changing control commands "
             "(shutdown, pool_restart, add_consumer...)")
     w.set_defaults(func=_worker)

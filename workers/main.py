@@ -121,7 +121,7 @@ def run_worker(settings: WorkerSettings) -> int:
         hostname=settings.name,
         pool="threads",
         concurrency=settings.max_inflight,
-        queues=settings.queues,
+        queues=settings.consumed_queues,
         loglevel=settings.log_level.upper(),
         without_gossip=True,
         without_mingle=True,

@@ -229,6 +229,9 @@ class Reaper:
                  for k in self.client.scan_iter(match=keys.INFLIGHT_KEY_PATTERN, count=500)}
         nodes |= {keys.node_of_processing_key(_text(k))
                   for k in self.client.scan_iter(match=keys.PROCESSING_KEY_PATTERN, count=500)}
+        # A worker's own queue (sticky sessions), priority suffixes aside (kombu's "\x06\x16" sep).
+        nodes |= {keys.node_of_queue(_text(k).split("\x06\x16", 1)[0])
+                  for k in self.client.scan_iter(match=keys.NODE_QUEUE_PATTERN, count=500)}
         others = sorted(n for n in nodes if n != self.node)
         alive = self.client.mget([keys.worker_key(n) for n in others]) if others else []
         now = time.monotonic()
@@ -274,6 +277,10 @@ class Reaper:
                     self._isolated(report, self._restore_fetched, channel, processing, item)
                 for raw_tag in sorted(self.client.smembers(ledger)):
                     self._isolated(report, self._restore_one, channel, ledger, _text(raw_tag))
+                if node != self.node:  # its own queue: a restarted node serves it again itself
+                    for queue in [channel._q_for_pri(keys.node_queue(node), p) for p in channel.priority_steps]:
+                        for _ in range(channel.client.llen(queue)):
+                            self._isolated(report, self._reroute, channel, queue)
             if not report.errors:  # else the ledger still names what is left to restore
                 self.client.delete(ledger)  # (an emptied processing list is gone by itself)
         finally:
@@ -446,6 +453,35 @@ class Reaper:
                         pipe.expire(counter, self.counter_ttl_s)
                     pipe.execute()
                     return "restored", task_id
+                except redis.WatchError:
+                    continue
+
+    @staticmethod
+    def _reroute(channel: Any, queue: str) -> tuple[str, str]:
+        """The oldest message of a dead worker's own queue → the shared queue it was routed
+        past (its ``FALLBACK_QUEUE_HEADER``), atomically; not a redelivery: nobody ran it."""
+        with channel.client.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(queue)
+                    item = pipe.lindex(queue, -1)  # consumers pop from the right: the oldest
+                    if item is None:
+                        return "gone", ""
+                    try:
+                        payload = loads(bytes_to_str(item))
+                        headers = payload.get("headers") or {}
+                        fallback = str(headers.get(keys.FALLBACK_QUEUE_HEADER) or keys.GENERATE_QUEUE)
+                        task_id = str(headers.get("id") or "")
+                        payload.setdefault("properties", {}).setdefault("delivery_info", {}).update(
+                            exchange="", routing_key=fallback)
+                        target, moved = fallback, dumps(payload)
+                    except Exception:  # noqa: BLE001  unreadable: dead-lettered, not lost
+                        target, moved, task_id = keys.dead_letters(queue), item, "undecodable item"
+                    pipe.multi()
+                    pipe.rpop(queue)
+                    pipe.rpush(target, moved)  # the served end: it waited its turn already
+                    pipe.execute()
+                    return ("restored" if target != keys.dead_letters(queue) else "dead-lettered"), task_id
                 except redis.WatchError:
                     continue
 

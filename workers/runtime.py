@@ -96,7 +96,7 @@ class WorkerRuntime:
             self._consuming = on
             return
         self._consuming = on
-        for queue in self.settings.queues:
+        for queue in self.settings.consumed_queues:
             if on:
                 self.consumer.call_soon(self.consumer.add_task_queue, queue)
             else:
@@ -111,7 +111,7 @@ class WorkerRuntime:
         return WorkerInfo(
             node=self.node,
             pool=self.settings.pool,
-            queues=self.settings.queues,
+            queues=self.settings.consumed_queues,
             model=self.settings.model,
             device=self.settings.device,
             dtype=self.host.dtype,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from celery.utils.nodenames import host_format
 from pydantic import Field, field_validator
 
+from tasks.keys import node_queue
 from tasks.settings import ClientSettings
 
 
@@ -82,11 +83,21 @@ class WorkerSettings(EngineSettings):
     # A fault for tests (RQ_FAULT_DIE_BEFORE_ACK=1): the worker kills itself with
     # SIGKILL when it would ack a task it ran, its result already stored.
     fault_die_before_ack: bool = False
+    # Also consume a queue of this worker's own, where the gateway sends the
+    # next turn of a session this worker served (its prefix cache holds the
+    # conversation). Off by default: a worker of two queues polls the second
+    # (workers/reliable_redis.py: rq_multi_queue_block_s).
+    sticky_sessions: bool = False
 
     @field_validator("name")
     @classmethod
     def _expand_node_name(cls, name: str) -> str:
         return host_format(name)
+
+    @property
+    def consumed_queues(self) -> list[str]:
+        """``queues``, and with ``sticky_sessions`` the worker's own queue (``keys.node_queue``)."""
+        return [*self.queues, node_queue(self.name)] if self.sticky_sessions else list(self.queues)
 
     def control_secret(self) -> str | None:
         """The HMAC key of signed commands; None when unset or empty."""
