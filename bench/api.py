@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -32,7 +31,6 @@ import openai
 
 from tasks.generate import generate
 from tasks.schemas import SamplingParams
-from workers.localstack import LocalProcess, free_port
 
 MODEL_NAME = "bench"
 DEFAULTS = {
@@ -43,40 +41,9 @@ DEFAULTS = {
 }
 
 
-def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
-def start_gateway(stack: Any, window_ms: float) -> tuple[LocalProcess, str]:
-    port = free_port()
-    env = {
-        "REDIS_URL": stack.redis_url,
-        "RQ_API_QUEUE": stack.queue,
-        "RQ_API_HOST": "127.0.0.1",
-        "RQ_API_PORT": str(port),
-        "RQ_API_MODEL_NAME": MODEL_NAME,
-        "RQ_API_BATCH_WINDOW_MS": str(window_ms),
-        "RQ_API_LOG_LEVEL": "warning",
-    }
-    argv = [sys.executable, "-m", "workers", "api"]
-    proc = LocalProcess("gateway", argv, benchlib.ROOT / ".run" / "bench" / "gateway.log", env)
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{base}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    proc.wait_until(healthy, 120, "the gateway to answer /health")
-    return proc, base
-
 
 def tasks_sent(base: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("rq_api_tasks_total{"))
-
+    return sum(benchlib.gateway_counter(base, "tasks").values())
 
 def latency_legs(stack: Any, base: str, prompts: list[list[int]], max_tokens: int, warmup: int
                  ) -> tuple[list[float], list[float]]:
@@ -156,7 +123,7 @@ def main() -> None:
     gateway_tasks: list[int] = []
     # Enough threads that one-task-per-prompt is never held back by the worker.
     with benchlib.queue_stack(args, settings, max_inflight=max(64, args.prompts)) as stack:
-        gateway, base = start_gateway(stack, args.window_ms)
+        gateway, base = benchlib.start_gateway(stack, MODEL_NAME, env={"RQ_API_BATCH_WINDOW_MS": str(args.window_ms)})
         try:
             benchlib.log("latency legs")
             direct_ms, gateway_ms = latency_legs(stack, base, latency_prompts, args.latency_tokens, warmup)
@@ -175,8 +142,8 @@ def main() -> None:
                 order = order[1:] + order[:1]  # each leg goes first in turn: load drift cancels
         finally:
             gateway.stop()
-    d50, d99 = statistics.median(direct_ms), percentile(direct_ms, 99)
-    g50, g99 = statistics.median(gateway_ms), percentile(gateway_ms, 99)
+    d50, d99 = statistics.median(direct_ms), benchlib.percentile(direct_ms, 99)
+    g50, g99 = statistics.median(gateway_ms), benchlib.percentile(gateway_ms, 99)
     tps = {leg: statistics.mean(values) for leg, values in legs.items()}
     record = {
         "bench": "api",

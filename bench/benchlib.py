@@ -22,6 +22,7 @@ import platform
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -201,3 +202,47 @@ def emit(record: dict[str, Any], args: argparse.Namespace) -> None:
         load_1m=round(os.getloadavg()[0], 1),
     )
     print(json.dumps(record), flush=True)
+
+
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def start_gateway(stack: Any, model_name: str, queue: str | None = None,
+                  env: dict[str, str] | None = None) -> tuple[Any, str]:
+    """A ``rollout-queue api`` subprocess in front of ``stack``'s queue; (process, base URL)."""
+    import httpx
+
+    from workers.localstack import LocalProcess, free_port
+
+    port = free_port()
+    full_env = {
+        "REDIS_URL": stack.redis_url, "RQ_API_QUEUE": queue or stack.queue, "RQ_API_HOST": "127.0.0.1",
+        "RQ_API_PORT": str(port), "RQ_API_MODEL_NAME": model_name, "RQ_API_LOG_LEVEL": "warning",
+        **(env or {}),
+    }
+    proc = LocalProcess("gateway", [sys.executable, "-m", "workers", "api"], ROOT / ".run" / "bench" / "gateway.log",
+                        full_env)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    proc.wait_until(healthy, 120, "the gateway to answer /health")
+    return proc, base
+
+
+def gateway_counter(base: str, name: str) -> dict[str, float]:
+    """A counter of the gateway's /metrics (``rollout_queue_api_<name>_total``), by its label set."""
+    import httpx
+
+    prefix = f"rollout_queue_api_{name}_total"
+    found: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix):
+            labels, value = line[len(prefix):].rsplit(" ", 1)
+            found[labels] = float(value)
+    return found

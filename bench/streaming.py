@@ -31,12 +31,10 @@ import time
 from typing import Any
 
 import benchlib
-import httpx
 import openai
 
 from tasks.generate import generate
 from tasks.schemas import GenerateRequest, SampleDelta, SamplingParams
-from workers.localstack import LocalProcess, free_port
 
 MODEL_NAME = "bench"
 
@@ -46,28 +44,6 @@ DEFAULTS = {
     "cuda": {"iterations": 200, "input_len": 128, "latency_tokens": 128, "prompts": 512,
              "output_len": 256, "rounds": 3},
 }
-
-
-def start_gateway(stack: Any) -> tuple[LocalProcess, str]:
-    port = free_port()
-    env = {"REDIS_URL": stack.redis_url, "RQ_API_QUEUE": stack.queue, "RQ_API_HOST": "127.0.0.1",
-           "RQ_API_PORT": str(port), "RQ_API_MODEL_NAME": MODEL_NAME, "RQ_API_LOG_LEVEL": "warning"}
-    argv = [sys.executable, "-m", "workers", "api"]
-    proc = LocalProcess("gateway", argv, benchlib.ROOT / ".run" / "bench" / "gateway.log", env)
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{base}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    proc.wait_until(healthy, 120, "the gateway to answer /health")
-    return proc, base
-
-
-def percentile(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def arrivals_direct(host: Any, ids: list[int], params: SamplingParams) -> list[tuple[float, int]]:
@@ -126,9 +102,9 @@ def summarize(runs: list[list[tuple[float, int]]]) -> dict[str, float]:
             gaps += [0.0] * (tokens - 1) + [(at - before) * 1000]
     return {
         "ttft_p50_ms": round(statistics.median(ttft), 2),
-        "ttft_p99_ms": round(percentile(ttft, 99), 2),
+        "ttft_p99_ms": round(benchlib.percentile(ttft, 99), 2),
         "gap_p50_ms": round(statistics.median(gaps), 2),
-        "gap_p99_ms": round(percentile(gaps, 99), 2),
+        "gap_p99_ms": round(benchlib.percentile(gaps, 99), 2),
         "chunks_per_request": round(statistics.mean(len(run) for run in runs), 1),
     }
 
@@ -175,7 +151,7 @@ def main() -> None:
     one_token_task_ms: list[float] = []
     tok_s: dict[str, list[float]] = {"plain": [], "streamed": []}
     with benchlib.queue_stack(args, settings) as stack:
-        gateway, base = start_gateway(stack)
+        gateway, base = benchlib.start_gateway(stack, MODEL_NAME)
         host = EngineHost(settings)
         try:
             benchlib.log("loading the direct engine")

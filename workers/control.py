@@ -95,6 +95,8 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
             "kv_cache_usage": info.kv_cache_usage,
             "waiting_requests": info.waiting_requests,
             "running_requests": host.stats.snapshot().running_requests,
+            "prefix_cache_queries": host.stats.snapshot().prefix_cache_queries,
+            "prefix_cache_hits": host.stats.snapshot().prefix_cache_hits,
             "unfinished_sequences": host.unfinished_sequences(),
             "intake_sequences": runtime.intake.budget,
             "intake_peak_sequences": runtime.intake.peak_sequences,

@@ -25,6 +25,9 @@ class StatsSnapshot:
     waiting_requests: int = 0
     prompt_tokens: int = 0  # totals since the engine started
     generation_tokens: int = 0
+    # Prompt tokens looked up in the prefix cache, and those found (totals).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     updated_at: float = 0.0  # time.time() of the last engine step reported
 
 
@@ -36,6 +39,8 @@ class EngineStats:
         self._per_engine: dict[int, tuple[float, int, int]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
         self._updated_at = 0.0
 
     def record(self, engine_index: int, scheduler: Any, iteration: Any) -> None:
@@ -46,6 +51,10 @@ class EngineStats:
                     int(scheduler.num_running_reqs),
                     int(scheduler.num_waiting_reqs),
                 )
+                prefix = getattr(scheduler, "prefix_cache_stats", None)
+                if prefix is not None:
+                    self._prefix_queries += int(prefix.queries)
+                    self._prefix_hits += int(prefix.hits)
             if iteration is not None:
                 self._prompt_tokens += int(iteration.num_prompt_tokens)
                 self._generation_tokens += int(iteration.num_generation_tokens)
@@ -60,6 +69,8 @@ class EngineStats:
                 waiting_requests=sum(waiting for _, _, waiting in engines),
                 prompt_tokens=self._prompt_tokens,
                 generation_tokens=self._generation_tokens,
+                prefix_cache_queries=self._prefix_queries,
+                prefix_cache_hits=self._prefix_hits,
                 updated_at=self._updated_at,
             )
 
