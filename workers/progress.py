@@ -282,7 +282,8 @@ class TaskCheckpointer:
         self.units[rid] = unit
 
     def observe(self, rid: str, completion: Any) -> None:
-        """A request's cumulative output for one sample (engine loop)."""
+        """One sample of a request, all its tokens so far (engine loop; the object
+        grows in place as later deltas are merged into it)."""
         key = (rid, completion.index)
         self._latest[key] = completion
         grown = len(completion.token_ids) - self._saved_len.get(key, 0)
