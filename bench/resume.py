@@ -55,6 +55,9 @@ def main() -> None:
     p = benchlib.parser(__doc__)
     benchlib.add_workload_args(p)
     p.add_argument("--checkpoint-tokens", type=int, default=64)
+    p.add_argument("--stream-interval", type=int,
+                   help="vLLM's engine-level --stream-interval for both workers (for a vLLM without "
+                        "the per-request one, < 0.32: what checkpoints then cost without per-step outputs)")
     p.add_argument("--kill-prompts", type=int, help="prompts of the killed task (default: 8 CPU, 64 GPU)")
     p.add_argument("--kill-output-len", type=int, help="its max_tokens (default: 512 CPU, 768 GPU)")
     args = p.parse_args()
@@ -76,7 +79,8 @@ def main() -> None:
             model=settings.model, device=settings.device, dtype=settings.dtype,
             max_model_len=max(settings.max_model_len or 0, args.input_len + kill_len + 8),
             max_inflight=256, gpu_memory_utilization=settings.gpu_memory_utilization,
-            extra=["--checkpoint-tokens", str(checkpoint_tokens)],
+            extra=["--checkpoint-tokens", str(checkpoint_tokens),
+                   *(["--stream-interval", str(args.stream_interval)] if args.stream_interval else [])],
             env={"RQ_REGISTRY_TTL_S": "6", "RQ_REAP_GRACE_S": "4"},
         )
 
@@ -157,7 +161,7 @@ def main() -> None:
     benchlib.emit(
         {
             "bench": "resume",
-            "checkpoint_tokens": interval,
+            "checkpoint_tokens": interval, "stream_interval": args.stream_interval,
             "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
             "rounds": args.rounds,
             "tok_s_without": round(without, 1),
