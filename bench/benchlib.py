@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # does not slow the measured one (on 2 cores it does, by a lot).
 IDLE_S = 1.2
 
-# Per device: the engine config and the workload of DESIGN.md / issue 7.
+# Per device: the engine config and the workload (docs/BENCHMARKS.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.1,
             "prompts": 256, "input_len": 32, "output_len": 64, "prompts_per_task": 32, "rounds": 5},

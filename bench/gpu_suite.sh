@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU set, on the lent two-H200 machine with vLLM staged (../shared/device/stage-vllm):
+# The GPU set, on a two-H200 machine with vLLM 0.24.0 and the project's dependencies installed:
 #   bash bench/gpu_suite.sh [tests|sync|pattern|throughput|latency|scaling|resume ...]   (default: all)
 # Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside
 # (sync: per-bucket traces of the trainer in sync.log, of the worker in sync-worker.log;

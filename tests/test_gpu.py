@@ -7,7 +7,7 @@ generation and signed-control tests run and the NCCL sync tests are skipped
 (NCCL refuses two ranks of one communicator on one GPU). Generation goes through
 the queue; weight sync goes over NCCL into two workers, one loading with
 vLLM's layerwise reload and one with direct ``load_weights``. Greedy tokens
-are not compared in bf16 (not stable on random weights, DESIGN.md): weight
+are not compared in bf16 (not stable on random weights, docs/DEPLOYMENT.md): weight
 checksums and prompt logprobs within a tolerance are.
 """
 

@@ -4,7 +4,7 @@ vLLM's CPU backend replaces every linear layer's weight, once loaded, with a
 GEMM handle (oneDNN, or sgl's packed format for small ones) and drops the
 plain tensor. A weight sync then has to rebuild each layer and pack it again
 (layerwise reload): on the 2-core test machine that repacking is most of a
-0.5B sync (DESIGN.md). With plain weights the layers keep their tensors and
+0.5B sync (docs/BENCHMARKS.md). With plain weights the layers keep their tensors and
 multiply with ``torch.nn.functional.linear``: a sync loads directly, and
 receives most tensors straight into the parameters (``workers/inplace.py``).
 The price is the packed GEMM's speed in generation (0.5B fp32 on the 2-core

