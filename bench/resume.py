@@ -139,7 +139,9 @@ def main() -> None:
         kept = saved_lengths(client, handle.id)
         lost = []
         for name, length in kept.items():
-            changes = [(t, lens[name]) for t, lens in history if name in lens]
+            # From the first full interval on: a request's first output (1 token) is saved
+            # with the first write of another sample, and would inflate the rate.
+            changes = [(t, lens[name]) for t, lens in history if lens.get(name, 0) >= interval] or [(killed_at, length)]
             (t0, n0), (t1, n1) = changes[0], changes[-1]
             rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
             lost.append(max(0.0, min(kill_len - length, rate * (killed_at - t1))))
