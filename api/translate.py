@@ -346,15 +346,7 @@ def completion_response(
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
             prompt_logprobs=_vllm_prompt_logprobs(output, namer) if request.prompt_logprobs is not None else None,
         ))
-    return Completion(
-        id=response_id,
-        created=created,
-        model=request.model,
-        system_fingerprint=fingerprint(share),
-        choices=choices,
-        usage=usage(share.outputs),
-        rollout=rollout_info(share),
-    )
+    return Completion(choices=choices, **_envelope(request.model, share, response_id, created))
 
 
 def _without_generated(share: Share) -> Share:
@@ -439,15 +431,15 @@ def chat_response(
             token_ids=sample.token_ids if request.return_token_ids else None,
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
         ))
-    return ChatCompletion(
-        id=response_id,
-        created=created,
-        model=request.model,
-        system_fingerprint=fingerprint(share),
-        choices=choices,
-        usage=usage(share.outputs),
-        rollout=rollout_info(share),
-    )
+    return ChatCompletion(choices=choices, **_envelope(request.model, share, response_id, created))
+
+
+def _envelope(model: str, share: Share, response_id: str, created: int) -> dict[str, Any]:
+    """What completions and chat completions answer alike, beside their choices."""
+    return {
+        "id": response_id, "created": created, "model": model, "system_fingerprint": fingerprint(share),
+        "usage": usage(share.outputs), "rollout": rollout_info(share),
+    }
 
 
 def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str, Any]:
