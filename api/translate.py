@@ -190,21 +190,13 @@ def _params(
     if request.stop is not None:
         fields["stop"] = request.stop
     fields.update(forced or _structured(request))
-    try:
-        params = SamplingParams.model_validate(fields)
+    try:  # SamplingParams' own rules (n > 1 needs sampling, ...), said as the request's
+        return SamplingParams.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         param = ".".join(str(part) for part in error["loc"]) or None
         message = error["msg"].removeprefix("Value error, ")
         raise BadRequest(f"{param}: {message}" if param else message, param) from exc
-    if params.n > 1 and params.temperature == 0:
-        # vLLM refuses it in the worker; say so before anything is queued.
-        raise BadRequest(
-            f"n={params.n} with temperature=0 would give {params.n} identical samples; "
-            "vLLM refuses greedy sampling with n > 1: use n=1 or a temperature above 0",
-            "n",
-        )
-    return params
 
 
 def _structured(request: _Sampling) -> dict[str, Any]:
