@@ -1,6 +1,6 @@
-"""Weight sync, trainer side: push new policy weights into every worker.
+"""The sending end of the weight sync (the trainer): push new weights into every worker.
 
-    report = sync_weights.broadcast(model, version=7, pause="wait")
+    report = sync_weights.broadcast(model, version=7, pause="wait")   # tasks.sync_weights
 
 The protocol, in the order :meth:`WeightSender.sync` runs it::
 
@@ -16,10 +16,13 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
                   one broadcast control ────────► → "accepted" ack (ok or refused, Redis list)
                   message: SyncPlan (epoch,        pause: close intake, pause engine if busy
                   version, pause, store, members,  (wait | keep | abort) → "ready" ack (same list)
-                  manifest digest, HMAC)
+                  manifest digest, the workers'
+                  deadlines, HMAC)
       ready       wait for "ready" acks; drop the
                   silent; decision → TCPStore ───► read the decision (roster, offsets, world)
-    4 transfer    join/reuse the process group ◄──► rq_update, one engine call: join/reuse,
+    4 transfer    join/reuse the process group ◄──► rq_update(UpdateRequest), one engine call
+                  (weight_sync.wire: both ends       (weight_sync.receiver): join/reuse,
+                  walk iter_buckets)
                   send each bucket in pieces:       receive each piece in place or into a
                   big tensors straight from         pooled buffer and load it (layerwise or
                   memory, the rest packed (two      direct), check every entry arrived,
@@ -29,10 +32,13 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
     5 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
                   pool's fleet version              resume, open intake → "done" ack
 
-Every phase has a deadline (``SyncTimeouts``). A worker that is silent or
-fails is named in the ``WeightSyncError`` the trainer raises once the others
-have committed; it fences itself until a later sync catches it up. The
-process group is kept between syncs while the roster is unchanged.
+Every phase has a deadline: the trainer's in ``SyncTimeouts``, the workers'
+(``WorkerTimeouts``) in the plan. A worker's failure travels as a kind and a
+message (``SyncFailure``), raised here as its class of ``tasks.errors``. A
+worker that is silent or fails is named in the ``WeightSyncError`` the
+trainer raises once the others have committed; it fences itself until a
+later sync catches it up. The process group is kept between syncs while the
+roster is unchanged.
 """
 
 from __future__ import annotations
@@ -42,11 +48,11 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from tasks import keys, transport
+from tasks import keys
 from tasks.app import app
 from tasks.app import settings as client_settings
 from tasks.auth import signed_arguments
@@ -60,16 +66,10 @@ from tasks.errors import (
     WorkerLost,
 )
 from tasks.registry import connect, fleet_version, live_workers
-from tasks.schemas import (
-    Manifest,
-    PauseMode,
-    SyncAck,
-    SyncDecision,
-    SyncPlan,
-    SyncReport,
-    WorkerInfo,
-)
+from tasks.schemas import PauseMode, WorkerInfo
 from tasks.settings import SyncSettings
+from weight_sync import wire
+from weight_sync.protocol import Manifest, SyncAck, SyncDecision, SyncPlan, SyncReport
 
 if TYPE_CHECKING:
     import torch
@@ -259,7 +259,7 @@ class WeightSender:
         dtypes = {w.dtype for w in members}
         if len(dtypes) > 1:
             raise SyncRefused(f"the pool's workers run different dtypes {sorted(dtypes)}", phase="membership")
-        target = transport.torch_dtype(dtypes.pop())
+        target = wire.torch_dtype(dtypes.pop())
         device = self._device(backend)
         by_name: dict[str, torch.Tensor] = {}
         for name, tensor in tensors:
@@ -268,13 +268,13 @@ class WeightSender:
             if device.type == "cuda" and tensor.device != device:
                 tensor = tensor.to(device, non_blocking=True)
             by_name[name] = tensor
-        specs = tuple((name, transport.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
+        specs = tuple((name, wire.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
         chunk = self.settings.chunk_bytes
         if chunk is None:  # gloo's default; NCCL sends whole buckets
             chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
         key = (specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes)
         if self._planned is None or self._planned[0] != key:  # a trainer syncs the same layout every step
-            manifest = transport.plan_buckets(specs, *key[1:])
+            manifest = wire.plan_buckets(specs, *key[1:])
             self._planned = (key, manifest, *manifest.wire())
         return self._planned[1], by_name
 
@@ -292,7 +292,7 @@ class WeightSender:
         if self.store is not None:
             return
         try:
-            self.store = transport.connect_store(
+            self.store = wire.connect_store(
                 self.settings.rendezvous_host, self.settings.rendezvous_port,
                 self.settings.timeouts.transfer, is_master=True,
             )
@@ -321,6 +321,7 @@ class WeightSender:
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
             manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
+            timeouts=self.settings.timeouts.worker,
         )
         arguments = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
                                      self.settings.weight_sync_secret, destination=list(plan.members))
@@ -335,15 +336,16 @@ class WeightSender:
         if os.environ.get("RQ_SYNC_TRACE"):
             log.warning("[rq-sync-trace] trigger: plan dumped and published %.4f, answers %.4f",
                         published - t, time.monotonic() - published)
-        refused = {node: a.error or "refused" for node, a in answers.items() if not a.ok}
+        refused = {node: a.error for node, a in answers.items() if not a.ok}
         missing = set(plan.members) - set(answers)
         if refused:
             # Nobody changes a weight: release whoever accepted.
             self._decide(plan, SyncDecision(go=False, reason="another worker refused the plan"))
-            error_cls = ManifestMismatch if any("Manifest" in e for e in refused.values()) else SyncRefused
+            kinds = {failure.kind if failure else "refused" for failure in refused.values()}
+            error_cls = ManifestMismatch if "manifest_mismatch" in kinds else SyncRefused
             raise error_cls(
                 "weight sync refused before any weight changed: "
-                + "; ".join(f"{node}: {why}" for node, why in sorted(refused.items())),
+                + "; ".join(f"{node}: {why or 'refused'}" for node, why in sorted(refused.items())),
                 phase="trigger", workers=refused,
             )
         if len(missing) == len(plan.members):
@@ -363,13 +365,14 @@ class WeightSender:
         acks = self._collect(plan, "ready", accepted,
                              min(deadline, time.monotonic() + self.settings.timeouts.ready))
         silent = {node: "did not pause in time" for node in accepted - set(acks)}
-        for node, ack in acks.items():
-            if not ack.ok:
-                silent[node] = ack.error or "failed to pause"
+        failures = {node: ack.error for node, ack in acks.items() if not ack.ok}
+        for node, failure in failures.items():
+            silent[node] = str(failure or "failed to pause")
         ready = sorted(node for node, ack in acks.items() if ack.ok)
         if not ready:
             self._decide(plan, SyncDecision(go=False, reason="no worker became ready"))
-            unreachable = all(why.startswith(RendezvousUnreachable.__name__) for why in silent.values())
+            unreachable = len(failures) == len(silent) and all(
+                failure is not None and failure.kind == "rendezvous_unreachable" for failure in failures.values())
             raise (RendezvousUnreachable if unreachable else RendezvousTimeout)(
                 f"no worker became ready for sync epoch {plan.epoch}: "
                 + "; ".join(f"{n} ({w})" for n, w in sorted(silent.items())),
@@ -399,7 +402,7 @@ class WeightSender:
 
                 torch.cuda.set_device(self._device(plan.backend))
             future: Future[Any] = self._pool.submit(
-                transport.new_group, self.store, decision.group_id, 0, decision.world, plan.backend,
+                wire.new_group, self.store, decision.group_id, 0, decision.world, plan.backend,
                 min(self.settings.timeouts.transfer, remaining()), self._device(plan.backend),
             )
             try:
@@ -425,7 +428,7 @@ class WeightSender:
             # A failed collective leaves the group unusable. Abort it: its
             # connections close, so the peers that can still hear this end
             # fail at once instead of at their own group timeout.
-            transport.abort(self.group)
+            wire.abort(self.group)
             self.group = None
             self.roster = {}
             raise WorkerLost(
@@ -439,51 +442,60 @@ class WeightSender:
         """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
         deadline = time.monotonic() + timeout_s
         buffers = self._buffers(max(manifest.bucket_sizes), device)
-        in_flight: list[list[Any]] = [[], []]  # the packed pieces sent from each buffer
+        in_flight: list[list[Any]] = [[], []]  # the works whose pieces each buffer (slot) holds
         direct_works: list[Any] = []  # pieces sent from the trainer's tensors: no buffer to free
-        by_bucket: dict[int, list[Any]] = {}
-        for spec in manifest.tensors:
-            by_bucket.setdefault(spec.bucket, []).append(spec)
         began = time.monotonic()
         trace: list[str] | None = [] if os.environ.get("RQ_SYNC_TRACE") else None
-        for index, size in enumerate(manifest.bucket_sizes):
-            slot = index % 2
+        for bucket in wire.iter_buckets(manifest):
+            slot = bucket.index % 2
             for work in in_flight[slot]:  # the buffer's previous bucket must be out
-                transport.wait(work, deadline - time.monotonic())
+                wire.wait(work, deadline - time.monotonic())
             if trace is not None:
-                trace.append(f"b{index} slot free {time.monotonic() - began:.4f}")
-            buffer = buffers[slot][:size]
-            specs = by_bucket.get(index, [])  # in offset order
-            packed = 0
+                trace.append(f"b{bucket.index} slot free {time.monotonic() - began:.4f}")
             in_flight[slot] = []
-            grouped: list[torch.Tensor] | None = [] if transport.groups_buckets(manifest) else None
-            for start, end, direct in transport.piece_ranges(manifest, size, specs):
-                upto = packed
-                while upto < len(specs) and specs[upto].offset < end:
-                    upto += 1
-                if direct is not None:  # straight from the trainer's tensor
-                    packed = upto
-                    source = tensors[direct]
-                    # A copy made for the wire is held until its slot comes round again.
-                    held = direct_works if source.device == device else in_flight[slot]
-                    piece = transport.flat_bytes(source.to(device))
-                else:
-                    transport.pack(buffer, specs[packed:upto], tensors)
-                    packed = upto
-                    held = in_flight[slot]
-                    piece = buffer[start:end]
-                # On CUDA the broadcast's stream waits for the packing copies
-                # (ProcessGroupNCCL orders it after the current stream): no host sync.
-                if grouped is None:
-                    held.append(transport.broadcast(self.group, piece))
-                else:
-                    grouped.append(piece)
-            if grouped:  # one work for the bucket where the backend groups it
-                in_flight[slot].extend(transport.broadcast_group(self.group, grouped))
+            held_by_slot: list[bool] = []  # per piece: whether the slot must outlive its send
+            pieces = self._pieces(bucket, buffers[slot][: bucket.size], tensors, device, held_by_slot)
+            works = wire.broadcast_bucket(self.group, manifest, pieces)
+            if len(works) < len(held_by_slot):  # the bucket as one group: one work
+                in_flight[slot].extend(works)
+                continue
+            for work, by_slot in zip(works, held_by_slot):
+                (in_flight[slot] if by_slot else direct_works).append(work)
         for work in [*in_flight[0], *in_flight[1], *direct_works]:
-            transport.wait(work, deadline - time.monotonic())
+            wire.wait(work, deadline - time.monotonic())
         if trace is not None:
             log.warning("[rq-sync-trace] sender %s; all out %.4f", "; ".join(trace), time.monotonic() - began)
+
+    @staticmethod
+    def _pieces(
+        bucket: wire.Bucket, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], device: torch.device,
+        held_by_slot: list[bool],
+    ) -> Iterator[torch.Tensor]:
+        """The bucket's pieces as they go out, each made when asked for: a tensor sent
+        straight from the trainer's memory, or a range of ``buffer`` packed just before.
+
+        Appends to ``held_by_slot``, per piece, whether it lives in the slot's
+        buffer (packed, or a copy made for the wire) and so must be sent before
+        the slot is packed again.
+        """
+        specs = bucket.specs  # in offset order
+        packed = 0
+        for start, end, direct in bucket.pieces:
+            upto = packed
+            while upto < len(specs) and specs[upto].offset < end:
+                upto += 1
+            if direct is not None:  # straight from the trainer's tensor
+                source = tensors[direct]
+                held_by_slot.append(source.device != device)
+                piece = wire.flat_bytes(source.to(device))
+            else:
+                wire.pack(buffer, specs[packed:upto], tensors)
+                held_by_slot.append(True)
+                piece = buffer[start:end]
+            packed = upto
+            # On CUDA the broadcast's stream waits for the packing copies
+            # (ProcessGroupNCCL orders it after the current stream): no host sync.
+            yield piece
 
     def _buffers(self, largest: int, device: torch.device) -> list[torch.Tensor]:
         import torch
@@ -500,7 +512,7 @@ class WeightSender:
         acks = self._collect(plan, "done", set(decision.offsets),
                              min(deadline, time.monotonic() + self.settings.timeouts.commit))
         committed = sorted(node for node, ack in acks.items() if ack.ok)
-        failed = {node: ack.error or "failed" for node, ack in acks.items() if not ack.ok}
+        failed = {node: str(ack.error or "failed") for node, ack in acks.items() if not ack.ok}
         for node in set(decision.offsets) - set(acks):
             failed[node] = "no commit ack before the deadline"
         if committed:
@@ -569,46 +581,4 @@ class WeightSender:
         self._send_buffers = []
 
 
-_senders: dict[str, WeightSender] = {}
-
-
-def sender(pool: str = keys.DEFAULT_POOL, settings: SyncSettings | None = None) -> WeightSender:
-    """The process-wide sender of ``pool`` (its store and group live on between syncs)."""
-    if pool not in _senders or settings is not None:
-        if pool in _senders:
-            _senders[pool].close()
-        _senders[pool] = WeightSender(settings, pool)
-    return _senders[pool]
-
-
-def broadcast(
-    weights: Weights,
-    version: int | None = None,
-    timeout: float = 120.0,
-    pause: PauseMode = "wait",
-    pool: str = keys.DEFAULT_POOL,
-) -> SyncReport:
-    """Push ``weights`` to every live worker of ``pool``; returns a ``SyncReport``."""
-    return sender(pool).sync(weights, version=version, timeout=timeout, pause=pause)
-
-
-def catch_up(
-    weights: Weights, timeout: float = 120.0, pause: PauseMode = "wait", pool: str = keys.DEFAULT_POOL,
-) -> SyncReport | None:
-    """Sync only the workers of ``pool`` behind its current version (see ``WeightSender.catch_up``)."""
-    return sender(pool).catch_up(weights, timeout=timeout, pause=pause)
-
-
-def status(pool: str = keys.DEFAULT_POOL) -> dict[str, int]:
-    """Weight version of every live worker of ``pool``."""
-    return sender(pool).status()
-
-
-def close(pool: str | None = None) -> None:
-    """Close the process group(s) and stores; the next sync builds new ones."""
-    for name in [pool] if pool else list(_senders):
-        if name in _senders:
-            _senders.pop(name).close()
-
-
-__all__ = ["WeightSender", "WeightSyncError", "broadcast", "catch_up", "close", "sender", "status"]
+__all__ = ["GLOO_CHUNK_BYTES", "WeightSender", "Weights", "named_tensors"]
