@@ -20,15 +20,13 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
                   deadlines, HMAC)
       ready       wait for "ready" acks; drop the
                   silent; decision → TCPStore ───► read the decision (roster, offsets, world)
-    4 transfer    join/reuse the process group ◄──► rq_update(UpdateRequest), one engine call
-                  (weight_sync.wire: both ends       (weight_sync.receiver): join/reuse,
-                  walk iter_buckets)
-                  send each bucket in pieces:       receive each piece in place or into a
-                  big tensors straight from         pooled buffer and load it (layerwise or
-                  memory, the rest packed (two      direct), check every entry arrived,
-                  buffers); NCCL on CUDA (a         finalize
-                  bucket's pieces one NCCL group),
-                  gloo on CPU
+    4 transfer    join/reuse the process group ◄──► rq_update(UpdateRequest), one engine
+                  send each bucket in pieces (both  call (weight_sync.receiver): join/
+                  ends walk wire.iter_buckets): big reuse, receive each piece in place or
+                  tensors straight from memory, the into a pooled buffer and load it
+                  rest packed (two buffers); NCCL   (layerwise or direct), check every
+                  on CUDA (a bucket's pieces one    entry arrived, finalize → UpdateResult
+                  NCCL group), gloo on CPU          (seconds, or the failure)
     5 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
                   pool's fleet version              resume, open intake → "done" ack
 
