@@ -220,12 +220,12 @@ class _BucketReceive:
     (``load``).
     """
 
-    def __init__(self, receiver: WeightReceiver, state: _ReceiverState, manifest: Manifest,
+    def __init__(self, receiver: WeightReceiver, state: _ReceiverState, manifest: Manifest, device: Any,
                  in_place: dict[str, Any], deadline: float, ahead: int) -> None:
         self.receiver = receiver
         self.state = state
         self.manifest = manifest
-        self.device = receiver._rq_device()
+        self.device = device
         self.deadline = deadline
         self.ahead = ahead
         self.buckets = list(wire.iter_buckets(manifest))
@@ -413,6 +413,7 @@ class WeightReceiver:
         assert state.plan is not None and state.plan.manifest is not None
         manifest = state.plan.manifest
         model = self._rq_model()
+        device = self._rq_device()  # before a layerwise reload moves the parameters to "meta"
         deadline = time.monotonic() + state.plan.timeouts.receive
         try:
             if state.load_mode == "layerwise":
@@ -420,7 +421,7 @@ class WeightReceiver:
 
                 initialize_layerwise_reload(model)
                 state.layerwise_open = True
-            receive = _BucketReceive(self, state, manifest, self._rq_in_place(state, manifest),
+            receive = _BucketReceive(self, state, manifest, device, self._rq_in_place(state, manifest),
                                      deadline, self.RECEIVE_AHEAD)
             receive.run()
         except Exception:

@@ -156,7 +156,7 @@ class SyncParticipant:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ManifestMismatch("manifest refused: " + "; ".join(problems[:3]) + more, phase="trigger")
 
-    # ------------------------------------------------------------------- run
+    # ------------------------------------------------------------------ sync
 
     def sync(self, plan: SyncPlan, timing: dict[str, float] | None = None) -> None:
         """The sync after ``accept``, phase by phase (the module docstring's);
