@@ -1,4 +1,5 @@
-"""Every message that crosses a process boundary, one pydantic model each.
+"""Every message that crosses a process boundary, one pydantic model each
+(the weight sync's own are in ``weight_sync.protocol``).
 
 Dicts from the wire are parsed here and nowhere else (``model_validate``);
 every model forbids unknown keys, so a typo is an error, not a silent default.
