@@ -24,12 +24,14 @@ RUN useradd --create-home --uid 1000 rq \
 WORKDIR /app
 # Only what pip needs to resolve the dependencies: pyproject and empty packages.
 COPY pyproject.toml README.md ./
-RUN mkdir tasks workers api && touch tasks/__init__.py workers/__init__.py api/__init__.py
+RUN mkdir tasks weight_sync workers api \
+ && touch tasks/__init__.py weight_sync/__init__.py workers/__init__.py api/__init__.py
 
 FROM base AS light
 # The contract (tasks/) never imports vLLM: the gateway and Flower need none.
 RUN pip install ".[api,monitor]"
 COPY tasks ./tasks
+COPY weight_sync ./weight_sync
 COPY workers ./workers
 COPY api ./api
 RUN pip install --no-deps --force-reinstall .
@@ -44,6 +46,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
 # (NVIDIA container toolkit).
 RUN pip install ".[gpu,api,monitor]"
 COPY tasks ./tasks
+COPY weight_sync ./weight_sync
 COPY workers ./workers
 COPY api ./api
 RUN pip install --no-deps --force-reinstall .
@@ -60,6 +63,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 g++ \
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[cpu,api,monitor]" \
  && pip uninstall -y torchvision torchaudio torchcodec
 COPY tasks ./tasks
+COPY weight_sync ./weight_sync
 COPY workers ./workers
 COPY api ./api
 RUN pip install --no-deps --force-reinstall .

@@ -72,7 +72,7 @@ bench: $(STAMP)
 	$(PY) bench/weight_sync.py --cpu-weights plain
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tasks workers api bench tests
+	$(VENV)/bin/ruff check tasks weight_sync workers api bench tests
 	$(VENV)/bin/mypy
 
 clean:

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from tasks import transport
+from weight_sync import wire
 
 
 def main() -> int:
@@ -21,8 +21,8 @@ def main() -> int:
     rounds = int(sys.argv[6])
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    store = transport.connect_store(host, port, 120.0)
-    group = transport.new_group(store, "raw", 1, 2, backend, 120.0, torch.device(device))
+    store = wire.connect_store(host, port, 120.0)
+    group = wire.new_group(store, "raw", 1, 2, backend, 120.0, torch.device(device))
     print("ready", flush=True)
     # Buffers kept across rounds, as the worker keeps its receive buffers.
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
@@ -31,10 +31,10 @@ def main() -> int:
         # receive is a kernel spinning on the worker's GPU, time-sliced against
         # the worker's own kernels while the sync legs run.
         store.get(f"bench/go/{index}")
-        works = [transport.broadcast(group, buffer) for buffer in buffers]
+        works = [wire.broadcast(group, buffer) for buffer in buffers]
         store.set(f"bench/posted/{index}", "1")
         for work in works:
-            transport.wait(work, 300.0)
+            wire.wait(work, 300.0)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     print("done", flush=True)

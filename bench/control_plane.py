@@ -24,7 +24,7 @@ The nodes run in ``--processes`` processes: one thread drains every node's
 broadcast channel (so the control handlers run one at a time per process, as
 in a worker's consumer loop), and a thread per node drains its task connection.
 
-The trainer side runs here: ``WeightSender`` (tasks/sync_weights.py) hosts its
+The trainer side runs here: ``WeightSender`` (weight_sync/sender.py) hosts its
 store and runs membership, trigger (manifest by digest, signed broadcast, wait
 for every "accepted" ack), ``await_ready`` and ``await_commit``; only
 ``transfer`` (the process group and the bytes) is left out. Then
@@ -132,7 +132,7 @@ class FakeEngineHost:
 
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         if method == "rq_update":  # the bytes are the data plane: not simulated
-            return [{"join_s": 0.0, "receive_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "finish_s": 0.0}]
+            return [{"seconds": {"join_s": 0.0, "receive_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "finish_s": 0.0}}]
         if method == "rq_abort_update":
             return [False]
         raise ValueError(f"the simulated engine has no {method}")
@@ -358,7 +358,7 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
     from tasks.registry import connect
     from tasks.schemas import SamplingParams
     from tasks.settings import SyncSettings
-    from tasks.sync_weights import WeightSender, named_tensors
+    from weight_sync.sender import WeightSender, named_tensors
     from workers.status import read_fleet, render
 
     run_id = secrets.token_hex(3)

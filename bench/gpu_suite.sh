@@ -4,7 +4,7 @@
 # Each result lands in $OUT (or .artifacts/gpu): JSON lines in bench-gpu.jsonl, logs beside
 # (sync: per-bucket traces of the trainer in sync.log, of the worker in sync-worker.log;
 # SYNC_ARGS adds arguments, e.g. SYNC_ARGS="--direct-mib 16 0"; THROUGHPUT_ARGS (default
-# "--rounds 5": issue 14 asks for medians of >= 5 rounds), LATENCY_ARGS, SCALING_ARGS and RESUME_ARGS likewise).
+# "--rounds 5": medians of 5 rounds), LATENCY_ARGS, SCALING_ARGS and RESUME_ARGS likewise).
 set -uo pipefail
 OUT=${OUT:-.artifacts/gpu}
 mkdir -p "$OUT" .models

@@ -32,10 +32,10 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch
 
     from bench.weight_sync import state_dict
-    from tasks import transport
     from tasks.schemas import WorkerInfo
     from tasks.settings import SyncSettings
-    from tasks.sync_weights import WeightSender
+    from weight_sync import wire
+    from weight_sync.sender import WeightSender
 
     cuda = args.device == "cuda"
     device = f"cuda:{1 - rank}" if cuda else "cpu"  # trainer on GPU 1, receiver on GPU 0
@@ -43,19 +43,14 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         torch.cuda.set_device(torch.device(device))
     dtype = "bfloat16" if cuda else "float32"
     backend = "nccl" if cuda else "gloo"
-    store = transport.connect_store("127.0.0.1", port, 120.0, is_master=rank == 0)
-    group = transport.new_group(store, "pattern", rank, 2, backend, 120.0, torch.device(device))
+    store = wire.connect_store("127.0.0.1", port, 120.0, is_master=rank == 0)
+    group = wire.new_group(store, "pattern", rank, 2, backend, 120.0, torch.device(device))
 
     weights = state_dict(args.shape, dtype, device)
     sender = WeightSender(SyncSettings(direct_bytes=args.direct_mib << 20))
     sender.group = group
     member = WorkerInfo(node="receiver", model="bench", device=args.device, dtype=dtype)
     manifest, tensors = sender.manifest(list(weights.items()), [member], backend)
-    by_bucket: dict[int, list[Any]] = {}
-    for spec in manifest.tensors:
-        by_bucket.setdefault(spec.bucket, []).append(spec)
-    pieces = [transport.piece_ranges(manifest, size, by_bucket.get(index, []))
-              for index, size in enumerate(manifest.bucket_sizes)]
     raw = [torch.empty(size, dtype=torch.uint8, device=device) for size in manifest.bucket_sizes]
 
     def pattern() -> None:
@@ -63,16 +58,16 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
             sender.send_buckets(manifest, tensors, torch.device(device), 300.0)
             return
         works = []
-        for index, bucket in enumerate(pieces):  # grouped per bucket as the worker does
-            targets = [transport.flat_bytes(weights[direct]) if direct else raw[index][start:end]
-                       for start, end, direct in bucket]
-            works += transport.broadcast_bucket(group, manifest, targets)
+        for bucket in wire.iter_buckets(manifest):  # grouped per bucket as the worker does
+            targets = [wire.flat_bytes(weights[direct]) if direct else raw[bucket.index][start:end]
+                       for start, end, direct in bucket.pieces]
+            works += wire.broadcast_bucket(group, manifest, targets)
         for work in works:
-            transport.wait(work, 300.0)
+            wire.wait(work, 300.0)
 
     def raw_broadcast() -> None:
-        for work in [transport.broadcast(group, buffer) for buffer in raw]:
-            transport.wait(work, 300.0)
+        for work in [wire.broadcast(group, buffer) for buffer in raw]:
+            wire.wait(work, 300.0)
 
     def timed(leg: Any) -> float:
         if cuda:

@@ -8,9 +8,13 @@ chosen shape) and one bare receiver process on the same device:
      bare receiver process that posts its receives only when its round
      begins (and, as ``raw_into_worker_s``, into the worker's
      engine process over the sync group: all buckets posted at once, no loads)
-  c  the seeds' style (arbor's ``update_named_param``): for every tensor, one
-     control round trip to the worker, which receives that tensor alone over
-     the sync group and loads it with a bare ``load_weights``
+  c  one tensor a round trip: for every tensor, one control round trip to
+     the worker, which receives that tensor alone over the sync group and
+     loads it with a bare ``load_weights``
+
+The worker loads the receiver with the benchmarks' engine calls
+(``weight_sync.bench_receiver``: ``receive_raw``, ``receive_one``,
+``last_receive``).
 
 Prints one JSON line with a/b and c/a. CPU (gloo): 0.5B-shaped float32.
 CUDA (NCCL): 7B-shaped bf16, trainer on GPU 1, worker and receiver on GPU 0:
@@ -91,18 +95,21 @@ def main() -> int:
     with LocalStack(run_dir, prefix="bench-sync") as stack:
         url = stack.ensure_redis(args.redis_url)
         os.environ["REDIS_URL"] = url
-        from tasks import app, keys, sync_weights, transport
+        from tasks import app, keys, sync_weights
         from tasks.app import configure
         from tasks.app import settings as client_settings
         from tasks.auth import signed_arguments
         from tasks.settings import ClientSettings, SyncSettings
+        from weight_sync import wire
+        from weight_sync.bench_receiver import BENCH_EXTENSION
 
         configure(ClientSettings())
         worker_env = {"CUDA_VISIBLE_DEVICES": str(args.worker_gpu)} if cuda else {}
         spec = WorkerSpec(
             model=model_dir, device=args.device, dtype=dtype,
             max_model_len=1024, gpu_memory_utilization=0.5 if cuda else 0.15,
-            extra=["--load-format", "dummy", *(["--cpu-weights", args.cpu_weights] if not cuda else [])],
+            extra=["--load-format", "dummy", "--worker-extension-cls", BENCH_EXTENSION,
+                   *(["--cpu-weights", args.cpu_weights] if not cuda else [])],
             env=worker_env,
         )
         stack.start_worker(spec, timeout=900)
@@ -126,7 +133,7 @@ def main() -> int:
 
         # b needs a bare receiver on the worker's device, joined before the first leg
         store_port = _free_port()
-        store = transport.connect_store("127.0.0.1", store_port, 120.0, is_master=True)
+        store = wire.connect_store("127.0.0.1", store_port, 120.0, is_master=True)
         # Keep the caller's PYTHONPATH (the GPU machine's staged packages live there).
         peer_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
@@ -137,7 +144,7 @@ def main() -> int:
              backend, peer_device, json.dumps(sizes_b), str(args.iters * len(args.direct_mib))],
             stdout=subprocess.PIPE, text=True, env=peer_env,
         )
-        group = transport.new_group(store, "raw", 0, 2, backend, 120.0, torch.device(trainer_device))
+        group = wire.new_group(store, "raw", 0, 2, backend, 120.0, torch.device(trainer_device))
         buffers = [torch.empty(size, dtype=torch.uint8, device=trainer_device) for size in sizes_b]
 
         def engine_op(op: str, op_args: dict, timeout: float) -> list:
@@ -160,10 +167,10 @@ def main() -> int:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            works = [transport.broadcast(over, buf) for buf in buffers]
+            works = [wire.broadcast(over, buf) for buf in buffers]
             received = receive()
             for work in works:
-                transport.wait(work, 300.0)
+                wire.wait(work, 300.0)
             if cuda:
                 torch.cuda.synchronize()
             return time.perf_counter() - t0, received
@@ -211,9 +218,9 @@ def main() -> int:
         t0 = time.perf_counter()
         for spec in manifest.tensors:
             flat = weights[spec.name].reshape(-1).view(torch.uint8)
-            work = transport.broadcast(sender.group, flat)
+            work = wire.broadcast(sender.group, flat)
             engine_op("receive_one", {"name": spec.name, "dtype": spec.dtype, "shape": spec.shape}, 120)
-            transport.wait(work, 300.0)
+            wire.wait(work, 300.0)
         if cuda:
             torch.cuda.synchronize()
         per_tensor = time.perf_counter() - t0

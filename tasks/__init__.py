@@ -13,9 +13,10 @@ from tasks.app import app, configure
 from tasks.errors import RolloutError, WeightSyncError
 from tasks.generate import generate
 from tasks.producer import generate_many
-from tasks.schemas import GenerationResult, SampleDelta, SamplingParams, SyncReport, WorkerInfo
+from tasks.schemas import GenerationResult, SampleDelta, SamplingParams, WorkerInfo
 from tasks.signature import signature
 from tasks.split import SplitResult
+from weight_sync.protocol import SyncReport
 
 __all__ = [
     "GenerationResult",

@@ -36,7 +36,8 @@
 Errors from redis, vLLM and torch are mapped at the boundary with
 ``raise ... from exc``. Errors raised inside a Celery task travel to the
 producer by class name and ``args`` (JSON result backend), so every message
-says what happened and what to do.
+says what happened and what to do. A weight-sync error crosses the sync's
+processes as a kind and a message, mapped to its class by ``SYNC_ERRORS``.
 
 Celery rebuilds a task's error on the producer as ``cls(*args)`` (pickle does
 the same), so every class here keeps ``args`` equal to its constructor's
@@ -47,6 +48,7 @@ one; ``str()`` is the message.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 
 class RolloutError(Exception):
@@ -261,3 +263,31 @@ class SyncRefused(WeightSyncError):
 
 class WorkerLost(WeightSyncError):
     pass
+
+
+# How a weight-sync error crosses a process (engine rank → worker host →
+# trainer): as a kind and a message (``weight_sync.protocol.SyncFailure``),
+# mapped back to its class here; "failed" stands for anything else.
+SyncErrorKind = Literal[
+    "no_workers", "rendezvous_timeout", "rendezvous_unreachable", "manifest_mismatch", "refused",
+    "worker_lost", "failed",
+]
+SYNC_ERRORS: dict[SyncErrorKind, type[WeightSyncError]] = {
+    "no_workers": NoWorkers,
+    "rendezvous_timeout": RendezvousTimeout,
+    "rendezvous_unreachable": RendezvousUnreachable,
+    "manifest_mismatch": ManifestMismatch,
+    "refused": SyncRefused,
+    "worker_lost": WorkerLost,
+    "failed": WeightSyncError,
+}
+
+
+def sync_error_kind(exc: BaseException) -> SyncErrorKind:
+    """The kind ``exc`` travels as: that of the nearest class in ``SYNC_ERRORS`` it
+    derives from (a ``RendezvousUnreachable`` is not a mere ``RendezvousTimeout``)."""
+    for cls in type(exc).__mro__:
+        for kind, known in SYNC_ERRORS.items():
+            if cls is known:
+                return kind
+    return "failed"

@@ -1,4 +1,5 @@
-"""Every message that crosses a process boundary, one pydantic model each.
+"""Every message that crosses a process boundary, one pydantic model each
+(the weight sync's own are in ``weight_sync.protocol``).
 
 Dicts from the wire are parsed here and nowhere else (``model_validate``);
 every model forbids unknown keys, so a typo is an error, not a silent default.
@@ -6,7 +7,6 @@ every model forbids unknown keys, so a typo is an error, not a silent default.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Annotated, Any, Literal
 
@@ -21,8 +21,6 @@ from pydantic import (
 )
 
 from tasks import keys
-
-PROTOCOL_VERSION = 4  # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth)
 
 # What the engine can carry. vLLM holds token ids, top-k and token counts in
 # int32 tensors, and msgspec (its engine-core IPC) refuses ints beyond 64 bits
@@ -450,122 +448,3 @@ class WorkerInfo(_Message):
         reader's: on another host, keep clocks in sync (NTP).
         """
         return now - self.heartbeat_at <= self.dead_after_s
-
-
-# --------------------------------------------------------------------------
-# Weight sync
-# --------------------------------------------------------------------------
-
-
-class TensorSpec(_Message):
-    name: str
-    dtype: str  # torch dtype name without "torch.", e.g. "float32"
-    shape: list[int]
-    bucket: int
-    offset: int  # byte offset inside the bucket
-    nbytes: int
-
-
-class Manifest(_Message):
-    """Every tensor of the sync and where it sits in which bucket."""
-
-    tensors: list[TensorSpec]
-    bucket_sizes: list[int]  # bytes per bucket, in send order
-    # Each bucket travels in pieces of this many bytes (0: whole), so the
-    # receiver loads the tensors of one piece while the next is on the wire.
-    chunk_bytes: int = Field(default=0, ge=0)
-    # A tensor of at least this many bytes travels as a piece of its own, sent
-    # straight from the trainer's tensor (no packing copy); 0: every tensor is packed.
-    direct_bytes: int = Field(default=0, ge=0)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bucket_sizes)
-
-    def wire(self) -> tuple[str, str]:
-        """Its JSON and that JSON's sha256: the plan carries the digest (signed with
-        the plan), the JSON travels beside it (a Redis key, see ``keys.sync_manifest``)."""
-        text = self.model_dump_json()
-        return text, hashlib.sha256(text.encode()).hexdigest()
-
-    @classmethod
-    def from_wire(cls, text: str | bytes, digest: str) -> Manifest:
-        """The manifest whose JSON is ``text``, once its sha256 is ``digest``."""
-        raw = text.encode() if isinstance(text, str) else text
-        if hashlib.sha256(raw).hexdigest() != digest:
-            raise ValueError(f"the manifest stored for digest {digest[:12]} does not hash to it")
-        return cls.model_validate_json(raw)
-
-
-class SyncPlan(_Message):
-    """The one broadcast that triggers a sync (signed with the command: ``ControlAuth``)."""
-
-    protocol: int = PROTOCOL_VERSION
-    epoch: int
-    # Unique per sync even if the epoch counter is ever reset (Redis flushed):
-    # names the decision in the store and the ack lists in Redis.
-    sync_id: str
-    version: int
-    pause: PauseMode
-    store_host: str
-    store_port: int
-    # Proposed membership: node → engine ranks it brings. The decision in the
-    # store fixes the final roster (who answered ready) and rank offsets.
-    members: dict[str, int]
-    backend: Literal["gloo", "nccl"]
-    # The manifest travels once per layout, not in every trigger (a 7B model's is
-    # ~50 KB of JSON: ~2 ms to publish and as much to read): the plan names it
-    # by digest; each side attaches it locally (``manifest``, never serialized).
-    manifest_digest: str
-    manifest: Manifest | None = Field(default=None, exclude=True)
-    issued_at: float
-
-
-class SyncAccepted(_Message):
-    """A worker's immediate reply to the trigger."""
-
-    node: str
-    epoch: int
-    ok: bool
-    error: str | None = None
-    phase: str = "trigger"
-
-
-class SyncAck(_Message):
-    """A worker's acknowledgement of one phase, pushed to Redis."""
-
-    node: str
-    epoch: int
-    sync_id: str
-    version: int
-    phase: Literal["accepted", "ready", "done"]  # "accepted" answers the trigger (ok=False: refused)
-    ok: bool
-    error: str | None = None
-    seconds: dict[str, float] = {}
-
-
-class SyncDecision(_Message):
-    """Written by the trainer into its store once the ready acks are in."""
-
-    go: bool
-    reason: str | None = None
-    # node → first global rank; world = 1 + Σ ranks.
-    offsets: dict[str, int] = {}
-    world: int = 0
-    group_id: str = ""
-    reuse_group: bool = False
-
-
-class SyncReport(_Message):
-    version: int
-    epoch: int
-    workers: list[str]
-    tensors: int
-    bytes: int
-    seconds: float
-    gb_per_s: float
-    backend: str
-    reused_group: bool
-    phases: dict[str, float]
-    # Slowest worker's own seconds per step (pause, join, receive, load, commit).
-    worker_phases: dict[str, float] = {}

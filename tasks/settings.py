@@ -20,6 +20,8 @@ from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError,
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from weight_sync.protocol import WorkerTimeouts
+
 
 def redact_url(url: str) -> str:
     """``redis://:secret@host`` → ``redis://:***@host`` for logs and reprs."""
@@ -107,13 +109,15 @@ class ClientSettings(BaseSettings):
 
 
 class SyncTimeouts(BaseModel):
-    """Deadline of each weight-sync phase, seconds."""
+    """Deadline of each weight-sync phase, seconds; ``worker``: the workers' own
+    deadlines, which travel in the plan."""
 
     membership: float = 5.0
     trigger: float = 10.0
     ready: float = 120.0
     transfer: float = 300.0
     commit: float = 60.0
+    worker: WorkerTimeouts = WorkerTimeouts()
 
 
 class SyncSettings(BaseSettings):
@@ -132,7 +136,7 @@ class SyncSettings(BaseSettings):
     # Tensors this large go out straight from the trainer's memory, as pieces
     # of their own, instead of being copied into a bucket buffer first (0: never).
     # A worker loading directly (CUDA) receives them straight into the
-    # parameters that hold them (workers/inplace.py).
+    # parameters that hold them (weight_sync/inplace.py).
     direct_bytes: int = Field(default=16 << 20, ge=0)
     # HMAC key the sync trigger is signed with; the workers' RQ_WEIGHT_SYNC_SECRET.
     weight_sync_secret: SecretStr | None = None

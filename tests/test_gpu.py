@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from tasks import app, control, generate, keys, sync_weights
 from tasks.settings import SyncSettings
 from tests.conftest import MODELS, WorkerStarter, engine_results
+from weight_sync.bench_receiver import BENCH_EXTENSION
 
 pytestmark = pytest.mark.gpu
 # NCCL refuses two ranks of one communicator on one GPU: each load mode gets
@@ -65,7 +66,9 @@ def gpu_workers(start_worker: WorkerStarter, redis_client: Any) -> dict[str, str
         start_worker(
             model, name, queue=f"gpu-{mode}", pool=f"gpu-{mode}", timeout=600,
             extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
-                   "--max-model-len", "2048", "--weight-load-mode", mode],
+                   "--max-model-len", "2048", "--weight-load-mode", mode,
+                   # the receiver with the calls the checks below read (weight_checksum, last_receive)
+                   "--worker-extension-cls", BENCH_EXTENSION],
             env={"CUDA_VISIBLE_DEVICES": "0"},
         )
         names[mode] = name

@@ -38,11 +38,12 @@ from tasks.app import redis_tls_options
 from tasks.auth import CommandVerifier, sign_command, signed_arguments
 from tasks.errors import BrokerUnavailable, ControlRefused, InvalidRequest
 from tasks.registry import connect
-from tasks.schemas import Manifest, SyncPlan, WorkerInfo
+from tasks.schemas import WorkerInfo
 from tasks.settings import ClientSettings
 from tests.conftest import WorkerStarter
 from tests.private_redis import RedisServer, client_app, tls_redis_binary
 from tests.procs import ARTIFACTS, Proc, free_port, python
+from weight_sync.protocol import Manifest, SyncPlan
 from workers.settings import WorkerSettings
 
 QUEUE = POOL = "sec"
@@ -558,12 +559,12 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
 def test_the_rendezvous_store_listens_only_on_the_configured_address() -> None:
     import socket
 
-    from tasks import transport
     from tasks.settings import SyncSettings
+    from weight_sync import wire
 
     assert SyncSettings().rendezvous_host == "127.0.0.1"  # not 0.0.0.0 unless configured
-    store = transport.connect_store("127.0.0.1", 0, 5.0, is_master=True)
-    client = transport.connect_store("127.0.0.1", store.port, 5.0)
+    store = wire.connect_store("127.0.0.1", 0, 5.0, is_master=True)
+    client = wire.connect_store("127.0.0.1", store.port, 5.0)
     client.set("k", "v")
     assert store.get("k") == b"v"
     # torch alone would listen on every interface; 127.0.0.2 is this machine

@@ -1,5 +1,5 @@
 """Weight-sync protocol pieces: bucket planning, tensor collection, phase order,
-signing, and the gloo transport between two real processes (no engine)."""
+signing, errors as kinds, and the gloo wire between two real processes (no engine)."""
 
 from __future__ import annotations
 
@@ -15,42 +15,43 @@ from typing import Any
 import pytest
 import torch
 
-from tasks import keys, transport
+from tasks import keys
 from tasks.auth import CommandVerifier, signed_arguments
 from tasks.errors import ControlRefused, WeightSyncError
-from tasks.schemas import Manifest, SyncAck, SyncPlan
-from tasks.sync_weights import named_tensors
 from tests.procs import ROOT, free_port
+from weight_sync import wire
+from weight_sync.protocol import Manifest, SyncAck, SyncPlan
+from weight_sync.sender import named_tensors
 
 
 def test_buckets_pack_tensors_in_order_and_never_exceed_the_bucket_size() -> None:
     specs = [(f"w{i}", "float32", [100]) for i in range(10)]  # 400 bytes each
-    manifest = transport.plan_buckets(specs, bucket_bytes=1024)
+    manifest = wire.plan_buckets(specs, bucket_bytes=1024)
     assert [t.name for t in manifest.tensors] == [f"w{i}" for i in range(10)]
     assert all(size <= 1024 for size in manifest.bucket_sizes)
     per_bucket: dict[int, list[str]] = {}
     for spec in manifest.tensors:
         per_bucket.setdefault(spec.bucket, []).append(spec.name)
-        assert spec.offset % transport.ALIGN == 0
+        assert spec.offset % wire.ALIGN == 0
         assert spec.offset + spec.nbytes <= manifest.bucket_sizes[spec.bucket]
     assert len(per_bucket) == len(manifest.bucket_sizes) == 5
 
 
 def test_buckets_travel_in_pieces_that_cover_them_exactly() -> None:
-    assert transport.chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert transport.chunk_ranges(10, 0) == [(0, 10)]
-    assert transport.chunk_ranges(8, 16) == [(0, 8)]
-    manifest = transport.plan_buckets([("w", "float32", [100])], bucket_bytes=1024, chunk_bytes=128)
+    assert wire.chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert wire.chunk_ranges(10, 0) == [(0, 10)]
+    assert wire.chunk_ranges(8, 16) == [(0, 8)]
+    manifest = wire.plan_buckets([("w", "float32", [100])], bucket_bytes=1024, chunk_bytes=128)
     assert manifest.chunk_bytes == 128
 
 
 def test_large_tensors_travel_as_pieces_of_their_own_and_the_rest_packed() -> None:
     specs = [("a", "float32", [10]), ("big1", "float32", [60]), ("big2", "float32", [64]),
              ("b", "float32", [20]), ("c", "float32", [20]), ("big3", "float32", [100])]
-    manifest = transport.plan_buckets(specs, bucket_bytes=4096, chunk_bytes=64, direct_bytes=240)
+    manifest = wire.plan_buckets(specs, bucket_bytes=4096, chunk_bytes=64, direct_bytes=240)
     assert manifest.direct_bytes == 240
     at = {t.name: t for t in manifest.tensors}
-    pieces = transport.piece_ranges(manifest, manifest.bucket_sizes[0], manifest.tensors)
+    pieces = wire.piece_ranges(manifest, manifest.bucket_sizes[0], manifest.tensors)
     direct = {name: (start, end) for start, end, name in pieces if name is not None}
     assert direct == {n: (at[n].offset, at[n].offset + at[n].nbytes) for n in ("big1", "big2", "big3")}
     # In order, never overlapping, every tensor byte covered once.
@@ -63,13 +64,13 @@ def test_large_tensors_travel_as_pieces_of_their_own_and_the_rest_packed() -> No
     assert sum(end - start for start, end in packed) == 64 + (at["big3"].offset - at["b"].offset)
     assert at["big2"].offset > at["big1"].offset + at["big1"].nbytes  # the gap that does not travel
     # direct_bytes 0: every byte packed, in chunk_bytes pieces
-    plain = transport.plan_buckets(specs, bucket_bytes=4096, chunk_bytes=64)
-    assert [(s, e) for s, e, _ in transport.piece_ranges(plain, plain.bucket_sizes[0], plain.tensors)] == \
-        transport.chunk_ranges(plain.bucket_sizes[0], 64)
+    plain = wire.plan_buckets(specs, bucket_bytes=4096, chunk_bytes=64)
+    assert [(s, e) for s, e, _ in wire.piece_ranges(plain, plain.bucket_sizes[0], plain.tensors)] == \
+        wire.chunk_ranges(plain.bucket_sizes[0], 64)
 
 
 def test_a_tensor_larger_than_a_bucket_travels_alone() -> None:
-    manifest = transport.plan_buckets(
+    manifest = wire.plan_buckets(
         [("small", "bfloat16", [4]), ("huge", "float32", [1000]), ("tail", "int64", [2])], 256
     )
     buckets = {t.name: t.bucket for t in manifest.tensors}
@@ -79,9 +80,9 @@ def test_a_tensor_larger_than_a_bucket_travels_alone() -> None:
 
 def test_bucket_planning_refuses_duplicate_names_and_unknown_dtypes() -> None:
     with pytest.raises(ValueError, match="twice"):
-        transport.plan_buckets([("a", "float32", [1]), ("a", "float32", [1])], 1024)
+        wire.plan_buckets([("a", "float32", [1]), ("a", "float32", [1])], 1024)
     with pytest.raises(ValueError, match="complex64"):
-        transport.plan_buckets([("a", "complex64", [1])], 1024)
+        wire.plan_buckets([("a", "complex64", [1])], 1024)
 
 
 def test_packed_bucket_views_give_back_every_tensor_bit_for_bit() -> None:
@@ -90,12 +91,12 @@ def test_packed_bucket_views_give_back_every_tensor_bit_for_bit() -> None:
         "b": torch.randn(7).to(torch.bfloat16),
         "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
     }
-    manifest = transport.plan_buckets(
-        ((n, transport.dtype_name(t), list(t.shape)) for n, t in tensors.items()), 1 << 20
+    manifest = wire.plan_buckets(
+        ((n, wire.dtype_name(t), list(t.shape)) for n, t in tensors.items()), 1 << 20
     )
     buffer = torch.empty(manifest.bucket_sizes[0], dtype=torch.uint8)
-    transport.pack(buffer, manifest.tensors, tensors)
-    for name, view in transport.bucket_views(buffer, manifest.tensors):
+    wire.pack(buffer, manifest.tensors, tensors)
+    for name, view in wire.bucket_views(buffer, manifest.tensors):
         assert torch.equal(view, tensors[name])
 
 
@@ -139,27 +140,80 @@ def test_sync_trigger_signature_detects_any_change_to_the_plan_and_a_wrong_secre
 
 
 def test_the_manifest_travels_by_digest_and_a_changed_one_is_refused() -> None:
-    manifest = transport.plan_buckets([("a", "float32", (4, 4)), ("b", "bfloat16", (8,))], 1 << 20)
+    manifest = wire.plan_buckets([("a", "float32", (4, 4)), ("b", "bfloat16", (8,))], 1 << 20)
     text, digest = manifest.wire()
     assert Manifest.from_wire(text, digest) == manifest
     assert Manifest.from_wire(text.encode(), digest) == manifest  # as Redis returns it
     with pytest.raises(ValueError, match="does not hash"):
         Manifest.from_wire(text.replace('"a"', '"c"'), digest)
     plan = _plan(manifest_digest=digest, manifest=manifest)
-    wire = plan.model_dump(mode="json")
-    assert "manifest" not in wire and wire["manifest_digest"] == digest  # never inline
-    assert SyncPlan.model_validate(wire).manifest is None
+    sent = plan.model_dump(mode="json")
+    assert "manifest" not in sent and sent["manifest_digest"] == digest  # never inline
+    assert SyncPlan.model_validate(sent).manifest is None
+
+
+def test_both_ends_walk_the_same_buckets_with_their_tensors_in_offset_order_and_their_pieces() -> None:
+    specs = [(f"w{i}", "float32", [60 * (i % 4 + 1)]) for i in range(12)]
+    manifest = wire.plan_buckets(specs, bucket_bytes=1024, chunk_bytes=256, direct_bytes=700)
+    buckets = list(wire.iter_buckets(manifest))
+    assert [b.index for b in buckets] == list(range(len(manifest.bucket_sizes)))
+    assert [b.size for b in buckets] == manifest.bucket_sizes
+    assert [s.name for b in buckets for s in b.specs] == [s.name for s in manifest.tensors]
+    for bucket in buckets:
+        assert all(s.bucket == bucket.index for s in bucket.specs)
+        assert [s.offset for s in bucket.specs] == sorted(s.offset for s in bucket.specs)
+        assert bucket.pieces == wire.piece_ranges(manifest, bucket.size, bucket.specs)
+    assert any(name for b in buckets for _, _, name in b.pieces)  # some tensors travel direct
+
+
+def test_a_sync_failure_crosses_processes_as_a_kind_and_comes_back_as_its_class() -> None:
+    from tasks import errors
+    from weight_sync.protocol import SyncFailure
+
+    for kind, cls in errors.SYNC_ERRORS.items():
+        sent = SyncFailure.of(cls("what happened; what to do"))
+        assert sent.kind == kind and sent.message == "what happened; what to do"
+        back = SyncFailure.model_validate_json(sent.model_dump_json()).error(phase="ready", workers=["w@h"])
+        assert type(back) is cls and str(back) == "what happened; what to do"
+        assert back.phase == "ready" and back.workers == ["w@h"]
+    # The nearest class wins; an error from outside the tree keeps its name in the message.
+    assert SyncFailure.of(errors.RendezvousUnreachable("x")).kind == "rendezvous_unreachable"
+    foreign = SyncFailure.of(TimeoutError("the engine did not pause in time"))
+    assert foreign.kind == "failed" and foreign.message == "TimeoutError: the engine did not pause in time"
+    assert type(foreign.error()) is WeightSyncError
+    with pytest.raises(ValueError, match="kind"):
+        SyncFailure.model_validate({"kind": "Manifest", "message": "no substring matching"})
+
+
+def test_the_engine_request_travels_as_json_with_the_workers_deadlines_and_no_inline_manifest() -> None:
+    from weight_sync.protocol import SyncDecision, UpdateRequest, WorkerTimeouts
+
+    manifest = wire.plan_buckets([("a", "float32", (4, 4))], 1 << 20)
+    text, digest = manifest.wire()
+    plan = _plan(manifest_digest=digest, manifest=manifest, timeouts=WorkerTimeouts(receive=5.0))
+    request = UpdateRequest(plan=plan, decision=SyncDecision(go=True, offsets={"w@h": 1}, world=2),
+                            node="w@h", manifest=text)
+    sent = json.loads(json.dumps(request.model_dump(mode="json")))  # what collective_rpc carries
+    assert "manifest" not in sent["plan"] and sent["manifest"] == text
+    received = UpdateRequest.model_validate(sent)
+    assert received.plan.timeouts.receive == 5.0 and received.plan.manifest is None
+    assert Manifest.from_wire(received.manifest or "", received.plan.manifest_digest) == manifest
+    # The defaults are the deadlines workers used before they travelled in the plan.
+    assert WorkerTimeouts().model_dump() == {
+        "probe": 5.0, "pause": 120.0, "store_connect": 30.0, "decision": 180.0, "group_join": 60.0,
+        "receive": 600.0, "update": 900.0, "resume": 60.0, "abort": 120.0,
+    }
 
 
 def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> None:
-    from workers.extension import WeightReceiver
+    from weight_sync.receiver import WeightReceiver
 
     receiver = WeightReceiver()
     with pytest.raises(WeightSyncError, match="rq_attach"):
         receiver.rq_finish_update()
     receiver.rq_attach("layerwise")
     with pytest.raises(WeightSyncError, match="call rq_begin_update first"):
-        receiver.rq_receive_buckets(1.0)
+        receiver.rq_receive_buckets()
     with pytest.raises(WeightSyncError, match="call rq_begin_update first"):
         receiver.rq_finish_update()
     assert receiver.rq_abort_update() is False  # nothing had arrived
@@ -168,17 +222,17 @@ def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> N
 PEER = textwrap.dedent(
     """
     import json, sys, torch
-    from tasks import transport
-    from tasks.schemas import Manifest
+    from weight_sync import wire
+    from weight_sync.protocol import Manifest
     host, port, manifest = sys.argv[1], int(sys.argv[2]), Manifest.model_validate_json(sys.argv[3])
-    store = transport.connect_store(host, port, 30.0)
-    group = transport.new_group(store, "g1", 1, 2, "gloo", 30.0)
+    store = wire.connect_store(host, port, 30.0)
+    group = wire.new_group(store, "g1", 1, 2, "gloo", 30.0)
     sums = {}
     for index, size in enumerate(manifest.bucket_sizes):
         buf = torch.empty(size, dtype=torch.uint8)
-        transport.wait(transport.broadcast(group, buf), 30.0)
+        wire.wait(wire.broadcast(group, buf), 30.0)
         specs = [s for s in manifest.tensors if s.bucket == index]
-        for name, view in transport.bucket_views(buf, specs):
+        for name, view in wire.bucket_views(buf, specs):
             sums[name] = float(view.double().sum())
     print(json.dumps(sums))
     """
@@ -187,28 +241,28 @@ PEER = textwrap.dedent(
 
 def test_two_processes_exchange_packed_buckets_over_gloo() -> None:
     tensors = {f"layer{i}.weight": torch.randn(64, 64) for i in range(6)}
-    manifest = transport.plan_buckets(
+    manifest = wire.plan_buckets(
         ((n, "float32", list(t.shape)) for n, t in tensors.items()), bucket_bytes=40_000
     )
     assert len(manifest.bucket_sizes) > 2  # exercises both send buffers
     port = free_port()
-    store = transport.connect_store("127.0.0.1", port, 30.0, is_master=True)
+    store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)
     peer = subprocess.Popen(
         [sys.executable, "-c", PEER, "127.0.0.1", str(port), manifest.model_dump_json()],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT), text=True,
     )
     try:
-        group = transport.new_group(store, "g1", 0, 2, "gloo", 30.0)
+        group = wire.new_group(store, "g1", 0, 2, "gloo", 30.0)
         buffers = [torch.empty(max(manifest.bucket_sizes), dtype=torch.uint8) for _ in range(2)]
         works = []
         for index, size in enumerate(manifest.bucket_sizes):
             if len(works) >= 2:
-                transport.wait(works[-2], 30.0)
+                wire.wait(works[-2], 30.0)
             buf = buffers[index % 2][:size]
-            transport.pack(buf, [s for s in manifest.tensors if s.bucket == index], tensors)
-            works.append(transport.broadcast(group, buf))
+            wire.pack(buf, [s for s in manifest.tensors if s.bucket == index], tensors)
+            works.append(wire.broadcast(group, buf))
         for work in works:
-            transport.wait(work, 30.0)
+            wire.wait(work, 30.0)
         out, err = peer.communicate(timeout=60)
     finally:
         peer.kill()
@@ -233,7 +287,7 @@ def test_receive_buffers_are_reused_only_once_no_pending_layer_holds_them() -> N
 
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from workers.extension import _BufferPool
+    from weight_sync.receiver import _BufferPool
 
     pool = _BufferPool(keep=2)
     cpu = torch.device("cpu")
@@ -302,20 +356,20 @@ def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _received(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
-    manifest = transport.plan_buckets(
-        [(n, transport.dtype_name(t), list(t.shape)) for n, t in state.items()], bucket_bytes=1 << 20)
+    manifest = wire.plan_buckets(
+        [(n, wire.dtype_name(t), list(t.shape)) for n, t in state.items()], bucket_bytes=1 << 20)
     buffer = torch.empty(manifest.bucket_sizes[0], dtype=torch.uint8)
-    transport.pack(buffer, manifest.tensors, state)
+    wire.pack(buffer, manifest.tensors, state)
     return buffer, manifest.tensors
 
 
 def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_place() -> None:
-    from workers.inplace import InPlaceMap
+    from weight_sync.inplace import InPlaceMap
 
     model, places = _LoaderModel(), InPlaceMap()
     buffer, specs = _received(_checkpoint(1))
     with places.watch(model, buffer, specs, [s.offset for s in specs]):
-        model.load_weights(transport.bucket_views(buffer, specs))
+        model.load_weights(wire.bucket_views(buffer, specs))
     assert set(places.places) == {"q", "k", "v", "o"}
     assert places.refused == {"converted", "shard", "twice", "scaled"}
     assert places.places["k"] == ("qkv", 4 * 4 * 4) and places.places["o"] == ("o", 0)
@@ -327,10 +381,10 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
     targets = places.targets(model, specs)
     assert set(targets) == set(places.places)
     for name, target in targets.items():
-        target.copy_(transport.flat_bytes(new[name]))
-    model.load_weights(transport.bucket_views(buffer, [s for s in specs if s.name not in targets]))
+        target.copy_(wire.flat_bytes(new[name]))
+    model.load_weights(wire.bucket_views(buffer, [s for s in specs if s.name not in targets]))
     reference = _LoaderModel()
-    reference.load_weights(transport.bucket_views(buffer, specs))
+    reference.load_weights(wire.bucket_views(buffer, specs))
     for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(got, want), name
 
@@ -346,19 +400,19 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
 
 
 def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
-    from workers.extension import _buffer_layout, _buffer_offsets
+    from weight_sync.receiver import _buffer_layout, _buffer_offsets
 
     gen = torch.Generator().manual_seed(3)
     sizes = {"a": 40, "big1": 300, "b": 90, "c": 50, "big2": 260, "d": 30}  # float32 elements
     state = {name: torch.randn(n, generator=gen) for name, n in sizes.items()}
-    manifest = transport.plan_buckets(
+    manifest = wire.plan_buckets(
         [(n, "float32", [t.numel()]) for n, t in state.items()], bucket_bytes=1 << 20,
         chunk_bytes=256, direct_bytes=1000,
     )
     size = manifest.bucket_sizes[0]
     sent = torch.zeros(size, dtype=torch.uint8)
-    transport.pack(sent, manifest.tensors, state)
-    pieces = transport.piece_ranges(manifest, size, manifest.tensors)
+    wire.pack(sent, manifest.tensors, state)
+    pieces = wire.piece_ranges(manifest, size, manifest.tensors)
     in_place = {"big1": object()}  # big2 travels direct but into the buffer
     at, need = _buffer_layout(pieces, in_place)
     assert need == sum(end - start for (start, end, _), where in zip(pieces, at) if where is not None)
@@ -371,7 +425,7 @@ def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
     loaded = [spec for spec in manifest.tensors if spec.name not in in_place]
     assert any(s.offset < start < s.offset + s.nbytes for start, _, _ in pieces for s in loaded), \
         "some tensor should straddle a piece edge"
-    views = dict(transport.bucket_views(buffer, loaded, _buffer_offsets(loaded, pieces, at)))
+    views = dict(wire.bucket_views(buffer, loaded, _buffer_offsets(loaded, pieces, at)))
     assert set(views) == set(state) - {"big1"}
     for name, view in views.items():
         assert torch.equal(view, state[name]), name
@@ -429,10 +483,10 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     participant = SyncParticipant(host, "w@h", acks, host.state)  # type: ignore[arg-type]
     with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers
         plan = _plan(sync_id=f"pause-fails-{time.time()}", store_port=store.getsockname()[1])
-        participant.run(plan)
+        participant.sync(plan)
     assert host.calls == [("pause", "wait"), ("resume", None)]
     (done,) = acks.acks(keys.sync_acks(plan.sync_id, "done"))
-    assert not done.ok and "did not pause" in (done.error or "")
+    assert not done.ok and done.error is not None and "did not pause" in done.error.message
     assert host.state.intake_open
     assert host.state.fence_reason is FenceReason.MISSED_SYNC
     assert host.state.refusal() == "missed sync to version 3" and host.state.current == "fenced"
@@ -465,10 +519,10 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
     participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]
     plan = _plan(sync_id=f"unreachable-{time.time()}", store_port=closed_port)
     started = time.monotonic()
-    participant.run(plan)
+    participant.sync(plan)
     assert time.monotonic() - started < 5  # refused at once: no wait for any timeout
     assert host.calls == []
     (ready,) = acks.acks(keys.sync_acks(plan.sync_id, "ready"))
-    assert not ready.ok and (ready.error or "").startswith("RendezvousUnreachable")
-    assert "set RQ_RENDEZVOUS_HOST on the trainer" in (ready.error or "") and "own loopback" in (ready.error or "")
+    assert not ready.ok and ready.error is not None and ready.error.kind == "rendezvous_unreachable"
+    assert "set RQ_RENDEZVOUS_HOST on the trainer" in ready.error.message and "own loopback" in ready.error.message
     assert state.refusal() == "missed sync to version 3" and state.current == "fenced"

@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tasks import app, control, generate, keys, sync_weights, transport
+from tasks import app, control, generate, keys, sync_weights
 from tasks.auth import signed_arguments
 from tasks.errors import ManifestMismatch, WorkerLost
 from tasks.registry import fleet_version, live_workers
 from tasks.settings import SyncSettings, SyncTimeouts
 from tests.conftest import WorkerStarter, engine_results, wait_for, worker_registered
+from weight_sync import wire
+from weight_sync.bench_receiver import BENCH_EXTENSION
 
 POOL = QUEUE = "sync"
 SECRET = "sync-test-secret"
@@ -50,10 +52,12 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 def sync_workers(start_worker: WorkerStarter, model_a: Path, ref_b: Any) -> list[Any]:
     env = {"RQ_WEIGHT_SYNC_SECRET": SECRET}
     # sync0 runs vLLM's packed CPU weights (layerwise reload), sync1 plain ones
-    # (direct loads, received in place from the second sync on).
+    # (direct loads, received in place from the second sync on). Both load the
+    # receiver with the benchmarks' calls: the tests read ``last_receive``.
+    bench = ["--worker-extension-cls", BENCH_EXTENSION]
     procs = [
         start_worker(model_a, f"sync{i}@tests", queue=QUEUE, pool=POOL, env=env, wait=False, extra=extra)
-        for i, extra in enumerate([[], ["--cpu-weights", "plain"]])
+        for i, extra in enumerate([bench, [*bench, "--cpu-weights", "plain"]])
     ]
     import redis
 
@@ -148,8 +152,7 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
     assert set(report.phases) == {"membership", "rendezvous", "trigger", "ready", "transfer", "commit"}
     manifest, _ = sender.manifest(list(weights["B"].items()), sender.membership(), "gloo")
     assert len(manifest.bucket_sizes) > 2 and manifest.chunk_bytes == 1 << 20
-    pieces = [p for b, size in enumerate(manifest.bucket_sizes)
-              for p in transport.piece_ranges(manifest, size, [t for t in manifest.tensors if t.bucket == b])]
+    pieces = [piece for bucket in wire.iter_buckets(manifest) for piece in bucket.pieces]
     assert any(name is not None for _, _, name in pieces) and any(name is None for _, _, name in pieces)
     assert any(start < t.offset + t.nbytes and t.offset < start < t.offset + t.nbytes
                for start, _, name in pieces if name is None for t in manifest.tensors)

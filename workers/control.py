@@ -29,7 +29,6 @@ from celery.worker.control import Panel, control_command
 
 from tasks import keys
 from tasks.errors import ControlRefused
-from tasks.schemas import SyncAccepted
 from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -71,9 +70,7 @@ def rq_weight_sync(state: Any, plan: dict[str, Any], auth: dict[str, Any] | None
         # real sync's id must not be able to drop a worker from that sync.
         epoch = plan.get("epoch", -1) if isinstance(plan, dict) else -1
         log.warning("weight sync epoch %s refused: %s", epoch, exc)
-        epoch = epoch if isinstance(epoch, int) else -1
-        return SyncAccepted(node=runtime.node, epoch=epoch, ok=False,
-                            error=f"ControlRefused: {exc}").model_dump()
+        return {"ok": False, "node": runtime.node, "error": f"ControlRefused: {exc}"}
     return runtime.sync.accept(plan)
 
 

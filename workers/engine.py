@@ -42,7 +42,7 @@ from workers.tools import ToolCalls, render
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-EXTENSION_CLS = "workers.extension.WeightReceiver"
+EXTENSION_CLS = "weight_sync.receiver.WeightReceiver"
 # How often a running task reads which of its prompts were given up by their
 # client, and how long an aborted request may take to hand back its output.
 ABORT_POLL_S = 0.2

@@ -20,7 +20,8 @@ from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
-from workers import control, cpu_weights, delivery, reliable_redis
+from weight_sync import cpu_weights
+from workers import control, delivery, reliable_redis
 from workers.engine import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings

@@ -31,7 +31,7 @@ class EngineSettings(ClientSettings):
     # CPU only. "packed": vLLM's own (linear weights become GEMM handles, so a
     # sync reloads layer by layer and packs again); "plain": linear weights stay
     # tensors (syncs load directly and mostly in place; slower GEMMs).
-    # workers/cpu_weights.py.
+    # weight_sync/cpu_weights.py.
     cpu_weights: Literal["packed", "plain"] = "packed"
     # "auto": layerwise reload on CPU with packed weights (a bare load_weights
     # leaves the old weights in use there), direct load_weights otherwise.

@@ -3,8 +3,9 @@
 The trigger arrives as a remote-control command (``workers.control``), which
 checks its signature (``tasks.auth``) and calls :meth:`SyncParticipant.accept`
 in Celery's consumer loop: it checks the plan and the manifest, answers at
-once, and hands the rest to a thread (:meth:`SyncParticipant.run`), which
-reports through Redis:
+once, and hands the rest to a thread (:meth:`SyncParticipant.sync`), which
+reports through Redis (the protocol: ``weight_sync``; its phases are drawn
+in ``weight_sync.sender``):
 
     accept   (HMAC checked before) protocol, membership,
              manifest names/shapes/dtype                       → push "accepted" ack
@@ -13,13 +14,16 @@ reports through Redis:
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
              (an idle engine is not paused; its prefix-cache reset starts here)
     decide   wait for the trainer's decision in its TCPStore
-    update   rq_update on every engine rank, one call: join (or reuse)
-             the group, receive the buckets over gloo / NCCL and load
-             them, check every entry arrived, finalize
+    update   rq_update(UpdateRequest) on every engine rank, one call
+             (``weight_sync.receiver``): join (or reuse) the group, receive
+             the buckets over gloo / NCCL and load them, check every entry
+             arrived, finalize; an UpdateResult per rank
     commit   reset prefix cache, new version, resume, open intake → push "done" ack
 
-A worker left out of a sync, or whose sync failed, is fenced (takes no
-tasks) until a later sync brings it to the fleet's version.
+Every wait has the plan's deadline (``WorkerTimeouts``); a failure is acked
+as a kind and a message (``SyncFailure``). A worker left out of a sync, or
+whose sync failed, is fenced (takes no tasks) until a later sync brings it
+to the fleet's version.
 """
 
 from __future__ import annotations
@@ -35,17 +39,24 @@ from typing import Any
 
 import redis
 
-from tasks import keys, transport
+from tasks import keys
 from tasks.errors import ManifestMismatch, RendezvousUnreachable, SyncRefused
-from tasks.schemas import PROTOCOL_VERSION, Manifest, SyncAccepted, SyncAck, SyncDecision, SyncPlan
+from weight_sync import wire
+from weight_sync.protocol import (
+    PROTOCOL_VERSION,
+    Manifest,
+    SyncAck,
+    SyncDecision,
+    SyncFailure,
+    SyncPlan,
+    UpdateRequest,
+    UpdateResult,
+)
 from workers.checkpoint import checkpoint_shapes
 from workers.engine import EngineHost
 from workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
-
-# Seconds to open a connection to the trainer's store before pausing for a sync.
-STORE_PROBE_S = 5.0
 
 
 class SyncParticipant:
@@ -81,7 +92,9 @@ class SyncParticipant:
         Called with a plan whose signature the control command has checked.
 
         The answer goes to the trainer as an "accepted" ack (ok=False: refused),
-        in the list its "ready" acks follow on; it is also the control reply.
+        in the list its "ready" acks follow on. Returns the control command's
+        reply (``{"ok", "node", "error"}``, as ``rq_engine`` answers), which only
+        a sender asking for replies reads (an operator, the tests).
         """
         arrived = time.time()
         epoch = int(raw_plan.get("epoch", -1)) if isinstance(raw_plan, dict) else -1
@@ -101,14 +114,14 @@ class SyncParticipant:
                 # From the trainer's publish to this handler (one clock when both share a host),
                 # and this handler's own time.
                 timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
-                self._current = self._pool.submit(self.run, plan, raw_plan, timing)
+                self._current = self._pool.submit(self.sync, plan, timing)
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync epoch %s refused: %s", epoch, exc)
-            error = f"{type(exc).__name__}: {exc}"
+            failure = SyncFailure.of(exc)
             if plan is not None:
-                self._ack(plan, "accepted", False, error=error)
-            return SyncAccepted(node=self.node, epoch=epoch, ok=False, error=error).model_dump()
-        return SyncAccepted(node=self.node, epoch=plan.epoch, ok=True).model_dump()
+                self._ack(plan, "accepted", False, error=failure)
+            return {"ok": False, "node": self.node, "error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": True, "node": self.node}
 
     def _manifest(self, digest: str) -> Manifest:
         """The manifest a plan names: from the last few seen, or from Redis."""
@@ -142,12 +155,11 @@ class SyncParticipant:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ManifestMismatch("manifest refused: " + "; ".join(problems[:3]) + more, phase="trigger")
 
-    # ------------------------------------------------------------------- run
+    # ------------------------------------------------------------------ sync
 
-    def run(self, plan: SyncPlan, raw_plan: dict[str, Any] | None = None,
-            timing: dict[str, float] | None = None) -> None:
-        """The sync after ``accept``: ``raw_plan`` is the plan as received (passed on to
-        the engine as it is), ``timing`` the trigger's seconds, reported with the rest."""
+    def sync(self, plan: SyncPlan, timing: dict[str, float] | None = None) -> None:
+        """The sync after ``accept``, phase by phase (the module docstring's);
+        ``timing``: the trigger's seconds, reported with the rest."""
         t_start = time.monotonic()
         seconds: dict[str, float] = dict(timing or {})
         changed = False
@@ -160,7 +172,7 @@ class SyncParticipant:
                 self.host.wake_up(["weights"])
             t = time.monotonic()
             paused = True  # from here a failure resumes: pause() closes intake first and may fail after
-            self.host.pause(plan.pause, timeout=120.0)
+            self.host.pause(plan.pause, timeout=plan.timeouts.pause)
             seconds["pause"] = time.monotonic() - t
             self._ack(plan, "ready", True, seconds=seconds)
             ready = True
@@ -170,20 +182,12 @@ class SyncParticipant:
                 raise SyncRefused(f"trainer called off epoch {plan.epoch} for {self.node}: {reason}")
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
-            assert plan.manifest is not None
-            # The engine keeps the last manifest it was sent: only a new layout travels.
-            sent = None if self._engine_digest == plan.manifest_digest else plan.manifest.model_dump_json()
-            self._engine_digest = None  # until this call has succeeded
-            stats = self.host.collective_rpc(
-                "rq_update", 900.0, raw_plan or plan.model_dump(mode="json"), decision.model_dump(mode="json"),
-                self.node, 600.0, sent,
-            )
-            self._engine_digest = plan.manifest_digest
+            stats = self._update_engine(plan, decision)
             seconds["update"] = time.monotonic() - t
             for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
                 seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
             t = time.monotonic()
-            self.host.resume(plan.version, timeout=60.0)
+            self.host.resume(plan.version, timeout=plan.timeouts.resume)
             paused = False
             seconds["commit"] = time.monotonic() - t
             self.state.finish_update()  # a sleeping engine's KV cache stays asleep
@@ -193,18 +197,35 @@ class SyncParticipant:
             self._ack(plan, "done", True, seconds=seconds)
             log.info("weight sync epoch %d: now at version %d", plan.epoch, plan.version)
         except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
+            failure = SyncFailure.of(exc)
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("weight sync epoch %d failed: %s", plan.epoch, self.last_error)
             self._recover(changed, paused, plan)
             if not ready:  # the trainer waits for "ready" first: tell it there at once
-                self._ack(plan, "ready", False, error=self.last_error, seconds=seconds)
-            self._ack(plan, "done", False, error=self.last_error, seconds=seconds)
+                self._ack(plan, "ready", False, error=failure, seconds=seconds)
+            self._ack(plan, "done", False, error=failure, seconds=seconds)
+
+    def _update_engine(self, plan: SyncPlan, decision: SyncDecision) -> list[dict[str, float]]:
+        """The engine's part, one call on every rank (``UpdateRequest``); each rank's
+        seconds, or its failure raised as the error it stands for."""
+        assert plan.manifest is not None
+        # The engine keeps the last manifest it was sent: only a new layout travels.
+        sent = None if self._engine_digest == plan.manifest_digest else plan.manifest.model_dump_json()
+        self._engine_digest = None  # until this call has succeeded
+        request = UpdateRequest(plan=plan, decision=decision, node=self.node, manifest=sent)
+        answers = self.host.collective_rpc("rq_update", plan.timeouts.update, request.model_dump(mode="json"))
+        results = [UpdateResult.model_validate(answer) for answer in answers]
+        failed = next((r.failure for r in results if r.failure is not None), None)
+        if failed is not None:
+            raise failed.error(phase="transfer", workers=[self.node])
+        self._engine_digest = plan.manifest_digest
+        return [result.seconds for result in results]
 
     def _check_rendezvous(self, plan: SyncPlan) -> None:
         """Fail before pausing when the trainer's store cannot be reached from here
         (a ``RQ_RENDEZVOUS_HOST`` of 127.0.0.1 seen from another host: refused at once)."""
         try:
-            transport.check_reachable(plan.store_host, plan.store_port, STORE_PROBE_S)
+            wire.check_reachable(plan.store_host, plan.store_port, plan.timeouts.probe)
         except OSError as exc:
             hint = (f"{plan.store_host} is this worker's own loopback, not the trainer's host"
                     if _is_loopback(plan.store_host)
@@ -219,12 +240,12 @@ class SyncParticipant:
     def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
         if changed:
             try:
-                changed = any(self.host.collective_rpc("rq_abort_update", 120.0))
+                changed = any(self.host.collective_rpc("rq_abort_update", plan.timeouts.abort))
             except Exception:
                 log.exception("rq_abort_update failed")
         if paused:
             try:
-                self.host.resume(None, timeout=60.0)
+                self.host.resume(None, timeout=plan.timeouts.resume)
             except Exception:
                 log.exception("resume after a failed sync failed")
         if changed:
@@ -249,12 +270,12 @@ class SyncParticipant:
     def _decision_store(self, plan: SyncPlan) -> Any:
         address = (plan.store_host, plan.store_port)
         if self._store is None or self._store_address != address:
-            self._store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
-            self._store.set_timeout(datetime.timedelta(seconds=180))
+            self._store = wire.connect_store(plan.store_host, plan.store_port, plan.timeouts.store_connect)
             self._store_address = address
+        self._store.set_timeout(datetime.timedelta(seconds=plan.timeouts.decision))
         return self._store
 
-    def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: str | None = None,
+    def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: SyncFailure | None = None,
              seconds: dict[str, float] | None = None) -> None:
         ack = SyncAck(node=self.node, epoch=plan.epoch, sync_id=plan.sync_id, version=plan.version,
                       phase=phase,  # type: ignore[arg-type]

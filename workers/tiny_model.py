@@ -124,7 +124,7 @@ def make_tiny_model(
             max_position_embeddings=2048,
             initializer_range=0.2,
             # Tied, as in most small real models (Qwen2/2.5-0.5B, Llama-3.2-1B): the
-            # weight-sync tests then cover the tied head (workers.extension).
+            # weight-sync tests then cover the tied head (weight_sync.receiver).
             tie_word_embeddings=True,
             bos_token_id=tok.token_to_id("<|bos|>"),
             eos_token_id=tok.token_to_id("<|eos|>"),

@@ -1,6 +1,11 @@
-"""The wire both sides of a weight sync share: bucket planning, packing, groups.
+"""The wire both sides of a weight sync share: buckets, pieces, process groups.
 
-Pure planning (``plan_buckets``) needs no torch. The rest imports torch
+``plan_buckets`` lays the tensors out in buckets (the manifest);
+``iter_buckets`` is the one walk over them that both ends make, bucket by
+bucket with its tensors and the pieces it travels in; ``broadcast_bucket``
+starts a bucket's broadcasts the same way on both ends.
+
+Pure planning (``plan_buckets``, ``iter_buckets``) needs no torch. The rest imports torch
 lazily, so producers that never sync never import it. Process groups are
 built straight from a ``TCPStore`` (no ``init_process_group``), so they
 neither need nor disturb the default group of the process they live in (the
@@ -13,15 +18,20 @@ import datetime
 import ipaddress
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tasks.schemas import Manifest, TensorSpec
+from weight_sync.protocol import Manifest, TensorSpec
 
 if TYPE_CHECKING:
     import torch
 
 ALIGN = 64  # bytes; every tensor starts aligned so a view of any dtype is legal
+
+# One piece of a bucket: its [start, end) bytes, and the tensor it is sent
+# straight from (None: packed).
+Piece = tuple[int, int, str | None]
 
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
@@ -77,7 +87,7 @@ def chunk_ranges(size: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
-def piece_ranges(manifest: Manifest, size: int, specs: Sequence[TensorSpec]) -> list[tuple[int, int, str | None]]:
+def piece_ranges(manifest: Manifest, size: int, specs: Sequence[TensorSpec]) -> list[Piece]:
     """The pieces one bucket travels in, in order: ``(start, end, direct)``.
 
     ``direct`` names the tensor a piece is sent straight from (a tensor of at
@@ -86,7 +96,7 @@ def piece_ranges(manifest: Manifest, size: int, specs: Sequence[TensorSpec]) -> 
     the manifest. ``specs``: the bucket's tensors in offset order. Bytes that
     hold no tensor (alignment between two direct pieces) do not travel.
     """
-    pieces: list[tuple[int, int, str | None]] = []
+    pieces: list[Piece] = []
     cursor = 0
     following = 0  # index of the first tensor at or after the cursor
 
@@ -101,6 +111,26 @@ def piece_ranges(manifest: Manifest, size: int, specs: Sequence[TensorSpec]) -> 
             cursor, following = spec.offset + spec.nbytes, index + 1
     packed(size)
     return pieces
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of a manifest as it travels: its tensors and its pieces."""
+
+    index: int
+    size: int  # bytes
+    specs: list[TensorSpec]  # its tensors, in offset order
+    pieces: list[Piece]  # ``piece_ranges``, in send order
+
+
+def iter_buckets(manifest: Manifest) -> Iterator[Bucket]:
+    """The manifest's buckets in send order: the one walk both ends make."""
+    by_bucket: dict[int, list[TensorSpec]] = {}
+    for spec in manifest.tensors:
+        by_bucket.setdefault(spec.bucket, []).append(spec)
+    for index, size in enumerate(manifest.bucket_sizes):
+        specs = by_bucket.get(index, [])
+        yield Bucket(index, size, specs, piece_ranges(manifest, size, specs))
 
 
 def groups_buckets(manifest: Manifest) -> bool:
@@ -279,11 +309,15 @@ def broadcast_group(group: Any, tensors: Sequence[torch.Tensor]) -> list[Any]:
     return [work]
 
 
-def broadcast_bucket(group: Any, manifest: Manifest, pieces: Sequence[torch.Tensor]) -> list[Any]:
+def broadcast_bucket(group: Any, manifest: Manifest, pieces: Iterable[torch.Tensor]) -> list[Any]:
     """Start the broadcasts of one bucket's pieces: one work per piece, or one for
-    the bucket where it travels as one group (``groups_buckets``; NCCL)."""
+    the bucket where it travels as one group (``groups_buckets``; NCCL).
+
+    ``pieces`` may be a generator: outside a group each piece's broadcast starts
+    before the next piece is asked for (the sender packs it meanwhile).
+    """
     if groups_buckets(manifest):
-        return broadcast_group(group, pieces)
+        return broadcast_group(group, list(pieces))
     return [broadcast(group, piece) for piece in pieces]
 
 

@@ -1,22 +1,26 @@
-"""The receiving side of the weight protocol, inside vLLM's worker processes.
+"""The receiving end of the weight sync, inside vLLM's worker processes.
 
 vLLM mixes :class:`WeightReceiver` into its worker class
-(``worker_extension_cls``); the host calls these methods on every engine
-rank at once with ``collective_rpc``. The receiver's phases mirror the
-sender's and are called in this order, each refusing to run out of turn::
+(``worker_extension_cls``, set by ``workers.engine``); the worker host
+(``workers.sync``) calls it on every engine rank at once with
+``collective_rpc``. Its steps mirror the sender's and run in this order, each
+refusing to run out of turn::
 
-    rq_attach(load_mode)                   once, at engine start
-    rq_begin_update(plan, decision)        join (or reuse) the group  IDLE → JOINED
-    rq_receive_buckets(timeout_s)          receive and load buckets   JOINED → RECEIVED
-    rq_finish_update()                     verify, finalize           RECEIVED → IDLE
-    rq_abort_update()                      from any phase             → IDLE
+    rq_attach(load_mode)                 once, at engine start
+    rq_update(UpdateRequest)             the sync's one engine call, in turn:
+      rq_begin_update(request)           join (or reuse) the group   IDLE → JOINED
+      rq_receive_buckets()               receive and load buckets     JOINED → RECEIVED
+      rq_finish_update()                 verify, finalize             RECEIVED → IDLE
+    rq_abort_update()                    from any phase               → IDLE
 
-``rq_update`` runs the three middle steps in one call (one engine round trip
-instead of three); the host uses it.
+``rq_update`` answers an ``UpdateResult``: its seconds, or the failure (a kind
+and a message) that stopped it. Its deadlines are the plan's
+(``WorkerTimeouts``). Calls only the benchmarks make live in
+``weight_sync.bench_receiver``.
 
 With direct loading (CUDA), a tensor that ``load_weights`` only copies, whole,
 into a region of one parameter is received straight into that region from
-the sync after the one that showed it (``workers/inplace.py``); a bucket's
+the sync after the one that showed it (``weight_sync/inplace.py``); a bucket's
 buffer then holds only its other pieces, back to back.
 
 Receive buffers come from a small pool that lives on between syncs: on CPU
@@ -35,11 +39,18 @@ import sys
 import time
 from typing import Any
 
-from tasks import transport
 from tasks.errors import ManifestMismatch, WeightSyncError
-from tasks.schemas import Manifest, SyncDecision, SyncPlan
-from workers import cpu_weights
-from workers.inplace import InPlaceMap
+from weight_sync import cpu_weights, wire
+from weight_sync.inplace import InPlaceMap
+from weight_sync.protocol import (
+    Manifest,
+    SyncFailure,
+    SyncPlan,
+    TensorSpec,
+    UpdateRequest,
+    UpdateResult,
+)
+from weight_sync.wire import Bucket, Piece
 
 if cpu_weights.requested():  # imported by vLLM's worker process before it loads the model
     cpu_weights.keep_plain_weights()
@@ -96,7 +107,7 @@ class _BufferPool:
         held = _pending_layerwise_storages()
         if held is None:  # cannot tell on this vLLM: keep them until the sync ends
             return
-        still_held = []
+        still_held: list[Any] = []
         for buffer in self.loaded:
             (still_held if buffer.untyped_storage().data_ptr() in held else self.free).append(buffer)
         self.loaded = still_held
@@ -153,9 +164,7 @@ def refresh_tied_layers(model: Any, loaded: set[str] | None = None) -> list[str]
     return refreshed
 
 
-def _buffer_layout(
-    pieces: list[tuple[int, int, str | None]], in_place: dict[str, Any]
-) -> tuple[list[int | None], int]:
+def _buffer_layout(pieces: list[Piece], in_place: dict[str, Any]) -> tuple[list[int | None], int]:
     """Where each piece of a bucket lands in its buffer (``None``: in place), and
     the buffer's size: the pieces not received in place, back to back."""
     at: list[int | None] = []
@@ -169,9 +178,7 @@ def _buffer_layout(
     return at, used
 
 
-def _buffer_offsets(
-    specs: list[Any], pieces: list[tuple[int, int, str | None]], at: list[int | None]
-) -> list[int]:
+def _buffer_offsets(specs: list[TensorSpec], pieces: list[Piece], at: list[int | None]) -> list[int]:
     """Each tensor's offset in its bucket's buffer (see ``_buffer_layout``). A tensor
     starts in one piece and, if it runs on, continues in the next (adjacent) ones."""
     offsets = []
@@ -202,6 +209,120 @@ class _ReceiverState:
         self.buffers = _BufferPool()
 
 
+class _BucketReceive:
+    """One sync's receive and load, bucket by bucket; each method one step.
+
+    Buckets are posted to the wire ahead (``top_up``) while their buffers stay
+    within ``ahead`` buckets' worth (and at least ``ahead`` of them): the wire
+    never waits for a load or for this process to post. When most pieces land
+    in place, that is every bucket at once. Each bucket's pieces are then
+    awaited in order (``receive``) and the tensors they complete loaded
+    (``load``).
+    """
+
+    def __init__(self, receiver: WeightReceiver, state: _ReceiverState, manifest: Manifest, device: Any,
+                 in_place: dict[str, Any], deadline: float, ahead: int) -> None:
+        self.receiver = receiver
+        self.state = state
+        self.manifest = manifest
+        self.device = device
+        self.deadline = deadline
+        self.ahead = ahead
+        self.buckets = list(wire.iter_buckets(manifest))
+        self.in_place = in_place
+        # A bucket's buffer holds its other pieces only, back to back.
+        self.layouts = [_buffer_layout(bucket.pieces, in_place) for bucket in self.buckets]
+        self.budget = ahead * max(manifest.bucket_sizes)
+        # Per posted bucket: its buffer, and (end of the bytes it completes, work) per wait.
+        self.posted: collections.deque[tuple[Any, list[tuple[int, Any]]]] = collections.deque()
+        self.upcoming = 0  # the next bucket to post
+        self.wire_s = 0.0
+        self.load_s = 0.0
+        self.started = time.monotonic()
+        self.trace: list[str] | None = [] if os.environ.get("RQ_SYNC_TRACE") else None
+
+    def run(self) -> None:
+        self.top_up()
+        for bucket in self.buckets:
+            self.receive(bucket)
+        if self.trace is not None:
+            print("[rq-sync-trace] receiver " + "; ".join(self.trace), file=sys.stderr, flush=True)
+
+    def top_up(self) -> None:
+        """Post the next buckets while the buffers in flight stay within the budget."""
+        while self.upcoming < len(self.buckets):
+            held = sum(self.layouts[i][1] for i in range(self.upcoming - len(self.posted), self.upcoming))
+            if len(self.posted) >= self.ahead and held + self.layouts[self.upcoming][1] > self.budget:
+                return
+            self.posted.append(self.post(self.buckets[self.upcoming]))
+            self.upcoming += 1
+
+    def post(self, bucket: Bucket) -> tuple[Any, list[tuple[int, Any]]]:
+        """Start receiving ``bucket``: each piece into the parameter it lands in, or
+        into its place in a buffer from the pool."""
+        at, need = self.layouts[bucket.index]
+        buffer = self.state.buffers.take(need, self.device) if need else None
+        targets = []
+        for (start, end, direct), offset in zip(bucket.pieces, at):
+            if offset is None:
+                assert direct is not None
+                self.state.touched = True
+                targets.append(self.in_place[direct])
+            else:
+                assert buffer is not None  # ``need`` counts this piece
+                targets.append(buffer[offset : offset + end - start])
+        works = wire.broadcast_bucket(self.state.group, self.manifest, targets)
+        ends = [end for _, end, _ in bucket.pieces]
+        if len(works) < len(ends):  # the bucket as one group: one work, loaded at its end
+            ends = ends[-1:]
+        return buffer, list(zip(ends, works))
+
+    def receive(self, bucket: Bucket) -> None:
+        """Wait for the bucket's pieces in order; load the tensors they complete."""
+        buffer, works = self.posted.popleft()
+        specs = bucket.specs
+        loaded = 0
+        loaded_upto = 0  # bytes of this bucket handed to load_weights so far
+        for piece, (end, work) in enumerate(works):
+            t0 = time.monotonic()
+            wire.wait(work, self.deadline - time.monotonic())
+            last = piece == len(works) - 1
+            if last:
+                self.top_up()
+            t1 = time.monotonic()
+            self.wire_s += t1 - t0
+            # One load_weights call per chunk_bytes (or per bucket), however
+            # many pieces that took: each call has a fixed cost (measured on
+            # the GPU: ~0.5 ms; 160 calls for a 7B model tripled its load time).
+            chunk = self.manifest.chunk_bytes
+            if not last and (not chunk or end - loaded_upto < chunk):
+                continue
+            ready = loaded
+            while ready < len(specs) and specs[ready].offset + specs[ready].nbytes <= end:
+                ready += 1
+            loaded_upto = end
+            if ready > loaded:
+                self.load(buffer, bucket, specs[loaded:ready])
+                loaded = ready
+            self.load_s += time.monotonic() - t1
+            if self.trace is not None:
+                self.trace.append(f"b{bucket.index}.{piece} wait {t0 - self.started:.4f}-"
+                                  f"{t1 - self.started:.4f} load -{time.monotonic() - self.started:.4f}")
+        if buffer is not None:
+            self.state.buffers.loaded_into_model(buffer, still_referenced=self.state.layerwise_open)
+
+    def load(self, buffer: Any, bucket: Bucket, specs: list[TensorSpec]) -> None:
+        """Load these tensors of ``bucket`` (those not already received in place)."""
+        batch = [spec for spec in specs if spec.name not in self.in_place]
+        at = self.layouts[bucket.index][0]
+        self.receiver._rq_load(buffer, batch, _buffer_offsets(batch, bucket.pieces, at))
+        self.state.received.update(spec.name for spec in specs)
+
+    def stats(self) -> dict[str, float]:
+        return {"wire_s": self.wire_s, "load_s": self.load_s, "in_place_tensors": len(self.in_place),
+                "in_place_bytes": sum(s.nbytes for s in self.manifest.tensors if s.name in self.in_place)}
+
+
 class WeightReceiver:
     """Mixed into vLLM's worker: ``self`` is the worker (model_runner, device...)."""
 
@@ -228,54 +349,56 @@ class WeightReceiver:
     def _rq_model(self) -> Any:
         return self.model_runner.model  # type: ignore[attr-defined]
 
+    def _rq_device(self) -> Any:
+        return next(self._rq_model().parameters()).device
+
     # ------------------------------------------------------------------ phases
 
     def rq_attach(self, load_mode: str) -> str:
         self._rq = _ReceiverState(load_mode)
         return load_mode
 
-    def rq_update(
-        self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str, timeout_s: float,
-        manifest_json: str | None = None,
-    ) -> dict[str, float]:
-        """Join, receive and load, verify and finalize; seconds of each step."""
-        t0 = time.monotonic()
-        self.rq_begin_update(plan_json, decision_json, node, manifest_json)
-        t1 = time.monotonic()
-        stats = self.rq_receive_buckets(timeout_s)
-        t2 = time.monotonic()
-        self.rq_finish_update()
-        return {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": time.monotonic() - t2}
+    def rq_update(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Join, receive and load, verify and finalize (an ``UpdateRequest``); answers
+        an ``UpdateResult``: the seconds of each step, or what failed."""
+        try:
+            parsed = UpdateRequest.model_validate(request)
+            t0 = time.monotonic()
+            self.rq_begin_update(parsed)
+            t1 = time.monotonic()
+            stats = self.rq_receive_buckets()
+            t2 = time.monotonic()
+            self.rq_finish_update()
+        except Exception as exc:  # noqa: BLE001  answered as a kind and a message; the host rolls back
+            return UpdateResult(failure=SyncFailure.of(exc)).model_dump(mode="json")
+        seconds = {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": time.monotonic() - t2}
+        return UpdateResult(seconds=seconds).model_dump(mode="json")
 
-    def rq_begin_update(
-        self, plan_json: dict[str, Any], decision_json: dict[str, Any], node: str,
-        manifest_json: str | None = None,
-    ) -> int:
+    def rq_begin_update(self, request: UpdateRequest) -> int:
         """Join (or reuse) the sync group; returns this rank's global rank.
 
-        ``manifest_json``: the plan's manifest, sent when it is not the one this
+        ``request.manifest``: the plan's manifest, sent when it is not the one this
         rank received last (it is kept for the syncs that follow).
         """
         state = self._rq_expect(Phase.IDLE, "rq_begin_update")
-        plan = SyncPlan.model_validate(plan_json)
-        if manifest_json is not None:
-            state.manifest = (plan.manifest_digest, Manifest.from_wire(manifest_json, plan.manifest_digest))
+        plan, decision = request.plan, request.decision
+        if request.manifest is not None:
+            state.manifest = (plan.manifest_digest, Manifest.from_wire(request.manifest, plan.manifest_digest))
         if state.manifest is None or state.manifest[0] != plan.manifest_digest:
             raise WeightSyncError(
                 f"manifest {plan.manifest_digest[:12]} was never sent to this engine rank", phase="load")
         plan.manifest = state.manifest[1]
-        decision = SyncDecision.model_validate(decision_json)
-        rank = decision.offsets[node] + int(getattr(self, "rank", 0))
+        rank = decision.offsets[request.node] + int(getattr(self, "rank", 0))
         if not (decision.reuse_group and state.group is not None and state.group_id == decision.group_id):
             state.group = None
             if plan.backend == "nccl":
                 import torch
 
                 torch.cuda.set_device(self._rq_device())
-            state.store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
-            state.group = transport.new_group(
+            state.store = wire.connect_store(plan.store_host, plan.store_port, plan.timeouts.store_connect)
+            state.group = wire.new_group(
                 state.store, decision.group_id, rank, decision.world, plan.backend,
-                timeout_s=60.0, device=self._rq_device(),
+                timeout_s=plan.timeouts.group_join, device=self._rq_device(),
             )
             state.group_id = decision.group_id
         state.plan = plan
@@ -284,130 +407,46 @@ class WeightReceiver:
         state.phase = Phase.JOINED
         return rank
 
-    def _rq_device(self) -> Any:
-        return next(self._rq_model().parameters()).device
-
-    def rq_receive_buckets(self, timeout_s: float) -> dict[str, float]:
+    def rq_receive_buckets(self) -> dict[str, float]:
         """Receive every bucket from rank 0 and load it into the model."""
-
         state = self._rq_expect(Phase.JOINED, "rq_receive_buckets")
-        assert state.plan is not None
+        assert state.plan is not None and state.plan.manifest is not None
         manifest = state.plan.manifest
-        assert manifest is not None
         model = self._rq_model()
-        device = self._rq_device()
-        deadline = time.monotonic() + timeout_s
-        by_bucket: dict[int, list[Any]] = {}
-        for spec in manifest.tensors:
-            by_bucket.setdefault(spec.bucket, []).append(spec)
-        recv_s = load_s = 0.0
-        start = time.monotonic()
-        trace: list[str] | None = [] if os.environ.get("RQ_SYNC_TRACE") else None
+        device = self._rq_device()  # before a layerwise reload moves the parameters to "meta"
+        deadline = time.monotonic() + state.plan.timeouts.receive
         try:
             if state.load_mode == "layerwise":
                 from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
                 initialize_layerwise_reload(model)
                 state.layerwise_open = True
-            sizes = manifest.bucket_sizes
-            pieces = [transport.piece_ranges(manifest, size, by_bucket.get(index, []))
-                      for index, size in enumerate(sizes)]
-            # Direct pieces that vLLM would only copy, whole, into a parameter land there.
-            in_place: dict[str, Any] = {}
-            if state.load_mode == "direct":
-                sent_direct = {name for bucket in pieces for _, _, name in bucket if name}
-                in_place = state.in_place.targets(model, [t for t in manifest.tensors if t.name in sent_direct])
-            # A bucket's buffer holds its other pieces only, back to back.
-            layouts = [_buffer_layout(bucket, in_place) for bucket in pieces]
-            budget = self.RECEIVE_AHEAD * max(sizes)
-
-            def post(index: int) -> tuple[Any, list[tuple[int, Any]]]:
-                at, need = layouts[index]
-                buffer = state.buffers.take(need, device) if need else None
-                targets = []
-                for (start, end, direct), offset in zip(pieces[index], at):
-                    if offset is None:
-                        state.touched = True
-                        targets.append(in_place[direct])
-                    else:
-                        targets.append(buffer[offset : offset + end - start])
-                works = transport.broadcast_bucket(state.group, manifest, targets)
-                ends = [end for _, end, _ in pieces[index]]
-                if len(works) < len(ends):  # the bucket as one group: one work, loaded at its end
-                    ends = ends[-1:]
-                return buffer, list(zip(ends, works))
-
-            # Buckets are posted ahead while their buffers stay within RECEIVE_AHEAD
-            # buckets' worth (and at least RECEIVE_AHEAD of them): the wire never
-            # waits for a load or for this process to post. When most pieces land
-            # in place, that is every bucket at once.
-            posted: collections.deque[tuple[Any, list[tuple[int, Any]]]] = collections.deque()
-            upcoming = 0
-
-            def top_up() -> None:
-                nonlocal upcoming
-                while upcoming < len(sizes):
-                    held = sum(layouts[i][1] for i in range(upcoming - len(posted), upcoming))
-                    if len(posted) >= self.RECEIVE_AHEAD and held + layouts[upcoming][1] > budget:
-                        return
-                    posted.append(post(upcoming))
-                    upcoming += 1
-
-            top_up()
-            for index in range(len(sizes)):
-                buffer, works = posted.popleft()
-                specs = by_bucket.get(index, [])  # in offset order
-                at = layouts[index][0]
-                loaded = 0
-                loaded_upto = 0  # bytes of this bucket handed to load_weights so far
-                for piece, (end, work) in enumerate(works):
-                    t0 = time.monotonic()
-                    transport.wait(work, deadline - time.monotonic())
-                    last = piece == len(works) - 1
-                    if last:
-                        top_up()
-                    t1 = time.monotonic()
-                    recv_s += t1 - t0
-                    # One load_weights call per chunk_bytes (or per bucket), however
-                    # many pieces that took: each call has a fixed cost (measured on
-                    # the GPU: ~0.5 ms; 160 calls for a 7B model tripled its load time).
-                    if not last and (not manifest.chunk_bytes or end - loaded_upto < manifest.chunk_bytes):
-                        continue
-                    ready = loaded
-                    while ready < len(specs) and specs[ready].offset + specs[ready].nbytes <= end:
-                        ready += 1
-                    loaded_upto = end
-                    if ready > loaded:
-                        batch = [spec for spec in specs[loaded:ready] if spec.name not in in_place]
-                        self._rq_load(buffer, batch, _buffer_offsets(batch, pieces[index], at))
-                        state.received.update(spec.name for spec in specs[loaded:ready])
-                        loaded = ready
-                    load_s += time.monotonic() - t1
-                    if trace is not None:
-                        trace.append(f"b{index}.{piece} wait {t0 - start:.4f}-{t1 - start:.4f} "
-                                     f"load -{time.monotonic() - start:.4f}")
-                if buffer is not None:
-                    state.buffers.loaded_into_model(buffer, still_referenced=state.layerwise_open)
+            receive = _BucketReceive(self, state, manifest, device, self._rq_in_place(state, manifest),
+                                     deadline, self.RECEIVE_AHEAD)
+            receive.run()
         except Exception:
             state.group = None  # a failed collective leaves the group unusable
             state.buffers = _BufferPool()  # a receive may still be writing into one
             raise
         state.phase = Phase.RECEIVED
-        state.last_stats = {"wire_s": recv_s, "load_s": load_s,
-                            "in_place_tensors": len(in_place),
-                            "in_place_bytes": sum(spec.nbytes for spec in manifest.tensors if spec.name in in_place)}
-        if trace is not None:
-            print("[rq-sync-trace] receiver " + "; ".join(trace), file=sys.stderr, flush=True)
-        return {"wire_s": recv_s, "load_s": load_s}
+        state.last_stats = receive.stats()
+        return {"wire_s": receive.wire_s, "load_s": receive.load_s}
 
-    def _rq_load(self, buffer: Any, specs: list[Any], offsets: list[int]) -> None:
+    def _rq_in_place(self, state: _ReceiverState, manifest: Manifest) -> dict[str, Any]:
+        """Direct pieces that vLLM would only copy, whole, into a parameter: where they land."""
+        if state.load_mode != "direct":
+            return {}
+        sent_direct = {name for bucket in wire.iter_buckets(manifest) for _, _, name in bucket.pieces if name}
+        return state.in_place.targets(self._rq_model(), [t for t in manifest.tensors if t.name in sent_direct])
+
+    def _rq_load(self, buffer: Any, specs: list[TensorSpec], offsets: list[int]) -> None:
         """``load_weights`` on these tensors of a received bucket (each at its offset
         in ``buffer``); with direct loading, learn meanwhile which of them can be
         received in place."""
         if not specs:
             return
         state, model = self._rq_state(), self._rq_model()
-        views = transport.bucket_views(buffer, specs, offsets)
+        views = wire.bucket_views(buffer, specs, offsets)
         if state.load_mode != "direct" or all(state.in_place.known(spec.name) for spec in specs):
             model.load_weights(weights=views)
             return
@@ -417,8 +456,7 @@ class WeightReceiver:
     def rq_finish_update(self) -> int:
         """Check that every manifest entry arrived; finish layerwise processing."""
         state = self._rq_expect(Phase.RECEIVED, "rq_finish_update")
-        assert state.plan is not None
-        assert state.plan.manifest is not None
+        assert state.plan is not None and state.plan.manifest is not None
         expected = {spec.name for spec in state.plan.manifest.tensors}
         missing = expected - state.received
         if missing:
@@ -458,75 +496,3 @@ class WeightReceiver:
         state.touched = False
         state.phase = Phase.IDLE
         return changed
-
-    def rq_receive_one(self, name: str, dtype: str, shape: list[int], timeout_s: float) -> int:
-        """One tensor over the current group, loaded at once: the seeds' per-parameter
-        style (one control round trip per tensor), kept for the benchmark's baseline."""
-        import torch
-
-        state = self._rq_expect(Phase.IDLE, "rq_receive_one")
-        if state.group is None:
-            raise WeightSyncError("no sync group: run a sync first", phase="transfer")
-        tensor = torch.empty(shape, dtype=transport.torch_dtype(dtype), device=self._rq_device())
-        transport.wait(transport.broadcast(state.group, tensor.view(-1).view(torch.uint8)), timeout_s)
-        model = self._rq_model()
-        if state.load_mode == "layerwise":
-            # After a layerwise reload the parameters carry no weight loaders:
-            # every load, even of one tensor, goes through the reload lifecycle.
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload,
-                initialize_layerwise_reload,
-            )
-
-            initialize_layerwise_reload(model)
-            model.load_weights(weights=[(name, tensor)])
-            finalize_layerwise_reload(model, self.model_config)  # type: ignore[attr-defined]
-            refresh_tied_layers(model, {name})
-        else:
-            model.load_weights(weights=[(name, tensor)])
-        return tensor.numel()
-
-    def rq_receive_raw(self, sizes: list[int], timeout_s: float) -> float:
-        """Buckets of ``sizes`` over the current group into buffers kept for this
-        (all posted at once, nothing loaded): the benchmark's raw broadcast into
-        this process. Returns the seconds from posting to the last byte."""
-        import torch
-
-        state = self._rq_expect(Phase.IDLE, "rq_receive_raw")
-        if state.group is None:
-            raise WeightSyncError("no sync group: run a sync first", phase="transfer")
-        device = self._rq_device()
-        raw = getattr(self, "_rq_raw", None)
-        if raw is None or [b.numel() for b in raw] != sizes:
-            self._rq_raw = raw = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
-        t0 = time.monotonic()
-        works = [transport.broadcast(state.group, buffer) for buffer in raw]
-        for work in works:
-            transport.wait(work, timeout_s)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.monotonic() - t0
-
-    def rq_last_receive(self) -> dict[str, float]:
-        """Wire and load seconds of the last sync's receive, and what went in place."""
-        return dict(self._rq_state().last_stats)
-
-    def rq_close_group(self) -> bool:
-        state = self._rq_state()
-        had = state.group is not None
-        state.group = None
-        state.store = None
-        state.group_id = ""
-        return had
-
-    def rq_weight_checksum(self) -> dict[str, float]:
-        """Sum of every parameter (float64) and the count: compare across syncs."""
-        import torch
-
-        total = 0.0
-        count = 0
-        with torch.no_grad():
-            for _, param in self._rq_model().named_parameters():
-                total += float(param.detach().double().sum().item())
-                count += param.numel()
-        return {"sum": total, "numel": float(count)}

@@ -6,7 +6,7 @@ plain tensor. A weight sync then has to rebuild each layer and pack it again
 (layerwise reload): on the 2-core test machine that repacking is most of a
 0.5B sync (docs/BENCHMARKS.md). With plain weights the layers keep their tensors and
 multiply with ``torch.nn.functional.linear``: a sync loads directly, and
-receives most tensors straight into the parameters (``workers/inplace.py``).
+receives most tensors straight into the parameters (``weight_sync/inplace.py``).
 The price is the packed GEMM's speed in generation (0.5B fp32 on the 2-core
 test machine, 16 sequences: ~35 instead of ~58 tokens/s).
 

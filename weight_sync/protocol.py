@@ -1,0 +1,197 @@
+"""The weight sync's messages, one pydantic model each, and the protocol version.
+
+Who sends what, in the order of a sync (``weight_sync.sender`` draws the phases):
+
+    SyncPlan        trainer → workers    the trigger (a signed control command);
+                                         names the Manifest by digest, carries
+                                         the workers' deadlines (WorkerTimeouts)
+    SyncAck         worker → trainer     "accepted", "ready", "done" (Redis list)
+    SyncDecision    trainer → workers    roster and ranks (the trainer's TCPStore)
+    UpdateRequest   worker host → engine the one engine call (``collective_rpc``)
+    UpdateResult    engine → worker host its seconds, or its SyncFailure
+    SyncReport      sender → its caller  what the sync did
+
+A failure crosses a process as a :class:`SyncFailure` (a kind and a message),
+mapped back to the error tree by ``tasks.errors.SYNC_ERRORS``. Imports
+without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.errors import SYNC_ERRORS, SyncErrorKind, WeightSyncError, sync_error_kind
+from tasks.schemas import PauseMode
+
+# 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth);
+# 5: the workers' deadlines travel in the plan, failures as a kind and a message.
+PROTOCOL_VERSION = 5
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TensorSpec(_Message):
+    name: str
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    shape: list[int]
+    bucket: int
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+
+
+class Manifest(_Message):
+    """Every tensor of the sync and where it sits in which bucket."""
+
+    tensors: list[TensorSpec]
+    bucket_sizes: list[int]  # bytes per bucket, in send order
+    # Each bucket travels in pieces of this many bytes (0: whole), so the
+    # receiver loads the tensors of one piece while the next is on the wire.
+    chunk_bytes: int = Field(default=0, ge=0)
+    # A tensor of at least this many bytes travels as a piece of its own, sent
+    # straight from the trainer's tensor (no packing copy); 0: every tensor is packed.
+    direct_bytes: int = Field(default=0, ge=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    def wire(self) -> tuple[str, str]:
+        """Its JSON and that JSON's sha256: the plan carries the digest (signed with
+        the plan), the JSON travels beside it (a Redis key, see ``keys.sync_manifest``)."""
+        text = self.model_dump_json()
+        return text, hashlib.sha256(text.encode()).hexdigest()
+
+    @classmethod
+    def from_wire(cls, text: str | bytes, digest: str) -> Manifest:
+        """The manifest whose JSON is ``text``, once its sha256 is ``digest``."""
+        raw = text.encode() if isinstance(text, str) else text
+        if hashlib.sha256(raw).hexdigest() != digest:
+            raise ValueError(f"the manifest stored for digest {digest[:12]} does not hash to it")
+        return cls.model_validate_json(raw)
+
+
+class WorkerTimeouts(_Message):
+    """A worker's deadlines for one sync, seconds; the trainer sets them
+    (``SyncSettings.timeouts.worker``) and they travel in the plan."""
+
+    probe: float = Field(default=5.0, gt=0)  # reach the trainer's store, before pausing
+    pause: float = Field(default=120.0, gt=0)  # the engine pauses ("wait": requests finish)
+    store_connect: float = Field(default=30.0, gt=0)  # connect to the trainer's store
+    decision: float = Field(default=180.0, gt=0)  # the trainer's decision is in its store
+    group_join: float = Field(default=60.0, gt=0)  # every rank joined; the group's timeout
+    receive: float = Field(default=600.0, gt=0)  # every bucket received and loaded
+    update: float = Field(default=900.0, gt=0)  # the engine call: join, receive, finish
+    resume: float = Field(default=60.0, gt=0)  # the engine resumes (after a sync or failure)
+    abort: float = Field(default=120.0, gt=0)  # the engine rolls a failed update back
+
+
+class SyncPlan(_Message):
+    """The one broadcast that triggers a sync (signed with the command: ``ControlAuth``)."""
+
+    protocol: int = PROTOCOL_VERSION
+    epoch: int
+    # Unique per sync even if the epoch counter is ever reset (Redis flushed):
+    # names the decision in the store and the ack lists in Redis.
+    sync_id: str
+    version: int
+    pause: PauseMode
+    store_host: str
+    store_port: int
+    # Proposed membership: node → engine ranks it brings. The decision in the
+    # store fixes the final roster (who answered ready) and rank offsets.
+    members: dict[str, int]
+    backend: Literal["gloo", "nccl"]
+    # The manifest travels once per layout, not in every trigger (a 7B model's is
+    # ~50 KB of JSON: ~2 ms to publish and as much to read): the plan names it
+    # by digest; each side attaches it locally (``manifest``, never serialized).
+    manifest_digest: str
+    manifest: Manifest | None = Field(default=None, exclude=True)
+    issued_at: float
+    timeouts: WorkerTimeouts = WorkerTimeouts()
+
+
+class SyncFailure(_Message):
+    """Why a step failed, as it crosses a process: the error's kind (its class in
+    ``tasks.errors.SYNC_ERRORS``) and its message."""
+
+    kind: SyncErrorKind
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> SyncFailure:
+        """The failure ``exc`` stands for. An error from outside the sync's errors
+        travels as "failed", its class named in the message (``TimeoutError: ...``)."""
+        known = isinstance(exc, WeightSyncError)
+        return cls(kind=sync_error_kind(exc), message=str(exc) if known else f"{type(exc).__name__}: {exc}")
+
+    def error(self, phase: str = "", workers: list[str] | tuple[str, ...] = ()) -> WeightSyncError:
+        """The error of the tree this failure stands for."""
+        return SYNC_ERRORS[self.kind](self.message, phase=phase, workers=workers)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SyncAck(_Message):
+    """A worker's acknowledgement of one phase, pushed to Redis."""
+
+    node: str
+    epoch: int
+    sync_id: str
+    version: int
+    phase: Literal["accepted", "ready", "done"]  # "accepted" answers the trigger (ok=False: refused)
+    ok: bool
+    error: SyncFailure | None = None
+    seconds: dict[str, float] = {}
+
+
+class SyncDecision(_Message):
+    """Written by the trainer into its store once the ready acks are in."""
+
+    go: bool
+    reason: str | None = None
+    # node → first global rank; world = 1 + Σ ranks.
+    offsets: dict[str, int] = {}
+    world: int = 0
+    group_id: str = ""
+    reuse_group: bool = False
+
+
+class UpdateRequest(_Message):
+    """The engine call of a sync (``rq_update`` on every engine rank): join, receive
+    and load, verify and finalize. Travels as JSON through vLLM's ``collective_rpc``."""
+
+    plan: SyncPlan  # its manifest travels in ``manifest`` below, when it must
+    decision: SyncDecision
+    node: str  # the worker whose engine ranks these are: its rank offset in the decision
+    # The manifest's JSON, when the engine does not hold the plan's one already
+    # (it keeps the last one it was sent): only a new layout travels.
+    manifest: str | None = None
+
+
+class UpdateResult(_Message):
+    """One engine rank's answer to an ``UpdateRequest``: its seconds per step, or
+    the failure that stopped it (the host then rolls the engine back)."""
+
+    seconds: dict[str, float] = {}
+    failure: SyncFailure | None = None
+
+
+class SyncReport(_Message):
+    version: int
+    epoch: int
+    workers: list[str]
+    tensors: int
+    bytes: int
+    seconds: float
+    gb_per_s: float
+    backend: str
+    reused_group: bool
+    phases: dict[str, float]
+    # Slowest worker's own seconds per step (pause, join, receive, load, commit).
+    worker_phases: dict[str, float] = {}
