@@ -24,7 +24,8 @@ RUN useradd --create-home --uid 1000 rq \
 WORKDIR /app
 # Only what pip needs to resolve the dependencies: pyproject and empty packages.
 COPY pyproject.toml README.md ./
-RUN mkdir tasks workers api && touch tasks/__init__.py workers/__init__.py api/__init__.py
+RUN mkdir tasks workers api cli \
+ && touch tasks/__init__.py workers/__init__.py api/__init__.py cli/__init__.py
 
 FROM base AS light
 # The contract (tasks/) never imports vLLM: the gateway and Flower need none.
@@ -32,6 +33,7 @@ RUN pip install ".[api,monitor]"
 COPY tasks ./tasks
 COPY workers ./workers
 COPY api ./api
+COPY cli ./cli
 RUN pip install --no-deps --force-reinstall .
 USER rq
 CMD ["rollout-queue", "--help"]
@@ -46,6 +48,7 @@ RUN pip install ".[gpu,api,monitor]"
 COPY tasks ./tasks
 COPY workers ./workers
 COPY api ./api
+COPY cli ./cli
 RUN pip install --no-deps --force-reinstall .
 USER rq
 CMD ["rollout-queue", "--help"]
@@ -62,6 +65,7 @@ RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[cpu,ap
 COPY tasks ./tasks
 COPY workers ./workers
 COPY api ./api
+COPY cli ./cli
 RUN pip install --no-deps --force-reinstall .
 # Seen to work with vLLM's CPU backend (KV cache in GiB; no thread pinning on
 # small or shared machines).
