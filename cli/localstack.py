@@ -262,7 +262,10 @@ class RedisServer:
         return argv
 
     def start(self, timeout: float = 20.0) -> Self:
-        """Start (or restart) the server; wait until it answers PING."""
+        """Start the server, or restart it (stopping what is left of the last run); wait
+        until it answers PING."""
+        if self.proc is not None:
+            self.proc.stop()
         self.starts += 1
         self.proc = LocalProcess(self.name, self.argv(), self.log_dir / f"{self.name}.log")
         self.proc.wait_until(self.answers, timeout, "the server to answer PING")
