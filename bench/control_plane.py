@@ -101,10 +101,12 @@ class FakeEngineHost:
     """What ``SyncParticipant`` and ``engine_op`` use of ``EngineHost``; no engine."""
 
     def __init__(self, model: str) -> None:
+        from workers.state import NodeState
+
         self.settings = SimpleNamespace(model=model)
+        self.state = NodeState()
         self.dtype = "float32"
         self.weight_version = 0
-        self.kv_asleep = False
         self.max_model_len = 512
         self.max_num_seqs = 256
         self.generated_tokens = 0
@@ -121,11 +123,12 @@ class FakeEngineHost:
         return 0
 
     def pause(self, mode: str, timeout: float) -> None:
-        pass
+        self.state.hold_intake()
 
     def resume(self, new_version: int | None, timeout: float) -> None:
         if new_version is not None:
             self.weight_version = new_version
+        self.state.release_intake()
 
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         if method == "rq_update":  # the bytes are the data plane: not simulated
@@ -138,10 +141,11 @@ class FakeEngineHost:
         return True
 
     def sleep(self, level: int) -> None:
-        pass
+        self.state.sleep()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        pass
+        if tags is None or "kv_cache" in tags:
+            self.state.wake()
 
 
 class SimNode:
@@ -153,7 +157,6 @@ class SimNode:
 
         from tasks.auth import CommandVerifier
         from tasks.registry import connect
-        from tasks.schemas import WorkerState
         from workers.reaper import InflightLedger, Reaper
         from workers.sync import SyncParticipant
 
@@ -161,12 +164,13 @@ class SimNode:
         self.settings = SimpleNamespace(pool=pool, queues=[queue], tensor_parallel_size=1, model=model)
         self.host = FakeEngineHost(model)
         self.client: redis_lib.Redis = connect(ClientSettings())
-        self.state: WorkerState = "starting"
+        self.state = self.host.state
+        self.state.on_change(lambda state: self.publish())
         self.started_at = time.time()
-        self.service = SimpleNamespace(fenced_reason=None, inflight_tasks=0, completed_tasks=0, failed_tasks=0)
+        self.service = SimpleNamespace(inflight_tasks=0, completed_tasks=0, failed_tasks=0)
         self.intake = SimpleNamespace(budget=self.host.max_num_seqs)
         self.verifier = CommandVerifier(node, secret, 30.0)
-        self.sync = SyncParticipant(self.host, node, self.client, self.set_state, self.set_fenced)  # type: ignore[arg-type]
+        self.sync = SyncParticipant(self.host, node, self.client, self.state)  # type: ignore[arg-type]
         self.ledger = InflightLedger(self.client, node, ttl_s=3600)
         self.reaper = Reaper(app, self.client, node, max_redeliveries=3, grace_s=10.0, interval_s=HEARTBEAT_S,
                              counter_ttl_s=3600, ledger=self.ledger)
@@ -215,22 +219,10 @@ class SimNode:
 
         return WorkerInfo(
             node=self.node, pool=self.settings.pool, queues=self.settings.queues, model=self.settings.model,
-            device="cpu", dtype=self.host.dtype, weight_version=self.host.weight_version, state=self.state,
+            device="cpu", dtype=self.host.dtype, weight_version=self.host.weight_version, state=self.state.current,
             inflight_tasks=self.service.inflight_tasks, max_model_len=self.host.max_model_len,
             started_at=self.started_at, heartbeat_at=time.time(), heartbeat_s=HEARTBEAT_S,
         )
-
-    def set_state(self, state: str) -> None:
-        self.state = state  # type: ignore[assignment]
-        self.publish()
-
-    def set_fenced(self, reason: str | None) -> None:
-        self.service.fenced_reason = reason
-        if reason is None and self.state == "fenced":
-            self.state = "serving"
-        elif reason is not None:
-            self.state = "fenced"
-        self.publish()
 
     def publish(self) -> None:
         self.client.set(keys.worker_key(self.node), self.info().model_dump_json(), px=int(REGISTRY_TTL_S * 1000))
@@ -238,13 +230,14 @@ class SimNode:
     def beat(self) -> None:
         """One heartbeat of ``WorkerRuntime._beat``: the fleet-version check, then the registry."""
         from tasks.registry import fleet_version
+        from workers.state import CAUGHT_UP, FenceReason
 
-        if not self.sync.busy() and self.state not in ("sleeping", "stopping", "starting"):
+        if not self.sync.busy() and self.state.current not in ("sleeping", "stopping", "starting"):
             fleet = fleet_version(self.client, self.settings.pool)
-            if fleet > self.host.weight_version and self.service.fenced_reason is None:
-                self.set_fenced(f"fleet is at weight_version {fleet}")
-            elif fleet <= self.host.weight_version and (self.service.fenced_reason or "").startswith("fleet is at"):
-                self.set_fenced(None)
+            if fleet > self.host.weight_version and self.state.fence_reason is None:
+                self.state.fence(FenceReason.FLEET_AHEAD, f"fleet is at weight_version {fleet}")
+            elif fleet <= self.host.weight_version:
+                self.state.lift(*CAUGHT_UP)
         self.publish()
 
     def reap(self) -> None:
@@ -312,7 +305,7 @@ def run_sim_process(args: argparse.Namespace) -> int:
                 stop.wait(max(0.0, began + HEARTBEAT_S * (index + 1) / len(nodes) - time.monotonic()))
 
     for node in nodes:
-        node.set_state("serving")
+        node.state.ready()
     threading.Thread(target=beat, daemon=True, name="heartbeats").start()
     for node in nodes:
         threading.Thread(target=node.drain_tasks, args=(stop,), daemon=True, name=f"tasks-{node.node}").start()

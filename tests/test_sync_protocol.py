@@ -377,47 +377,74 @@ def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
         assert torch.equal(view, state[name]), name
 
 
-def test_a_pause_that_fails_half_way_still_reopens_the_worker(redis_client: Any) -> None:
+class AckLists:
+    """The Redis surface a sync participant pushes its acks through, as lists in memory."""
+
+    def __init__(self) -> None:
+        self.lists: dict[str, list[str]] = {}
+
+    def pipeline(self, transaction: bool = True) -> AckLists:
+        return self
+
+    def rpush(self, name: str, value: str) -> None:
+        self.lists.setdefault(name, []).append(value)
+
+    def expire(self, name: str, seconds: int) -> None:
+        pass
+
+    def execute(self) -> None:
+        pass
+
+    def acks(self, name: str) -> list[SyncAck]:
+        return [SyncAck.model_validate_json(text) for text in self.lists.get(name, [])]
+
+
+def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     """The engine host closes intake before it pauses the engine; if the pause then
     fails, the sync must resume (reopen intake) and fence, not leave it shut."""
+    from workers.state import FenceReason, NodeState
     from workers.sync import SyncParticipant
 
-    class Host:  # the engine host's surface a sync uses; its pause fails
+    class Host:  # the engine host's surface a sync uses; its pause fails after closing intake
         weight_version = 0
-        kv_asleep = False
 
         def __init__(self) -> None:
             self.calls: list[Any] = []
+            self.state = NodeState()
 
         def is_sleeping(self) -> bool:
             return False
 
         def pause(self, mode: str, timeout: float) -> None:
             self.calls.append(("pause", mode))
+            self.state.hold_intake()
             raise TimeoutError("the engine did not pause in time")
 
         def resume(self, version: int | None, timeout: float) -> None:
             self.calls.append(("resume", version))
+            self.state.release_intake()
 
-    host, states, fences = Host(), [], []
-    participant = SyncParticipant(host, "w@h", redis_client, states.append, fences.append)  # type: ignore[arg-type]
+    host, acks = Host(), AckLists()
+    host.state.ready()
+    participant = SyncParticipant(host, "w@h", acks, host.state)  # type: ignore[arg-type]
     with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers
         plan = _plan(sync_id=f"pause-fails-{time.time()}", store_port=store.getsockname()[1])
         participant.run(plan)
     assert host.calls == [("pause", "wait"), ("resume", None)]
-    done = SyncAck.model_validate_json(redis_client.lpop(keys.sync_acks(plan.sync_id, "done")))
+    (done,) = acks.acks(keys.sync_acks(plan.sync_id, "done"))
     assert not done.ok and "did not pause" in (done.error or "")
-    assert fences == ["missed sync to version 3"] and states[-1] == "fenced"
+    assert host.state.intake_open
+    assert host.state.fence_reason is FenceReason.MISSED_SYNC
+    assert host.state.refusal() == "missed sync to version 3" and host.state.current == "fenced"
 
 
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
-    redis_client: Any,
 ) -> None:
+    from workers.state import NodeState
     from workers.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses
         weight_version = 0
-        kv_asleep = False
 
         def __init__(self) -> None:
             self.calls: list[Any] = []
@@ -433,14 +460,15 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         closed_port = taken.getsockname()[1]  # nothing listens there once closed
-    host, states, fences = Host(), [], []
-    participant = SyncParticipant(host, "w@h", redis_client, states.append, fences.append)  # type: ignore[arg-type]
+    host, acks, state = Host(), AckLists(), NodeState()
+    state.ready()
+    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]
     plan = _plan(sync_id=f"unreachable-{time.time()}", store_port=closed_port)
     started = time.monotonic()
     participant.run(plan)
     assert time.monotonic() - started < 5  # refused at once: no wait for any timeout
     assert host.calls == []
-    ready = SyncAck.model_validate_json(redis_client.lpop(keys.sync_acks(plan.sync_id, "ready")))
+    (ready,) = acks.acks(keys.sync_acks(plan.sync_id, "ready"))
     assert not ready.ok and (ready.error or "").startswith("RendezvousUnreachable")
     assert "set RQ_RENDEZVOUS_HOST on the trainer" in (ready.error or "") and "own loopback" in (ready.error or "")
-    assert fences == ["missed sync to version 3"] and states[-1] == "fenced"
+    assert state.refusal() == "missed sync to version 3" and state.current == "fenced"

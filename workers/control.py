@@ -34,8 +34,6 @@ from workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
-OPERATOR_PAUSE = "paused by an operator"
-
 # rq_engine ops that only read: answered unsigned.
 READ_ONLY_OPS = frozenset({"info", "stats", "world_size", "weight_checksum", "last_receive"})
 
@@ -111,27 +109,18 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
     if op == "reset_prefix_cache":
         return host.reset_prefix_cache()
     if op == "pause":
-        runtime.set_fenced(OPERATOR_PAUSE)
-        runtime.set_state("paused")
-        return runtime.state
+        runtime.state.pause()
+        return runtime.state.current
     if op == "resume":
-        # Lift only the operator's pause: a worker fenced for stale weights
+        # Lifts only the operator's pause: a worker fenced for stale weights
         # or asleep stays out until a sync or a wake-up brings it back.
-        if runtime.service.fenced_reason in (OPERATOR_PAUSE, None):
-            runtime.set_fenced(None)
-            runtime.set_state("serving")
-        return runtime.state
-    if op == "sleep":
+        runtime.state.resume()
+        return runtime.state.current
+    if op == "sleep":  # the host's state is asleep from before the engine sleeps
         host.sleep(int(args.get("level", 1)))
-        runtime.set_fenced("sleeping")
-        runtime.set_state("sleeping")
         return True
-    if op == "wake_up":
-        tags = args.get("tags")
-        host.wake_up(tags)
-        if tags is None or "kv_cache" in tags:
-            runtime.set_fenced(None)
-            runtime.set_state("serving")
+    if op == "wake_up":  # awake again once the KV cache is
+        host.wake_up(args.get("tags"))
         return True
     if op == "receive_one":  # the per-tensor baseline of bench/weight_sync.py
         return host.collective_rpc(

@@ -36,6 +36,7 @@ from workers.progress import (
     plan_units,
 )
 from workers.settings import EngineSettings
+from workers.state import NodeState
 from workers.tools import ToolCalls, render
 
 log = logging.getLogger(__name__)
@@ -199,8 +200,10 @@ def _top(position: Any, k: int) -> list[tuple[int, float]]:
 class EngineHost:
     """One vLLM engine in this process's event-loop thread."""
 
-    def __init__(self, settings: EngineSettings) -> None:
+    def __init__(self, settings: EngineSettings, state: NodeState | None = None) -> None:
         self.settings = settings
+        # Whether requests may enter the engine (a sync's pause, sleep) is the node's state.
+        self.state = state if state is not None else NodeState()
         self.weight_version = 0
         self.tokenizer: Any = None
         # Tool calls parsed out of chat samples (--tool-call-parser); checked before the engine starts.
@@ -211,12 +214,7 @@ class EngineHost:
         self.engine: Any = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
-        self._intake = threading.Event()
-        self._intake.set()
         self._submit_lock = threading.Lock()
-        # Set by sleep(), cleared when the KV cache wakes: no intake meanwhile,
-        # even after a sync woke the weights to load new ones.
-        self.kv_asleep = False
         self._pending_counts: dict[tuple[str, int], int] = {}
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
@@ -339,7 +337,7 @@ class EngineHost:
 
     def wait_for_intake(self, deadline: float) -> None:
         """Block while a weight sync holds intake closed."""
-        if not self._intake.wait(max(0.0, deadline - time.time())):
+        if not self.state.wait_for_intake(deadline - time.time()):
             raise GenerationTimeout("the task's time limit passed while a weight sync held intake")
 
     def generate(
@@ -566,7 +564,7 @@ class EngineHost:
         while True:
             self.wait_for_intake(deadline)
             with self._submit_lock:
-                if not self._intake.is_set():
+                if not self.state.intake_open:
                     continue
                 with self._lock:
                     for rid, one in zip(rids, samplings):
@@ -744,10 +742,6 @@ class EngineHost:
             self._abort(rids)
         return len(rids)
 
-    @property
-    def intake_open(self) -> bool:
-        return self._intake.is_set()
-
     def inflight_requests(self) -> int:
         with self._lock:
             return len(self._live)
@@ -765,7 +759,7 @@ class EngineHost:
     def pause(self, mode: PauseMode, timeout: float) -> None:
         """Close intake and pause the engine the way ``mode`` says."""
         with self._submit_lock:
-            self._intake.clear()
+            self.state.hold_intake()
         self._keep_pause = mode == "keep"
         if not self.inflight_requests():
             # Intake is closed and no request is in the engine: nothing can run,
@@ -825,8 +819,7 @@ class EngineHost:
         self._keep_pause = False
         if early is None:  # pause() paused the engine
             self.call(self.engine.resume_generation(), timeout=timeout)
-        if not self.kv_asleep:  # a sleeping engine's KV cache stays asleep: no intake
-            self._intake.set()
+        self.state.release_intake()  # a sleeping engine's KV cache stays asleep: no intake
 
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         return self.call(self.engine.collective_rpc(method, args=args), timeout=timeout)
@@ -852,9 +845,10 @@ class EngineHost:
         problem = self.sleep_mode_problem()
         if problem is not None:
             raise EngineError(problem)
-        self._intake.clear()
+        # Even after a sync wakes the weights to load new ones, no request
+        # enters until the KV cache wakes.
+        self.state.sleep()
         self.call(self.engine.sleep(level), timeout=120)
-        self.kv_asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         problem = self.sleep_mode_problem()
@@ -862,8 +856,7 @@ class EngineHost:
             raise EngineError(f"{problem} (nothing to wake)")
         self.call(self.engine.wake_up(tags), timeout=120)
         if tags is None or "kv_cache" in tags:
-            self.kv_asleep = False
-            self._intake.set()
+            self.state.wake()
 
     def is_sleeping(self) -> bool:
         if not self.settings.enable_sleep_mode:

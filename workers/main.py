@@ -107,10 +107,10 @@ def run_worker(settings: WorkerSettings) -> int:
 
     def on_ready(sender: Any = None, **_: Any) -> None:
         runtime.consumer = sender
-        runtime.set_state("serving")
+        runtime.state.ready()
 
     def on_shutdown(**_: Any) -> None:
-        runtime.set_state("stopping")
+        runtime.state.stopping()
         if settings.drain_timeout is not None:
             runtime.drain(settings.drain_timeout)
 

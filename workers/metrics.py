@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import (
@@ -36,7 +36,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tasks.schemas import GenerationResult
+from tasks.schemas import GenerationResult, WorkerState
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
@@ -52,7 +52,7 @@ DEAD_LETTERS = Counter(
     f"{PREFIX}_dead_letters", "Queue items no task could be decoded from, moved to rq:dead:<queue>",
     ["queue", "reason"],
 )
-STATES = ("starting", "serving", "paused", "syncing", "fenced", "sleeping", "stopping")
+STATES: tuple[str, ...] = get_args(WorkerState)
 
 
 class TaskMetrics:

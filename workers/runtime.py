@@ -4,6 +4,9 @@ Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
 through, the ``SyncParticipant``, the ``CommandVerifier`` of signed control commands, the registry heartbeat (a thread writing
 ``WorkerInfo`` with a TTL) and fencing: a worker whose weights are older than
 the fleet's stops consuming the generate queue until a sync catches it up.
+Its state (``workers.state.NodeState``, the engine host's) is written only
+through its transitions; the runtime follows each change, consuming its queues
+or not and publishing the registry entry.
 It also owns the in-flight ledger and the reaper (``workers.reaper``) that
 redeliver a dead worker's tasks.
 """
@@ -21,7 +24,7 @@ from tasks import keys
 from tasks.app import app
 from tasks.auth import CommandVerifier
 from tasks.registry import connect, fleet_version
-from tasks.schemas import WorkerInfo, WorkerState
+from tasks.schemas import WorkerInfo
 from workers.dedup import DuplicateGuard, quick_client
 from workers.engine import EngineHost
 from workers.intake import Intake
@@ -29,6 +32,7 @@ from workers.progress import ProgressStore
 from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
 from workers.settings import WorkerSettings
+from workers.state import CAUGHT_UP, FenceReason, NodeState
 from workers.sync import SyncParticipant
 
 log = logging.getLogger(__name__)
@@ -40,7 +44,7 @@ class WorkerRuntime:
         self.host = host
         self.node = settings.name
         self.client: redis.Redis = connect(settings)
-        self.state: WorkerState = "starting"
+        self.state = host.state
         self.started_at = time.time()
         self.service = GenerationService(
             host, self.node, settings.task_soft_time_limit, settings.task_time_limit, self.client
@@ -65,9 +69,10 @@ class WorkerRuntime:
         )
         # Checks the signature of every state-changing control command (workers/control.py).
         self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s)
-        self.sync = SyncParticipant(host, self.node, self.client, self.set_state, self.set_fenced)
+        self.sync = SyncParticipant(host, self.node, self.client, self.state)
         self.consumer: Any = None
         self._consuming = True
+        self.state.on_change(self._follow)
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="registry-heartbeat", daemon=True)
         self._last_tokens = (time.monotonic(), 0)
@@ -75,20 +80,9 @@ class WorkerRuntime:
 
     # ----------------------------------------------------------------- state
 
-    def set_state(self, state: str) -> None:
-        self.state = state  # type: ignore[assignment]
-        self.publish()
-
-    def set_fenced(self, reason: str | None) -> None:
-        """Stop (reason) or resume (None) consuming the generate queue."""
-        if reason is not None:
-            log.warning("fenced: %s", reason)
-        self.service.fenced_reason = reason
-        self._set_consuming(reason is None)
-        if reason is None and self.state == "fenced":
-            self.state = "serving"
-        elif reason is not None:
-            self.state = "fenced"
+    def _follow(self, state: NodeState) -> None:
+        """After each change of the state: consume the queues or not, and say so in the registry."""
+        self._set_consuming(state.consuming)
         self.publish()
 
     def _set_consuming(self, on: bool) -> None:
@@ -117,7 +111,7 @@ class WorkerRuntime:
             dtype=self.host.dtype,
             tensor_parallel_size=self.settings.tensor_parallel_size,
             weight_version=self.host.weight_version,
-            state=self.state,
+            state=self.state.current,
             inflight_requests=inflight,
             waiting_requests=engine.waiting_requests if busy else 0,
             inflight_tasks=self.service.inflight_tasks,
@@ -169,7 +163,7 @@ class WorkerRuntime:
         """After Celery stopped (in-flight tasks finished or requeued)."""
         self._stop.set()
         self.reaper.stop()
-        self.state = "stopping"
+        self.state.stopping()
         self.ledger.close()
         try:
             self.client.delete(keys.worker_key(self.node))
@@ -191,18 +185,18 @@ class WorkerRuntime:
             self.publish()
 
     def _check_fleet_version(self) -> None:
-        if self.sync.busy() or self.state in ("sleeping", "stopping", "starting"):
+        if self.sync.busy() or self.state.current in ("sleeping", "stopping", "starting"):
             return
         fleet = fleet_version(self.client, self.settings.pool)
-        reason = self.service.fenced_reason
         if fleet > self.host.weight_version:
-            if reason is None:
-                self.set_fenced(
+            if self.state.fence_reason is None:
+                self.state.fence(
+                    FenceReason.FLEET_AHEAD,
                     f"fleet is at weight_version {fleet}, this worker at {self.host.weight_version}; "
-                    "waiting for the next sync"
+                    "waiting for the next sync",
                 )
-        elif reason is not None and reason.startswith(("fleet is at", "missed sync")):
-            self.set_fenced(None)
+        else:
+            self.state.lift(*CAUGHT_UP)
 
 
 def held_delivery_tags() -> set[str]:

@@ -1,7 +1,8 @@
 """``GenerationService``: what a ``generate`` task does on a worker.
 
 Parses the task's wire arguments (the one place they are parsed), refuses
-work this worker must not serve (fenced, weights older than the task's
+work this worker must not serve (fenced, paused or asleep: the host's
+``NodeState`` says why; weights older than the task's
 ``min_weight_version``), runs the prompts on the ``EngineHost`` and builds
 the ``GenerationResult``.
 """
@@ -80,7 +81,6 @@ class GenerationService:
         self.node = node
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
-        self.fenced_reason: str | None = None
         # Tasks the fleet handed on while this worker was cut off: not stored, not acked.
         self.handed_on = HandedOn(client, node) if client is not None else None
         self.inflight_tasks = 0
@@ -158,8 +158,9 @@ class GenerationService:
             # cannot rebuild on the producer, so its message was lost).
             raise InvalidRequest(f"generate task refused: {validation_summary(exc)}") from exc
         needed = request.params.min_weight_version
-        if self.fenced_reason is not None:
-            raise Requeue(f"{self.node} is fenced ({self.fenced_reason}); requeued", countdown=1.0)
+        refusal = self.host.state.refusal()
+        if refusal is not None:
+            raise Requeue(f"{self.node} is fenced ({refusal}); requeued", countdown=1.0)
         if needed > self.host.weight_version:
             raise Requeue(
                 f"task needs weight_version >= {needed}; {self.node} has {self.host.weight_version}",

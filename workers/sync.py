@@ -40,6 +40,7 @@ from tasks.errors import ManifestMismatch, RendezvousUnreachable, SyncRefused
 from tasks.schemas import PROTOCOL_VERSION, Manifest, SyncAccepted, SyncAck, SyncDecision, SyncPlan
 from workers.checkpoint import checkpoint_shapes
 from workers.engine import EngineHost
+from workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,12 @@ class SyncParticipant:
         host: EngineHost,
         node: str,
         client: redis.Redis,
-        set_state: Callable[[str], None],
-        set_fenced: Callable[[str | None], None],
+        state: NodeState,
     ) -> None:
         self.host = host
         self.node = node
         self.client = client
-        self.set_state = set_state
-        self.set_fenced = set_fenced
+        self.state = state
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         self._current: Future[None] | None = None
         self._lock = threading.Lock()
@@ -155,7 +154,7 @@ class SyncParticipant:
         paused = False
         ready = False
         try:
-            self.set_state("syncing")
+            self.state.begin_update()
             self._check_rendezvous(plan)
             if self.host.is_sleeping():  # loading into sleeping weights crashes vLLM
                 self.host.wake_up(["weights"])
@@ -187,12 +186,7 @@ class SyncParticipant:
             self.host.resume(plan.version, timeout=60.0)
             paused = False
             seconds["commit"] = time.monotonic() - t
-            if self.host.kv_asleep:  # weights woken for the sync; KV cache still asleep
-                self.set_fenced("sleeping")
-                self.set_state("sleeping")
-            else:
-                self.set_fenced(None)
-                self.set_state("serving")
+            self.state.finish_update()  # a sleeping engine's KV cache stays asleep
             self.last_error = None
             for observe in self.on_synced:
                 observe(time.monotonic() - t_start)
@@ -234,10 +228,12 @@ class SyncParticipant:
             except Exception:
                 log.exception("resume after a failed sync failed")
         if changed:
-            self.set_fenced(f"weights half-loaded by failed sync epoch {plan.epoch}")
+            self.state.fail_update(
+                Fence(FenceReason.HALF_LOADED, f"weights half-loaded by failed sync epoch {plan.epoch}"))
         elif plan.version > self.host.weight_version:
-            self.set_fenced(f"missed sync to version {plan.version}")
-        self.set_state("fenced" if changed or plan.version > self.host.weight_version else "serving")
+            self.state.fail_update(Fence(FenceReason.MISSED_SYNC, f"missed sync to version {plan.version}"))
+        else:
+            self.state.fail_update(None)
 
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
         """Read the trainer's decision from its store (the client is kept between syncs)."""

@@ -1,0 +1,159 @@
+"""A worker node's state (``workers.state.NodeState``): its transitions as pure
+logic, with no Redis and no engine."""
+
+from __future__ import annotations
+
+import threading
+
+from workers.state import CAUGHT_UP, Fence, FenceReason, NodeState
+
+
+def serving() -> NodeState:
+    state = NodeState()
+    state.ready()
+    return state
+
+
+def test_a_new_worker_is_starting_and_serves_once_ready() -> None:
+    state = NodeState()
+    assert state.current == "starting"
+    state.ready()
+    assert state.current == "serving" and state.consuming and state.intake_open
+    assert state.refusal() is None
+
+
+def test_a_stopping_worker_shows_stopping_whatever_else_holds() -> None:
+    state = serving()
+    state.pause()
+    state.begin_update()
+    state.stopping()
+    assert state.current == "stopping"
+
+
+def test_an_operator_pause_stops_consuming_and_resume_serves_again() -> None:
+    state = serving()
+    state.pause()
+    assert state.current == "paused" and not state.consuming
+    assert state.refusal() == "paused by an operator"
+    assert state.intake_open  # tasks already taken finish
+    state.resume()
+    assert state.current == "serving" and state.consuming and state.refusal() is None
+
+
+def test_a_fenced_worker_stays_fenced_across_pause_and_resume() -> None:
+    state = serving()
+    state.fence(FenceReason.MISSED_SYNC, "missed sync to version 3")
+    state.pause()
+    assert state.current == "paused"
+    state.resume()
+    assert state.current == "fenced" and not state.consuming
+    assert state.refusal() == "missed sync to version 3"
+
+
+def test_a_pause_outlasts_a_fence_lifted_meanwhile() -> None:
+    state = serving()
+    state.pause()
+    state.fence(FenceReason.FLEET_AHEAD, "fleet is at weight_version 2, this worker at 1")
+    state.lift(*CAUGHT_UP)
+    assert state.current == "paused" and not state.consuming
+    state.resume()
+    assert state.current == "serving"
+
+
+def test_the_heartbeat_lifts_only_the_fences_it_set_or_a_missed_sync() -> None:
+    for reason in (FenceReason.FLEET_AHEAD, FenceReason.MISSED_SYNC):
+        state = serving()
+        state.fence(reason, "behind")
+        state.lift(*CAUGHT_UP)
+        assert state.current == "serving" and state.fence_reason is None, reason
+    state = serving()
+    state.fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync epoch 7")
+    state.lift(*CAUGHT_UP)
+    assert state.current == "fenced" and state.fence_reason is FenceReason.HALF_LOADED
+
+
+def test_lifting_a_reason_the_worker_is_not_fenced_for_changes_nothing() -> None:
+    state = serving()
+    state.fence(FenceReason.FLEET_AHEAD, "behind")
+    state.lift(FenceReason.HALF_LOADED)
+    assert state.fence_reason is FenceReason.FLEET_AHEAD and state.current == "fenced"
+
+
+def test_a_sleeping_worker_stops_intake_and_consuming_until_its_kv_cache_wakes() -> None:
+    state = serving()
+    state.sleep()
+    assert state.current == "sleeping" and not state.consuming and not state.intake_open
+    assert state.refusal() == "sleeping"
+    state.resume()  # an operator's resume does not wake it
+    assert state.current == "sleeping"
+    state.wake()
+    assert state.current == "serving" and state.consuming and state.intake_open
+
+
+def test_a_sync_shows_syncing_holds_intake_while_the_engine_is_paused_and_lifts_any_fence() -> None:
+    state = serving()
+    state.fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync epoch 7")
+    state.begin_update()
+    assert state.current == "syncing"
+    state.hold_intake()
+    assert not state.intake_open
+    state.release_intake()
+    assert state.intake_open
+    state.finish_update()
+    assert state.current == "serving" and state.consuming and state.fence_reason is None
+
+
+def test_a_sync_into_a_sleeping_worker_leaves_it_asleep_with_intake_closed() -> None:
+    state = serving()
+    state.sleep()
+    state.begin_update()
+    state.hold_intake()
+    state.release_intake()
+    state.finish_update()
+    assert state.current == "sleeping" and not state.intake_open and not state.consuming
+
+
+def test_a_sync_keeps_an_operators_pause() -> None:
+    state = serving()
+    state.pause()
+    state.begin_update()
+    state.finish_update()
+    assert state.current == "paused" and not state.consuming
+
+
+def test_a_failed_sync_fences_with_what_it_left_or_serves_on_its_current_weights() -> None:
+    state = serving()
+    state.begin_update()
+    state.fail_update(Fence(FenceReason.MISSED_SYNC, "missed sync to version 3"))
+    assert state.current == "fenced" and state.refusal() == "missed sync to version 3"
+    state = serving()
+    state.begin_update()
+    state.fail_update(None)
+    assert state.current == "serving" and state.consuming
+
+
+def test_listeners_see_each_change_of_the_shown_state_or_of_consuming_once() -> None:
+    state = NodeState()
+    seen: list[tuple[str, bool]] = []
+    state.on_change(lambda s: seen.append((s.current, s.consuming)))
+    state.ready()
+    state.ready()  # no change: no call
+    state.hold_intake()  # intake only: not shown outside
+    state.release_intake()
+    state.pause()
+    state.fence(FenceReason.FLEET_AHEAD, "behind")  # still shown paused, still not consuming
+    state.resume()
+    state.lift(*CAUGHT_UP)
+    assert seen == [("serving", True), ("paused", False), ("fenced", False), ("serving", True)]
+
+
+def test_a_request_waiting_for_intake_goes_in_when_the_sync_releases_it() -> None:
+    state = serving()
+    state.hold_intake()
+    assert not state.wait_for_intake(0.01)
+    entered: list[bool] = []
+    waiter = threading.Thread(target=lambda: entered.append(state.wait_for_intake(10.0)))
+    waiter.start()
+    state.release_intake()
+    waiter.join(10.0)
+    assert entered == [True]
