@@ -24,8 +24,8 @@ RUN useradd --create-home --uid 1000 rq \
 WORKDIR /app
 # Only what pip needs to resolve the dependencies: pyproject and empty packages.
 COPY pyproject.toml README.md ./
-RUN mkdir tasks weight_sync workers api \
- && touch tasks/__init__.py weight_sync/__init__.py workers/__init__.py api/__init__.py
+RUN mkdir tasks weight_sync workers api cli \
+ && touch tasks/__init__.py weight_sync/__init__.py workers/__init__.py api/__init__.py cli/__init__.py
 
 FROM base AS light
 # The contract (tasks/) never imports vLLM: the gateway and Flower need none.
@@ -34,6 +34,7 @@ COPY tasks ./tasks
 COPY weight_sync ./weight_sync
 COPY workers ./workers
 COPY api ./api
+COPY cli ./cli
 RUN pip install --no-deps --force-reinstall .
 USER rq
 CMD ["rollout-queue", "--help"]
@@ -49,6 +50,7 @@ COPY tasks ./tasks
 COPY weight_sync ./weight_sync
 COPY workers ./workers
 COPY api ./api
+COPY cli ./cli
 RUN pip install --no-deps --force-reinstall .
 USER rq
 CMD ["rollout-queue", "--help"]
@@ -66,6 +68,7 @@ COPY tasks ./tasks
 COPY weight_sync ./weight_sync
 COPY workers ./workers
 COPY api ./api
+COPY cli ./cli
 RUN pip install --no-deps --force-reinstall .
 # Seen to work with vLLM's CPU backend (KV cache in GiB; no thread pinning on
 # small or shared machines).

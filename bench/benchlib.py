@@ -1,7 +1,7 @@
 """What the benchmarks share: device presets, one engine config for both legs, the stack.
 
 Every benchmark compares the queue against vLLM's offline ``LLM`` built from
-the same ``EngineSettings`` (``workers.offline``), in the same run, with both
+the same ``EngineSettings`` (``cli.offline``), in the same run, with both
 engines loaded side by side and the legs alternated, so a noisy machine
 slows both alike. Each prints exactly one JSON line on stdout; logs go to
 stderr (vLLM's included) and to ``.run/bench/``.
@@ -36,9 +36,9 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 from pydantic import SecretStr
 
+from cli.localstack import TINY_MODEL_SEED, LocalStack, WorkerSpec
 from tasks.app import configure
 from tasks.settings import ClientSettings
-from workers.localstack import TINY_MODEL_SEED, LocalStack, WorkerSpec
 from workers.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def build_model(models_dir: Path, kind: str, seed: int) -> Path:
     """The tiny model ``kind``/``seed`` in ``models_dir``, built once, in a child process.
 
-    The child (``python -m workers make-tiny-model``) does the torch CPU work
+    The child (``python -m cli make-tiny-model``) does the torch CPU work
     (random init, safetensors) and takes its OpenMP threads with it when it
     exits: this process stays safe for vLLM to fork from. Built in a scratch
     folder and renamed into place, so a concurrent reader never sees half a model.
@@ -123,7 +123,7 @@ def build_model(models_dir: Path, kind: str, seed: int) -> Path:
     scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
     log(f"building {kind} (seed {seed}) into {path} in a child process")
     subprocess.run(
-        [sys.executable, "-m", "workers", "make-tiny-model", str(scratch), "--kind", kind, "--seed", str(seed)],
+        [sys.executable, "-m", "cli", "make-tiny-model", str(scratch), "--kind", kind, "--seed", str(seed)],
         cwd=ROOT, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr,  # stdout: the JSON line only
     )
     try:
@@ -213,7 +213,7 @@ def start_gateway(stack: Any, model_name: str, queue: str | None = None,
     """A ``rollout-queue api`` subprocess in front of ``stack``'s queue; (process, base URL)."""
     import httpx
 
-    from workers.localstack import LocalProcess, free_port
+    from cli.localstack import LocalProcess, free_port
 
     port = free_port()
     full_env = {
@@ -221,7 +221,7 @@ def start_gateway(stack: Any, model_name: str, queue: str | None = None,
         "RQ_API_PORT": str(port), "RQ_API_MODEL_NAME": model_name, "RQ_API_LOG_LEVEL": "warning",
         **(env or {}),
     }
-    proc = LocalProcess("gateway", [sys.executable, "-m", "workers", "api"], ROOT / ".run" / "bench" / "gateway.log",
+    proc = LocalProcess("gateway", [sys.executable, "-m", "cli", "api"], ROOT / ".run" / "bench" / "gateway.log",
                         full_env)
     base = f"http://127.0.0.1:{port}"
 

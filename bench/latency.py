@@ -51,8 +51,8 @@ def main() -> None:
 
     from vllm.inputs import TokensPrompt
 
+    from cli.offline import offline_llm, shutdown
     from workers.engine import to_vllm_params
-    from workers.offline import offline_llm, shutdown
 
     direct_params = to_vllm_params(params)
     times: dict[str, list[float]] = {"queue": [], "direct": []}

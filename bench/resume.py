@@ -36,11 +36,11 @@ from typing import Any
 import benchlib
 from pydantic import SecretStr
 
+from cli.localstack import LocalStack, WorkerSpec
 from tasks import keys
 from tasks.app import configure
 from tasks.schemas import SamplingParams
 from tasks.settings import ClientSettings
-from workers.localstack import LocalStack, WorkerSpec
 from workers.progress import read_progress
 
 CPU_DEFAULTS = {"prompts": 64, "output_len": 128, "prompts_per_task": 32, "rounds": 3}

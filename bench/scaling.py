@@ -27,10 +27,10 @@ from typing import Any
 import benchlib
 from pydantic import SecretStr
 
+from cli.localstack import LocalStack, WorkerSpec
 from tasks.app import configure
 from tasks.schemas import SamplingParams
 from tasks.settings import ClientSettings
-from workers.localstack import LocalStack, WorkerSpec
 
 
 def main() -> None:

@@ -30,10 +30,10 @@ import benchlib
 import httpx
 from pydantic import SecretStr
 
+from cli.localstack import LocalStack, WorkerSpec
 from tasks.app import configure
 from tasks.control import engine_command
 from tasks.settings import ClientSettings
-from workers.localstack import LocalStack, WorkerSpec
 
 MODEL_NAME = "bench"
 WORDS = ["river", "stone", "light", "cloud", "garden", "letter", "window", "bridge", "market", "forest"]

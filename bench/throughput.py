@@ -57,7 +57,7 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     expected = args.prompts * args.output_len
 
-    from workers.offline import offline_llm, shutdown
+    from cli.offline import offline_llm, shutdown
 
     runs: dict[str, list[float]] = {"queue": [], "offline": []}
     tasks = -(-args.prompts // per_task)

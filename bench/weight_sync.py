@@ -42,7 +42,7 @@ def state_dict(shape: str, dtype: str, device: str) -> dict:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from workers.tiny_model import qwen2_config
+    from cli.tiny_model import qwen2_config
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(qwen2_config(shape, dtype))
@@ -81,8 +81,8 @@ def main() -> int:
 
     import torch
 
-    from workers.localstack import LocalStack, WorkerSpec
-    from workers.tiny_model import make_tiny_model
+    from cli.localstack import LocalStack, WorkerSpec
+    from cli.tiny_model import make_tiny_model
 
     run_dir = ROOT / ".artifacts" / "bench-weight-sync"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -13,13 +13,12 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis as redis_lib
 
-from tests.procs import ARTIFACTS, ROOT, Proc, free_port, install_guard, python
-from workers.localstack import valkey_binary
+from cli.localstack import RedisServer, redis_reachable
+from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 
@@ -39,37 +38,19 @@ MAX_MODEL_LEN = 512
 ENGINE_FLAGS = ["--enforce-eager"]
 
 
-def _reachable(url: str) -> bool:
-    try:
-        return bool(redis_lib.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except redis_lib.RedisError:
-        return False
-
-
-
-def start_redis_server(name: str, port: int | None = None, password: str | None = None) -> tuple[Proc, str]:
-    """A private Redis-protocol server on a free port (for tests that stop it)."""
-    port = port or free_port()
-    # Enough databases for RQ_TEST_DB (a server has 16 unless told).
-    argv = [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--databases", str(max(16, TEST_DB + 1))]
-    if password:
-        argv += ["--requirepass", password]
-    proc = Proc(name, argv)
-    auth = f":{password}@" if password else ""
-    url = f"redis://{auth}127.0.0.1:{port}/0"
-    proc.wait_until(lambda: _reachable(url), 20, "the server to answer PING")
-    return proc, url
+def private_redis_server(name: str) -> RedisServer:
+    """A private Redis-protocol server on a free port, with enough databases for RQ_TEST_DB."""
+    return RedisServer(name, LOGS, databases=max(16, TEST_DB + 1)).start()
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     url = base.rsplit("/", 1)[0] + f"/{TEST_DB}"
-    proc = None
-    if not _reachable(url):
-        proc, server = start_redis_server("valkey-session")
-        url = server.rsplit("/", 1)[0] + f"/{TEST_DB}"
+    server = None
+    if not redis_reachable(url):
+        server = private_redis_server("valkey-session")
+        url = server.url.rsplit("/", 1)[0] + f"/{TEST_DB}"
     redis_lib.Redis.from_url(url).flushdb()
     os.environ["REDIS_URL"] = url
     from tasks.app import configure
@@ -77,8 +58,8 @@ def redis_url() -> Iterator[str]:
 
     configure(ClientSettings(weight_sync_secret=CONTROL_SECRET))
     yield url
-    if proc is not None:
-        proc.stop()
+    if server is not None:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +68,7 @@ def redis_client(redis_url: str) -> redis_lib.Redis:
 
 
 def tiny_model(seed: int) -> Path:
-    from workers.tiny_model import CHAT_TEMPLATE, make_tiny_model
+    from cli.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
     path = MODELS / f"tiny-llama-seed{seed}"
     template = path / "chat_template.jinja"
@@ -138,7 +119,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
         timeout: float = 240.0,
     ) -> Proc:
         argv = [
-            python(), "-m", "workers", "worker",
+            python(), "-m", "cli", "worker",
             "--model", str(model), "--device", "cpu", "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
             "--name", name, "--max-inflight", str(max_inflight),
@@ -177,17 +158,3 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{what} not within {timeout:.0f}s")
-
-
-def engine_results(names: list[str], op: str, timeout: float = 60) -> dict[str, list[Any]]:
-    """An engine op's result per engine rank (``keys.CONTROL_ENGINE``), for each of ``names``."""
-    from tasks import app, keys
-
-    replies = app.control.broadcast(
-        keys.CONTROL_ENGINE, arguments={"op": op, "args": {}},
-        destination=names, reply=True, timeout=timeout, limit=len(names),
-    )
-    bodies = {node: body for reply in replies for node, body in reply.items()}
-    assert set(bodies) == set(names), bodies
-    assert all(body["ok"] for body in bodies.values()), bodies
-    return {node: body["result"] for node, body in bodies.items()}

@@ -13,21 +13,20 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import CONTROL_SECRET, MAX_MODEL_LEN, start_redis_server, tiny_model
+from tests.conftest import CONTROL_SECRET, MAX_MODEL_LEN, private_redis_server, tiny_model
 from tests.procs import Proc, python
 
 
 def test_starts_processes_then_waits_to_be_interrupted() -> None:
-    _, url = start_redis_server("guard-valkey")
+    server = private_redis_server("guard-valkey")
     Proc("guard-worker", [
-        python(), "-m", "workers", "worker", "--model", str(tiny_model(1)), "--device", "cpu",
+        python(), "-m", "cli", "worker", "--model", str(tiny_model(1)), "--device", "cpu",
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--gpu-memory-utilization", "0.1", "--name", "guard@tests", "--queues", "guard",
         "--pool", "guard",
-    ], env={"REDIS_URL": url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET})
+    ], env={"REDIS_URL": server.url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET})
     sleeper = subprocess.Popen(["sleep", "600"])  # in pytest's own process group
-    port = url.rsplit(":", 1)[1].split("/")[0]
-    Path(os.environ["RQ_GUARD_READY"]).write_text(json.dumps({"sleeper": sleeper.pid, "port": port}))
+    Path(os.environ["RQ_GUARD_READY"]).write_text(json.dumps({"sleeper": sleeper.pid, "port": str(server.port)}))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:  # the outer test interrupts this
         time.sleep(0.5)

@@ -21,7 +21,7 @@ def main(request_path: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from workers.offline import offline_llm, shutdown
+    from cli.offline import offline_llm, shutdown
     from workers.settings import EngineSettings
 
     with open(request_path) as handle:

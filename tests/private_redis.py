@@ -22,12 +22,14 @@ import redis as redis_lib
 from celery import Celery
 from pydantic import SecretStr
 
-from tests.conftest import valkey_binary
-from tests.procs import ARTIFACTS, Proc, free_port
+from cli.localstack import RedisServer as LocalRedisServer
+from cli.localstack import free_port
+from tests.procs import ARTIFACTS, LOGS
 
 
-class RedisServer:
-    """One Redis-protocol server on a fixed port, restartable with its data.
+class RedisServer(LocalRedisServer):
+    """The local stack's ``RedisServer`` on a free port, logging to ``LOGS``, its
+    files under ``.artifacts/redis``; restartable with its data.
 
     ``persistent``: append-only file fsynced on every write, so a restart
     (even after SIGKILL) loses nothing acknowledged. ``tls``: TLS only
@@ -43,38 +45,26 @@ class RedisServer:
         password: str | None = None,
         tls: bool = False,
     ) -> None:
-        self.name = name
-        self.port = free_port()
-        self.password = password
-        self.persistent = persistent
+        port = free_port()
+        super().__init__(name, LOGS, port=port, password=password, persistent=persistent,
+                         data_dir=ARTIFACTS / "redis" / f"{name}-{port}")
         self.tls = tls
-        self.dir = ARTIFACTS / "redis" / f"{name}-{self.port}"
-        if self.dir.exists():
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True)
         self.ca_file: Path | None = None
-        self.binary = valkey_binary()
         if tls:
             self.binary = tls_redis_binary() or ""
             if not self.binary:
                 raise RuntimeError("no redis-server with TLS support on this machine")
             self.ca_file = self._make_certificate()
-        self.proc: Proc | None = None
-        self.starts = 0
-
-    # -------------------------------------------------------------- urls
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        scheme = "rediss" if self.tls else "redis"
-        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
+        url = super().url
+        return "rediss" + url.removeprefix("redis") if self.tls else url
 
-    def client(self, **kwargs: Any) -> redis_lib.Redis:
-        extra: dict[str, Any] = {}
+    def client(self, **options: Any) -> redis_lib.Redis:
         if self.tls:
-            extra = {"ssl_ca_certs": str(self.ca_file), "ssl_cert_reqs": "required"}
-        return redis_lib.Redis.from_url(self.url, socket_connect_timeout=2, **extra, **kwargs)
+            options = {"ssl_ca_certs": str(self.ca_file), "ssl_cert_reqs": "required", **options}
+        return super().client(**options)
 
     def settings_env(self) -> dict[str, str]:
         """Environment a worker needs to reach this server."""
@@ -83,50 +73,21 @@ class RedisServer:
             env["RQ_REDIS_TLS_CA_FILE"] = str(self.ca_file)
         return env
 
-    # --------------------------------------------------------- lifecycle
-
     def argv(self) -> list[str]:
-        argv = [self.binary, "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", ""]
+        argv = super().argv()
         if self.tls:
-            argv += ["--port", "0", "--tls-port", str(self.port),
-                     "--tls-cert-file", str(self.dir / "cert.pem"),
-                     "--tls-key-file", str(self.dir / "key.pem"),
+            port = argv.index("--port") + 1
+            argv[port] = "0"  # no plain-text port
+            argv += ["--tls-port", str(self.port),
+                     "--tls-cert-file", str(self.data_dir / "cert.pem"),
+                     "--tls-key-file", str(self.data_dir / "key.pem"),
                      "--tls-ca-cert-file", str(self.ca_file),
                      "--tls-auth-clients", "no"]
-        else:
-            argv += ["--port", str(self.port)]
-        if self.persistent:
-            argv += ["--appendonly", "yes", "--appendfsync", "always"]
-        else:
-            argv += ["--appendonly", "no"]
-        if self.password:
-            argv += ["--requirepass", self.password]
         return argv
 
-    def start(self, timeout: float = 20.0) -> RedisServer:
-        self.starts += 1
-        self.proc = Proc(f"{self.name}-{self.starts}", self.argv())
-        self.proc.wait_until(self.answers, timeout, "the server to answer PING")
-        return self
-
-    def answers(self) -> bool:
-        try:
-            return bool(self.client().ping())
-        except (redis_lib.RedisError, OSError):
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, not a clean shutdown."""
-        assert self.proc is not None
-        self.proc.kill_tree()
-        self.proc.popen.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-
     def _make_certificate(self) -> Path:
-        cert, key = self.dir / "cert.pem", self.dir / "key.pem"
+        assert self.data_dir is not None
+        cert, key = self.data_dir / "cert.pem", self.data_dir / "key.pem"
         subprocess.run(
             ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
              "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",

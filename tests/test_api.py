@@ -65,7 +65,7 @@ def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
     port = free_port()
     full_env = {"REDIS_URL": redis_url, "RQ_API_PORT": str(port), "RQ_API_HOST": "127.0.0.1",
                 "RQ_API_MODEL_NAME": MODEL, **env}
-    proc = Proc(name, [python(), "-m", "workers", "api"], env=full_env)
+    proc = Proc(name, [python(), "-m", "cli", "api"], env=full_env)
     gateway = Gateway(proc, port, env.get("RQ_API_TOKEN"))
 
     def healthy() -> bool:

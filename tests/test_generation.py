@@ -277,7 +277,7 @@ def test_quickstart_command_runs_end_to_end_and_exits_0(
     LOGS.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "workers", "quickstart"], check=False, cwd=ROOT, stdout=out,
+            [sys.executable, "-m", "cli", "quickstart"], check=False, cwd=ROOT, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=500,
             env={**os.environ, "REDIS_URL": redis_url},
         )

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from tasks import app, control, generate, keys, sync_weights
 from tasks.settings import SyncSettings
-from tests.conftest import MODELS, WorkerStarter, engine_results
+from tests.conftest import MODELS, WorkerStarter
 from weight_sync.bench_receiver import BENCH_EXTENSION
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +47,7 @@ needs_two_gpus = pytest.mark.skipif(
 
 
 def qwen(seed: int) -> Path:
-    from workers.tiny_model import make_tiny_model
+    from cli.tiny_model import make_tiny_model
 
     path = MODELS / f"qwen2-0.5b-seed{seed}"
     if not (path / "model.safetensors").exists():
@@ -77,11 +77,11 @@ def gpu_workers(start_worker: WorkerStarter, redis_client: Any) -> dict[str, str
 
 def checksums(names: list[str]) -> dict[str, float]:
     return {node: sum(rank["sum"] for rank in ranks)
-            for node, ranks in engine_results(names, "weight_checksum").items()}
+            for node, ranks in control.engine_command("weight_checksum", workers=names, timeout=60).items()}
 
 
 def last_receive(node: str) -> dict[str, float]:
-    return engine_results([node], "last_receive")[node][0]
+    return control.engine_command("last_receive", workers=[node], timeout=60)[node][0]
 
 
 def expected_sum(state: dict[str, Any]) -> float:

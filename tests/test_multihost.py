@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
+from cli.localstack import valkey_binary
 from tests.conftest import ENGINE_FLAGS, MAX_MODEL_LEN, tiny_model
 from tests.netns import Network, unavailable
 from tests.procs import LOGS, Proc, on_exit, python
-from workers.localstack import valkey_binary
 
 pytestmark = pytest.mark.multihost
 
@@ -121,7 +121,7 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 
 def start_worker(net: Network, host: str, model: Path) -> Proc:
     argv = [
-        python(), "-m", "workers", "worker",
+        python(), "-m", "cli", "worker",
         "--model", str(model), "--device", "cpu", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
         "--name", f"{host}@mh", "--max-inflight", "8", "--queues", f"{QUEUE},mh-{host}", "--pool", POOL,
@@ -169,7 +169,7 @@ def test_generation_crosses_hosts_and_status_on_the_trainer_host_shows_both_work
     assert all(len(r["outputs"]) == len(PROMPTS) and r["usage"]["completion_tokens"] > 0 for r in both)
 
     status = subprocess.run(
-        hosts.net.exec_argv("trainer", [python(), "-m", "workers", "status", "--redis-url", REDIS_URL]),
+        hosts.net.exec_argv("trainer", [python(), "-m", "cli", "status", "--redis-url", REDIS_URL]),
         capture_output=True, text=True, timeout=60, check=True,
     )
     assert "w1@mh" in status.stdout and "w2@mh" in status.stdout, status.stdout

@@ -29,12 +29,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from cli.command import main as cli_main
 from tasks import keys
 from tasks.schemas import GenerationResult
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
 from tests.procs import ARTIFACTS, Proc, free_port
-from workers.cli import main as cli_main
 from workers.poison import DeadLetter, check_task, dead_letter_fetched
 from workers.reaper import InflightLedger, Reaper
 

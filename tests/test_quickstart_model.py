@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
+from cli.quickstart_model import QUICKSTART_MODEL, ensure_quickstart_model
 from tasks import generate, generate_many
 from tasks.app import app
 from tasks.errors import RolloutError
 from tests.conftest import MODELS, WorkerStarter
 from tests.procs import Proc
-from workers.quickstart_model import QUICKSTART_MODEL, ensure_quickstart_model
 
 # Generous for a loaded 2-core machine: a 135M float32 model answers a few
 # short prompts in seconds when alone.

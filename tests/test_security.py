@@ -511,7 +511,7 @@ def _worker_cli(*flags: str, secret: str | None = None, timeout: float = 120) ->
     env = {k: v for k, v in os.environ.items() if k not in ("RQ_WEIGHT_SYNC_SECRET", "RQ_INSECURE_CONTROL")}
     if secret is not None:
         env["RQ_WEIGHT_SYNC_SECRET"] = secret
-    argv = [python(), "-m", "workers", "worker", "--model", "/nonexistent/model", "--device", "cpu",
+    argv = [python(), "-m", "cli", "worker", "--model", "/nonexistent/model", "--device", "cpu",
             "--name", "nosecret@tests", "--queues", "nosecret", "--pool", "nosecret",
             "--redis-url", "redis://127.0.0.1:1/0", *flags]
     t = time.monotonic()
@@ -532,7 +532,7 @@ def test_a_worker_without_a_secret_exits_2_before_loading_the_engine() -> None:
 def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_secret(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from workers.cli import parser
+    from cli.command import parser
 
     monkeypatch.delenv("RQ_WEIGHT_SYNC_SECRET", raising=False)
     monkeypatch.delenv("RQ_INSECURE_CONTROL", raising=False)
@@ -545,7 +545,7 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
     assert WorkerSettings(model="m").insecure_start_refusal() is None
     # The real CLI with the flag gets past the check to the engine (which fails
     # on the missing model: exit 3, not 2). The quickstart test starts a whole
-    # worker this way (workers/localstack.py passes --insecure-control).
+    # worker this way (cli/localstack.py passes --insecure-control).
     code, output, _ = _worker_cli("--insecure-control")
     assert code == 3 and "could not load model '/nonexistent/model'" in output, output
     assert "control commands are NOT signed" in output and "RQ_WEIGHT_SYNC_SECRET is not set" not in output

@@ -10,8 +10,8 @@ import socket
 import pytest
 
 from api.settings import ApiSettings
+from cli import command
 from tasks.settings import ClientSettings
-from workers import cli
 from workers.settings import WorkerSettings
 
 
@@ -53,7 +53,7 @@ def test_node_names_expand_host_placeholders_as_celery_does() -> None:
 def test_a_bad_flag_value_is_one_line_naming_the_field_and_range_with_exit_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert cli.main(["worker", "--model", "m", "--gpu-memory-utilization", "2"]) == 2
+    assert command.main(["worker", "--model", "m", "--gpu-memory-utilization", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
     assert "--gpu-memory-utilization / RQ_GPU_MEMORY_UTILIZATION = 2.0" in err
@@ -65,7 +65,7 @@ def test_a_bad_environment_value_names_its_variable_and_choices(
 ) -> None:
     monkeypatch.setenv("RQ_DEVICE", "tpu")
     monkeypatch.setenv("RQ_MAX_INFLIGHT", "0")
-    assert cli.main(["worker", "--model", "m"]) == 2
+    assert command.main(["worker", "--model", "m"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2
     assert any("RQ_DEVICE = 'tpu': allowed: one of cpu, cuda" in line for line in lines)
@@ -73,7 +73,7 @@ def test_a_bad_environment_value_names_its_variable_and_choices(
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    sub = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in command.parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices["worker"]
 
 
@@ -91,7 +91,7 @@ def test_every_worker_flag_has_help_with_its_default_and_variable() -> None:
 
 def test_version_flag_prints_the_package_and_engine_versions(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        cli.main(["--version"])
+        command.main(["--version"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("rollout-queue 0.1.0 (") and "vllm" in out
@@ -120,7 +120,7 @@ def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
 
     from tests.procs import ROOT, python
 
-    run = subprocess.run([python(), "-m", "workers", "worker", "--model", "m"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([python(), "-m", "cli", "worker", "--model", "m"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "RQ_TASK_MAX_PROMPTS": "0"}, check=False)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == "rollout-queue worker: RQ_TASK_MAX_PROMPTS = '0': allowed: an integer >= 1"

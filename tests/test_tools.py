@@ -2,7 +2,7 @@
 
 The shared worker (``gen@tests``) runs ``--tool-call-parser hermes``; the
 tiny model's chat template renders tools and tool calls the Hermes way (see
-``workers.tiny_model.CHAT_TEMPLATE``). Its weights are random, so a call is
+``cli.tiny_model.CHAT_TEMPLATE``). Its weights are random, so a call is
 forced with a guided regex (``auto`` tool choice: the worker's parser must
 still find and parse it) or with a named/required tool choice (structured
 output of the function's parameters).

@@ -20,7 +20,7 @@ from tasks.auth import signed_arguments
 from tasks.errors import ManifestMismatch, WorkerLost
 from tasks.registry import fleet_version, live_workers
 from tasks.settings import SyncSettings, SyncTimeouts
-from tests.conftest import WorkerStarter, engine_results, wait_for, worker_registered
+from tests.conftest import WorkerStarter, wait_for, worker_registered
 from weight_sync import wire
 from weight_sync.bench_receiver import BENCH_EXTENSION
 
@@ -179,7 +179,7 @@ def test_greedy_outputs_after_sync_equal_a_fresh_engine_on_model_b(
 
 def last_receive(nodes: list[str]) -> dict[str, dict[str, float]]:
     """Each node's engine op ``last_receive`` (its one engine rank's)."""
-    return {node: ranks[0] for node, ranks in engine_results(nodes, "last_receive", timeout=30).items()}
+    return {node: ranks[0] for node, ranks in control.engine_command("last_receive", workers=nodes, timeout=30).items()}
 
 
 @pytest.mark.parametrize("corruption", ["unknown name", "wrong shape", "wrong dtype"])

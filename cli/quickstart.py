@@ -2,7 +2,7 @@
 
 Finds Redis (``RQ_REDIS_URL`` or ``REDIS_URL``) or starts an embedded
 valkey-server, serves a real small instruct model (SmolLM2-135M-Instruct,
-converted once into ``.models/``: workers/quickstart_model.py) on one CPU
+converted once into ``.models/``: cli/quickstart_model.py) on one CPU
 worker on a queue of its own, sends a few ``generate`` tasks (greedy text,
 chat, sampled with ``n=2``), prints the answers, and stops everything it
 started.
@@ -18,12 +18,12 @@ from typing import Any, TextIO
 from celery.exceptions import TimeoutError as ResultTimeout
 from pydantic import SecretStr
 
+from cli.localstack import LocalStack, WorkerSpec
+from cli.quickstart_model import ensure_quickstart_model
 from tasks.app import configure
 from tasks.errors import LocalStackError, RolloutError
 from tasks.generate import generate
 from tasks.settings import ClientSettings, redact_url
-from workers.localstack import LocalStack, WorkerSpec
-from workers.quickstart_model import ensure_quickstart_model
 
 TASK_TIMEOUT_S = 180.0
 

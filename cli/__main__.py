@@ -1,6 +1,6 @@
 import sys
 
-from workers.cli import main
+from cli.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

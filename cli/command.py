@@ -80,7 +80,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from workers.tiny_model import make_tiny_model
+    from cli.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.path, seed=args.seed, kind=args.kind, weights=not args.no_weights,
                            dtype=args.dtype)
@@ -109,14 +109,14 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _quickstart_model(args: argparse.Namespace) -> int:
-    from workers.quickstart_model import ensure_quickstart_model
+    from cli.quickstart_model import ensure_quickstart_model
 
     print(ensure_quickstart_model(args.models_dir))
     return 0
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    from workers.quickstart import run_quickstart
+    from cli.quickstart import run_quickstart
 
     return run_quickstart()
 
