@@ -31,7 +31,8 @@
         │   └── RendezvousUnreachable  a worker cannot reach RQ_RENDEZVOUS_HOST (wrong address)
         ├── ManifestMismatch      a worker refused the manifest (name, shape, dtype)
         ├── SyncRefused           a worker refused the command (signature, state)
-        └── WorkerLost            a worker stopped answering mid-sync
+        ├── WorkerLost            a worker stopped answering mid-sync
+        └── BrokerLost            Redis stopped answering the trainer mid-sync
 
 Errors from redis, vLLM and torch are mapped at the boundary with
 ``raise ... from exc``. Errors raised inside a Celery task travel to the
@@ -261,3 +262,11 @@ class SyncRefused(WeightSyncError):
 
 class WorkerLost(WeightSyncError):
     pass
+
+
+class BrokerLost(WeightSyncError):
+    """Redis stopped answering the trainer mid-sync: it cannot read the workers' acks.
+
+    ``workers``: those whose acks it was waiting for. A worker that did not get
+    the trainer's decision resumes on its old weights once its wait for it ends.
+    """

@@ -518,6 +518,10 @@ class SyncPlan(_Message):
     manifest_digest: str
     manifest: Manifest | None = Field(default=None, exclude=True)
     issued_at: float
+    # Seconds after the trigger by which the trainer writes its decision in the
+    # store (its trigger and ready phases). A worker waits no longer for it: a
+    # trainer gone or cut off leaves it resuming on its old weights.
+    decision_timeout: float = Field(default=180.0, gt=0)
 
 
 class SyncAccepted(_Message):

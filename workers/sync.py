@@ -36,7 +36,7 @@ from typing import Any
 import redis
 
 from tasks import keys, transport
-from tasks.errors import ManifestMismatch, RendezvousUnreachable, SyncRefused
+from tasks.errors import ManifestMismatch, RendezvousTimeout, RendezvousUnreachable, SyncRefused
 from tasks.schemas import PROTOCOL_VERSION, Manifest, SyncAccepted, SyncAck, SyncDecision, SyncPlan
 from workers.checkpoint import checkpoint_shapes
 from workers.engine import EngineHost
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 # Seconds to open a connection to the trainer's store before pausing for a sync.
 STORE_PROBE_S = 5.0
+# Seconds waited for the decision past the plan's ``decision_timeout`` (the
+# store's own round trips, a trainer slow to write it).
+DECISION_GRACE_S = 5.0
 
 
 class SyncParticipant:
@@ -240,22 +243,38 @@ class SyncParticipant:
         self.set_state("fenced" if changed or plan.version > self.host.weight_version else "serving")
 
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
-        """Read the trainer's decision from its store (the client is kept between syncs)."""
-        from torch.distributed import DistNetworkError
+        """Read the trainer's decision from its store (the client is kept between syncs),
+        waiting no longer than the plan's ``decision_timeout`` (and a grace)."""
+        from torch.distributed import DistError, DistNetworkError
 
         key = keys.sync_decision(plan.sync_id)
+        deadline = time.monotonic() + plan.decision_timeout + DECISION_GRACE_S
         try:
-            return SyncDecision.model_validate_json(self._decision_store(plan).get(key))
-        except DistNetworkError:
-            self._store = None  # the trainer's store restarted: reconnect once
-            return SyncDecision.model_validate_json(self._decision_store(plan).get(key))
+            try:
+                return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
+            except DistNetworkError:
+                self._store = None  # the trainer's store restarted: reconnect once
+                if time.monotonic() >= deadline:
+                    raise
+                return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
+        except DistError as exc:
+            # A client that timed out may still get the late answer: never reuse it.
+            self._store = None
+            raise RendezvousTimeout(
+                f"{self.node} got no decision for sync epoch {plan.epoch} from the trainer's store at "
+                f"{plan.store_host}:{plan.store_port} within {plan.decision_timeout + DECISION_GRACE_S:.0f}s "
+                f"({type(exc).__name__}: {str(exc).strip()[:200]}): the trainer is gone or cut off; "
+                "resuming on the weights held",
+                phase="ready", workers=[self.node],
+            ) from exc
 
-    def _decision_store(self, plan: SyncPlan) -> Any:
+    def _decision_store(self, plan: SyncPlan, deadline: float) -> Any:
         address = (plan.store_host, plan.store_port)
+        remaining = max(deadline - time.monotonic(), 0.1)
         if self._store is None or self._store_address != address:
-            self._store = transport.connect_store(plan.store_host, plan.store_port, 30.0)
-            self._store.set_timeout(datetime.timedelta(seconds=180))
+            self._store = transport.connect_store(plan.store_host, plan.store_port, min(30.0, remaining))
             self._store_address = address
+        self._store.set_timeout(datetime.timedelta(seconds=remaining))
         return self._store
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: str | None = None,
