@@ -118,11 +118,11 @@ class Agent:
             return report.model_dump(mode="json") if report is not None else {}
         return sender.sync(weights, version=version, timeout=timeout).model_dump(mode="json")
 
-    def http(self, url: str) -> Any:
+    def http(self, url: str, timeout: float) -> Any:
         """GET ``url`` from this host (e.g. Flower's REST API on another host); its JSON."""
         import urllib.request
 
-        with urllib.request.urlopen(url, timeout=10) as answer:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
             return json.loads(answer.read())
 
     def scard(self, key: str) -> int:
