@@ -410,10 +410,10 @@ def test_the_trainer_host_cut_mid_broadcast_raises_broker_lost_and_the_workers_r
                                   rendezvous_host=TRAINER, timeouts=SYNC_TIMEOUTS, timeout=60, pool=POOL,
                                   cut_before_decide=cut)
         raised_at = time.monotonic()
-        # Paused, waiting for the decision, when the trainer gives up.
-        waiting = states_on_the_redis_host(hosts)
-        # They stop waiting at the plan's decision_timeout (trigger + ready:
-        # 35 s) and a 5 s grace, and resume, the trainer still cut off.
+        # They stop waiting for the decision at the plan's decision_timeout
+        # (trigger + ready: 35 s) and a 5 s grace (sooner when their store
+        # connection must be made again: a 5 s probe), and resume, the
+        # trainer still cut off.
         resumed_at = until(lambda: not {"syncing"} & {states_on_the_redis_host(hosts).get(n) for n in nodes}, 90,
                            "both workers to give up waiting for the decision")
     finally:
@@ -422,7 +422,6 @@ def test_the_trainer_host_cut_mid_broadcast_raises_broker_lost_and_the_workers_r
     assert answer.get("error") == "BrokerLost", answer
     assert answer["workers"] == nodes and "Redis" in answer["message"], answer
     assert answer["seconds"] < 60, answer  # within the sync's timeout
-    assert [waiting.get(node) for node in nodes] == ["syncing", "syncing"], waiting
 
     # The fleet afterwards: both serving (the fence of a missed version lifts
     # at the next heartbeat, the fleet version did not move), on the weights

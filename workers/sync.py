@@ -257,7 +257,7 @@ class SyncParticipant:
                 if time.monotonic() >= deadline:
                     raise
                 return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
-        except DistError as exc:
+        except (DistError, OSError) as exc:
             # A client that timed out may still get the late answer: never reuse it.
             self._store = None
             raise RendezvousTimeout(
@@ -272,6 +272,9 @@ class SyncParticipant:
         address = (plan.store_host, plan.store_port)
         remaining = max(deadline - time.monotonic(), 0.1)
         if self._store is None or self._store_address != address:
+            # TCPStore's own connect to a host gone silent outlasts its timeout
+            # (the kernel's SYN retries, minutes): a bounded probe goes first.
+            transport.check_reachable(plan.store_host, plan.store_port, min(STORE_PROBE_S, remaining))
             self._store = transport.connect_store(plan.store_host, plan.store_port, min(30.0, remaining))
             self._store_address = address
         self._store.set_timeout(datetime.timedelta(seconds=remaining))
