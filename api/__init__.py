@@ -1,6 +1,11 @@
 """The OpenAI-compatible HTTP gateway: OpenAI requests in, ``generate`` tasks out.
 
     rollout-queue api --port 8000        # or: from api import create_app, ApiSettings
+
+Owns the HTTP face: translation of OpenAI requests to tasks and back, batching
+by sampling signature, the streaming relay, sticky sessions, tool calls, its
+metrics. Imports ``tasks`` and FastAPI; never ``workers``, ``cli`` or vLLM
+(a gateway host needs no engine).
 """
 
 from api.app import create_app

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tasks import keys
+
 
 class ApiSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RQ_API_", extra="ignore")
@@ -25,7 +27,7 @@ class ApiSettings(BaseSettings):
     # The model id reported by /v1/models; requests naming another get 404.
     model_name: str = "rollout-queue"
     # Celery queue the gateway's generate tasks go to (one pool of workers).
-    queue: str = "generate"
+    queue: str = keys.GENERATE_QUEUE
     # Tokenizer (path or Hugging Face id) used only to show logprob tokens as
     # text; None: tokens are shown as "token_id:N" (vLLM's
     # --return-tokens-as-token-ids spelling), exact and cheap.

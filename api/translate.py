@@ -190,21 +190,13 @@ def _params(
     if request.stop is not None:
         fields["stop"] = request.stop
     fields.update(forced or _structured(request))
-    try:
-        params = SamplingParams.model_validate(fields)
+    try:  # SamplingParams' own rules (n > 1 needs sampling, ...), said as the request's
+        return SamplingParams.model_validate(fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         param = ".".join(str(part) for part in error["loc"]) or None
         message = error["msg"].removeprefix("Value error, ")
         raise BadRequest(f"{param}: {message}" if param else message, param) from exc
-    if params.n > 1 and params.temperature == 0:
-        # vLLM refuses it in the worker; say so before anything is queued.
-        raise BadRequest(
-            f"n={params.n} with temperature=0 would give {params.n} identical samples; "
-            "vLLM refuses greedy sampling with n > 1: use n=1 or a temperature above 0",
-            "n",
-        )
-    return params
 
 
 def _structured(request: _Sampling) -> dict[str, Any]:
@@ -346,15 +338,7 @@ def completion_response(
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
             prompt_logprobs=_vllm_prompt_logprobs(output, namer) if request.prompt_logprobs is not None else None,
         ))
-    return Completion(
-        id=response_id,
-        created=created,
-        model=request.model,
-        system_fingerprint=fingerprint(share),
-        choices=choices,
-        usage=usage(share.outputs),
-        rollout=rollout_info(share),
-    )
+    return Completion(choices=choices, **_envelope(request.model, share, response_id, created))
 
 
 def _without_generated(share: Share) -> Share:
@@ -439,15 +423,15 @@ def chat_response(
             token_ids=sample.token_ids if request.return_token_ids else None,
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
         ))
-    return ChatCompletion(
-        id=response_id,
-        created=created,
-        model=request.model,
-        system_fingerprint=fingerprint(share),
-        choices=choices,
-        usage=usage(share.outputs),
-        rollout=rollout_info(share),
-    )
+    return ChatCompletion(choices=choices, **_envelope(request.model, share, response_id, created))
+
+
+def _envelope(model: str, share: Share, response_id: str, created: int) -> dict[str, Any]:
+    """What completions and chat completions answer alike, beside their choices."""
+    return {
+        "id": response_id, "created": created, "model": model, "system_fingerprint": fingerprint(share),
+        "usage": usage(share.outputs), "rollout": rollout_info(share),
+    }
 
 
 def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str, Any]:

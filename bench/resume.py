@@ -41,14 +41,14 @@ from tasks.app import configure
 from tasks.schemas import SamplingParams
 from tasks.settings import ClientSettings
 from workers.localstack import LocalStack, WorkerSpec
-from workers.progress import SampleProgress
+from workers.progress import read_progress
 
 CPU_DEFAULTS = {"prompts": 64, "output_len": 128, "prompts_per_task": 32, "rounds": 3}
 
 
 def saved_lengths(client: Any, task_id: str) -> dict[str, int]:
-    raw = client.hgetall(keys.progress_key(task_id))
-    return {name: len(SampleProgress.from_json(value).token_ids) for name, value in raw.items()}
+    saved = read_progress(client.hgetall(keys.progress_key(task_id)))
+    return {f"{prompt}:{sample}": len(progress.token_ids) for (prompt, sample), progress in saved.items()}
 
 
 def main() -> None:

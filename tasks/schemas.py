@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from tasks import keys
+
 PROTOCOL_VERSION = 4  # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth)
 
 # What the engine can carry. vLLM holds token ids, top-k and token counts in
@@ -408,13 +410,12 @@ class ControlAuth(_Message):
 class WorkerInfo(_Message):
     node: str
     # Workers of one pool serve one policy and are synced together.
-    pool: str = "default"
-    queues: list[str] = ["generate"]
+    pool: str = keys.DEFAULT_POOL
+    queues: list[str] = [keys.GENERATE_QUEUE]
     model: str
     device: str
     dtype: str
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
     weight_version: int = 0
     state: WorkerState = "starting"
     inflight_requests: int = 0
@@ -433,7 +434,7 @@ class WorkerInfo(_Message):
 
     @property
     def ranks(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size
 
     @property
     def dead_after_s(self) -> float:

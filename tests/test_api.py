@@ -688,3 +688,25 @@ def test_concurrent_batches_with_one_bad_member_serve_every_good_one(gateway: Ga
     one_batch()
     print(f"\nconcurrent-batch fuzz: {len(tried)} batches, {sum(n for n, _ in tried)} requests tried")
     assert len(tried) >= 20
+
+
+def test_an_error_no_handler_takes_is_a_counted_500_in_openai_shape(redis_url: str) -> None:
+    from api import ApiSettings, create_app
+    from tasks.settings import ClientSettings
+
+    app = create_app(ApiSettings(), ClientSettings(redis_url=redis_url))
+
+    @app.get("/v1/broken")
+    async def broken() -> None:
+        raise RuntimeError("a bug in a route")
+
+    async def ask() -> tuple[httpx.Response, str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            response = await client.get("/v1/broken")
+            return response, (await client.get("/metrics")).text
+
+    response, metrics = asyncio.run(ask())
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error", response.json()
+    assert 'rollout_queue_api_requests_total{endpoint="other",status="500"} 1.0' in metrics

@@ -13,19 +13,29 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis as redis_lib
 from safetensors.torch import load_file
+from vllm.logprobs import Logprob
 
 from tasks import generate, keys, sync_weights
 from tasks.schemas import Sample, SamplingParams, WorkerInfo
 from tasks.settings import SyncSettings, SyncTimeouts
 from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for, worker_registered
 from tests.procs import Proc
-from workers.progress import SampleProgress, join, plan_units
+from workers.progress import (
+    ProgressStore,
+    SampleProgress,
+    TaskCheckpointer,
+    Unit,
+    join,
+    plan_units,
+    read_progress,
+)
 
 QUEUE = POOL = "res"
 VICTIM_POOL = "res-victim"
@@ -109,17 +119,104 @@ def test_joining_keeps_the_saved_part_and_both_span_lists_mark_the_resume() -> N
     assert roundtrip == prefix
 
 
+@dataclass
+class GrowingOutput:
+    """The attributes of vLLM's ``CompletionOutput`` a checkpointer reads, grown by hand."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+    def grow(self, count: int) -> None:
+        for _ in range(count):
+            token = len(self.token_ids) + 100
+            self.token_ids.append(token)
+            self.logprobs.append({token: Logprob(logprob=-len(self.token_ids) / 10, rank=1)})
+
+
+class FlakyClient:
+    """A Redis client whose next ``fail`` pipelines raise, as a dropped link does."""
+
+    def __init__(self, client: redis_lib.Redis, fail: int) -> None:
+        self.client, self.fail = client, fail
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        if self.fail > 0:
+            self.fail -= 1
+            raise redis_lib.ConnectionError("link down")
+        return self.client.pipeline(transaction=transaction)
+
+
+def test_checkpoints_append_each_samples_new_tokens_and_read_back_whole_across_a_resume(
+    redis_client: redis_lib.Redis,
+) -> None:
+    task = "chunks-" + str(time.monotonic_ns())
+    store = ProgressStore(redis_client, ttl_s=60)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=200, n=2, logprobs=0)
+    first = TaskCheckpointer(store, task, "a", 8, spans_of=lambda rid, index, length: [(0, 3)])
+    first.watch("r0", Unit(prompt=0, samples=[0, 1], engine_prompt=[1, 2], params=params))
+    outputs = [GrowingOutput(0), GrowingOutput(1)]
+    for round_ in range(3):
+        for output in outputs:
+            output.grow(8 + round_)  # 8, 17, 27 tokens
+            first.observe("r0", output)
+        first.store.writer.submit(lambda: None).result(timeout=5)  # the writes are done
+    # Each write appended only what was new: one field per sample per write.
+    fields = sorted(redis_client.hkeys(keys.progress_key(task)))
+    assert fields == ["0:0:0", "0:0:17", "0:0:8", "0:1:0", "0:1:17", "0:1:8"]
+    saved = store.load(task)
+    assert saved[(0, 0)].token_ids == outputs[0].token_ids and len(saved[(0, 1)].token_ids) == 27
+    assert saved[(0, 0)].logprobs == [-n / 10 for n in range(1, 28)]
+    assert saved[(0, 0)].workers == [(0, "a")] and saved[(0, 0)].weight_versions == [(0, 3)]
+
+    # A failed write loses nothing: the next one carries its tokens too.
+    store.client = FlakyClient(redis_client, fail=1)  # type: ignore[assignment]
+    outputs[0].grow(8)
+    first.observe("r0", outputs[0])
+    first.store.writer.submit(lambda: None).result(timeout=5)
+    outputs[0].grow(8)
+    first.observe("r0", outputs[0])
+    first.store.writer.submit(lambda: None).result(timeout=5)
+    store.client = redis_client
+    assert store.load(task)[(0, 0)].token_ids == outputs[0].token_ids  # 43 tokens
+
+    # Sample 1 resumes on node b from its 27 saved tokens.
+    resumed = Unit(prompt=0, samples=[1], engine_prompt=[1, 2] + saved[(0, 1)].token_ids,
+                   params=params.model_copy(update={"n": 1}), prefix=saved[(0, 1)])
+    second = TaskCheckpointer(store, task, "b", 8, spans_of=lambda rid, index, length: [(0, 4)])
+    second.watch("r1", resumed)
+    after = GrowingOutput(0)
+    after.grow(9)
+    second.observe("r1", after)
+    after.grow(8)
+    after.finish_reason = "length"
+    second.save_now()
+    sample = store.load(task)[(0, 1)]
+    assert len(sample.token_ids) == 44 and sample.token_ids[27:] == after.token_ids
+    assert sample.workers == [(0, "a"), (27, "b")] and sample.weight_versions == [(0, 3), (27, 4)]
+    assert sample.finish_reason == "length" and len(sample.logprobs or []) == 44
+
+    # Node a, declared dead but still generating, writes its own tokens 27.. over
+    # b's first chunk: b's next chunk does not continue a's, so the sample ends
+    # there, whole and from one chain, instead of a's tokens followed by b's.
+    outputs[1].grow(9)
+    first.observe("r0", outputs[1])
+    first.store.writer.submit(lambda: None).result(timeout=5)
+    sample = store.load(task)[(0, 1)]
+    assert sample.token_ids == outputs[1].token_ids and sample.workers == [(0, "a")]
+    assert sample.finish_reason is None
+    store.drop(task)
+
+
 # ---------------------------------------------------------------------------
 # Workers
 # ---------------------------------------------------------------------------
 
 
 def checkpoint(client: redis_lib.Redis, task_id: str) -> dict[tuple[int, int], SampleProgress]:
-    raw = client.hgetall(keys.progress_key(task_id))
-    return {
-        (int(name.split(":")[0]), int(name.split(":")[1])): SampleProgress.from_json(value)
-        for name, value in raw.items()  # type: ignore[union-attr]
-    }
+    return read_progress(client.hgetall(keys.progress_key(task_id)))  # type: ignore[arg-type]
 
 
 def registry(client: redis_lib.Redis, node: str) -> WorkerInfo | None:

@@ -2,8 +2,16 @@
 
 While a ``generate`` task runs, every ``RQ_CHECKPOINT_TOKENS`` generated tokens
 its unfinished samples are written to Redis, one pipelined write per task per
-interval, in the hash ``rq:progress:<task_id>`` (field ``<prompt>:<sample>``,
-value :class:`SampleProgress` as JSON; the key expires). When the task comes
+interval, in the hash ``rq:progress:<task_id>`` (the key expires). Each write
+appends: field ``<prompt>:<sample>:<start>`` holds the tokens generated since
+the sample's last write (a :class:`SampleProgress` as JSON whose token ids and
+logprobs start at token ``start``, with the whole sample's weight-version and
+worker spans and its finish state), so what a sample costs to checkpoint grows
+with its length, not with its length squared: a 16k-token sample at 64-token
+intervals writes 16k tokens, not 2M. :func:`read_progress` joins a sample's
+chunks back in order of ``start``, each one continuing the one before
+(its worker spans extend the chain's); a chunk that does not (a worker
+declared dead that still wrote) ends the sample there. When the task comes
 back (the reaper, a SIGTERM hand-off, a ``pause="abort"`` sync), the worker
 that takes it reads the hash and plans one engine request per unfinished
 sample with progress: prompt + generated tokens as its prompt, the remaining
@@ -46,6 +54,7 @@ from tasks.schemas import Sample, SamplingParams
 log = logging.getLogger(__name__)
 
 SampleKey = tuple[int, int]  # (prompt index in the task, sample index in the prompt)
+ChunkKey = tuple[int, int, int]  # (prompt, sample, index of the chunk's first token in the sample)
 
 
 @dataclass
@@ -84,6 +93,47 @@ class SampleProgress:
     @property
     def last_version(self) -> int | None:
         return self.weight_versions[-1][1] if self.weight_versions else None
+
+    def continues(self, start: int, chain: SampleProgress) -> bool:
+        """Whether this chunk (first token ``start``) follows on from ``chain``: it
+        starts where the chain ends and was written by the chain's workers."""
+        return start == len(chain.token_ids) and [span for span in self.workers if span[0] < start] == chain.workers
+
+    def extend(self, chunk: SampleProgress) -> None:
+        """Append ``chunk``'s tokens; its spans and finish state are the sample's now."""
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs = _joined(self.logprobs, chunk.logprobs)
+        self.top_logprobs = _joined(self.top_logprobs, chunk.top_logprobs)
+        self.weight_versions, self.workers = chunk.weight_versions, chunk.workers
+        self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
+
+def _joined(values: list[Any] | None, more: list[Any] | None) -> list[Any] | None:
+    if values is None or more is None:
+        return None
+    values.extend(more)
+    return values
+
+
+def read_progress(raw: dict[Any, Any]) -> dict[SampleKey, SampleProgress]:
+    """The samples of a progress hash (field → JSON chunk, as Redis returns it)."""
+    chunks: dict[SampleKey, list[tuple[int, SampleProgress]]] = {}
+    for name, value in raw.items():
+        try:
+            parts = [int(part) for part in (name.decode() if isinstance(name, bytes) else str(name)).split(":")]
+            prompt, sample, start = parts if len(parts) == 3 else (*parts, 0)  # a whole sample: one chunk
+            chunks.setdefault((prompt, sample), []).append((start, SampleProgress.from_json(value)))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring an unreadable checkpoint entry %r: %s", name, exc)
+    saved: dict[SampleKey, SampleProgress] = {}
+    for key, parts in chunks.items():
+        sample = SampleProgress(token_ids=[], logprobs=[], top_logprobs=[])
+        for start, chunk in sorted(parts, key=lambda part: part[0]):
+            if not chunk.continues(start, sample):
+                break
+            sample.extend(chunk)
+        saved[key] = sample
+    return saved
 
 
 def _join_spans(first: list[tuple[int, Any]], offset: int, second: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -154,27 +204,23 @@ class ProgressStore:
         except redis.RedisError as exc:
             log.warning("could not read the checkpoint of task %s (%s); generating from scratch", task_id, exc)
             return {}
-        saved: dict[SampleKey, SampleProgress] = {}
-        for name, value in raw.items():  # type: ignore[union-attr]
-            try:
-                prompt, sample = (int(part) for part in str(name.decode() if isinstance(name, bytes) else name).split(":"))
-                saved[(prompt, sample)] = SampleProgress.from_json(value)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring an unreadable checkpoint entry %r of task %s: %s", name, task_id, exc)
-        return saved
+        return read_progress(raw)  # type: ignore[arg-type]
 
-    def save(self, task_id: str, entries: dict[SampleKey, SampleProgress]) -> None:
-        if not entries:
-            return
+    def save(self, task_id: str, chunks: dict[ChunkKey, SampleProgress]) -> bool:
+        """Append each sample's new chunk to the task's hash; False if Redis did not take them."""
+        if not chunks:
+            return True
         key = keys.progress_key(task_id)
-        mapping: dict[Any, Any] = {f"{p}:{s}": progress.to_json() for (p, s), progress in entries.items()}
+        mapping: dict[Any, Any] = {f"{p}:{s}:{start}": chunk.to_json() for (p, s, start), chunk in chunks.items()}
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(key, mapping=mapping)
             pipe.expire(key, self.ttl_s)
             pipe.execute()
-        except redis.RedisError as exc:  # the next interval writes again
+        except redis.RedisError as exc:  # the chunks stay unsaved: the next interval writes them
             log.warning("checkpoint of task %s not written: %s", task_id, exc)
+            return False
+        return True
 
     def drop(self, task_id: str) -> None:
         try:
@@ -298,59 +344,64 @@ class TaskCheckpointer:
     def _write(self) -> None:
         with self._lock:
             self._pending = False
-        self.store.save(self.task_id, self.snapshot(final=False))
+        self._save(final=False)
         self.writes += 1
 
     def save_now(self) -> None:
         """Write every sample's progress, finished ones included (before a requeue)."""
-        future = self.store.writer.submit(lambda: self.store.save(self.task_id, self.snapshot(final=True)))
-        future.result(timeout=30)
+        self.store.writer.submit(self._save, True).result(timeout=30)
 
-    def snapshot(self, final: bool) -> dict[SampleKey, SampleProgress]:
-        """Every sample that moved since its last save (``final``: with finish states)."""
-        entries: dict[SampleKey, SampleProgress] = {}
+    def _save(self, final: bool) -> None:
+        chunks, lengths = self.chunks(final)
+        if self.store.save(self.task_id, chunks):
+            self._saved_len.update(lengths)
+
+    def chunks(self, final: bool) -> tuple[dict[ChunkKey, SampleProgress], dict[tuple[str, int], int]]:
+        """Each sample's tokens since its last save (``final``: a finished sample
+        also without new ones, to record its finish), and the saved lengths once
+        they are written. Runs on the writer thread while the engine loop merges
+        outputs: a finish is read first, since vLLM sets it after the tokens."""
+        chunks: dict[ChunkKey, SampleProgress] = {}
+        lengths: dict[tuple[str, int], int] = {}
         for key, completion in list(self._latest.items()):
             rid, index = key
             unit = self.units.get(rid)
             if unit is None:
                 continue
-            token_ids = list(completion.token_ids)
-            finished = completion.finish_reason is not None and completion.finish_reason != "abort"
-            if len(token_ids) <= self._saved_len.get(key, 0) and not (final and finished):
+            finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+            finished = finish_reason is not None and finish_reason != "abort"
+            saved, end = self._saved_len.get(key, 0), len(completion.token_ids)
+            if end <= saved and not (final and finished):
                 continue
-            progress = self._progress(unit, rid, index, completion, token_ids)
-            if finished:
-                progress.finish_reason = completion.finish_reason
-                progress.stop_reason = completion.stop_reason
-            entries[(unit.prompt, unit.samples[index])] = progress
+            chunk = self._chunk(unit, rid, index, completion, saved, end)
+            if finished and saved + len(chunk.token_ids) == end:
+                chunk.finish_reason, chunk.stop_reason = finish_reason, stop_reason
             kept = len(unit.prefix.token_ids) if unit.prefix is not None else 0
-            self._saved_len[key] = len(progress.token_ids) - kept
-        return entries
+            chunks[(unit.prompt, unit.samples[index], kept + saved)] = chunk
+            lengths[key] = saved + len(chunk.token_ids)
+        return chunks, lengths
 
-    def _progress(self, unit: Unit, rid: str, index: int, completion: Any, token_ids: list[int]) -> SampleProgress:
+    def _chunk(self, unit: Unit, rid: str, index: int, completion: Any, saved: int, end: int) -> SampleProgress:
+        """Tokens ``saved:end`` of one request's sample, with the sample's spans so far."""
         from workers.engine import _logprob_of, _top
 
         params = unit.params
+        token_ids = completion.token_ids[saved:end]
         logprobs = top = None
         if params.logprobs is not None and completion.logprobs is not None:
-            positions = list(completion.logprobs)[: len(token_ids)]
-            token_ids = token_ids[: len(positions)]
+            positions = completion.logprobs[saved:end]  # a list, or vLLM's FlatLogprobs: both slice
+            token_ids = token_ids[: len(positions)]  # logprobs are merged after the tokens
             logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
             if params.logprobs > 0:
                 top = [_top(p, params.logprobs) for p in positions]
-        own = SampleProgress(
-            token_ids=token_ids, logprobs=logprobs, top_logprobs=top,
-            weight_versions=self.spans_of(rid, index, len(token_ids)),
+        length = saved + len(token_ids)
+        chunk = SampleProgress(
+            token_ids=list(token_ids), logprobs=logprobs, top_logprobs=top,
+            weight_versions=self.spans_of(rid, index, length), workers=[(0, self.node)],
         )
         prefix = unit.prefix
-        if prefix is None:
-            own.workers = [(0, self.node)]
-            return own
-        offset = len(prefix.token_ids)
-        return SampleProgress(
-            token_ids=prefix.token_ids + own.token_ids,
-            logprobs=None if prefix.logprobs is None or logprobs is None else prefix.logprobs + logprobs,
-            top_logprobs=None if prefix.top_logprobs is None or top is None else prefix.top_logprobs + top,
-            weight_versions=_join_spans(prefix.weight_versions, offset, own.weight_versions),
-            workers=_join_spans(prefix.workers, offset, [(0, self.node)]),
-        )
+        if prefix is not None:
+            offset = len(prefix.token_ids)
+            chunk.weight_versions = _join_spans(prefix.weight_versions, offset, chunk.weight_versions)
+            chunk.workers = _join_spans(prefix.workers, offset, chunk.workers)
+        return chunk

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from celery.utils.nodenames import host_format
 from pydantic import Field, field_validator
 
+from tasks import keys
 from tasks.keys import node_queue
 from tasks.settings import ClientSettings
 
@@ -53,8 +54,8 @@ class WorkerSettings(EngineSettings):
     # are below this (workers/intake.py); None: no such gate (Celery's
     # prefetch alone), for now: see workers/main.py.
     intake_sequences: int | None = Field(None, ge=1)
-    queues: list[str] = ["generate"]  # noqa: RUF012  pydantic copies defaults
-    pool: str = "default"
+    queues: list[str] = [keys.GENERATE_QUEUE]  # noqa: RUF012  pydantic copies defaults
+    pool: str = keys.DEFAULT_POOL
     heartbeat_s: float = Field(2.0, gt=0.0)
     registry_ttl_s: float = 10.0
     # A node whose registry key has been gone this long is dead: the reaper
