@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import redis
@@ -65,6 +66,10 @@ class SyncParticipant:
         self.set_state = set_state
         self.set_fenced = set_fenced
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        # Reads of the decision: a store read to a silent trainer outlives its
+        # timeout (giving up is one more round trip), so each is waited for here
+        # and, past its deadline, left to end when its connection does.
+        self._decision_reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-decision")
         self._current: Future[None] | None = None
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
@@ -249,7 +254,8 @@ class SyncParticipant:
 
         key = keys.sync_decision(plan.sync_id)
         deadline = time.monotonic() + plan.decision_timeout + DECISION_GRACE_S
-        try:
+
+        def read() -> SyncDecision:
             try:
                 return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
             except DistNetworkError:
@@ -257,7 +263,10 @@ class SyncParticipant:
                 if time.monotonic() >= deadline:
                     raise
                 return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
-        except (DistError, OSError) as exc:
+
+        try:
+            return self._decision_reads.submit(read).result(timeout=max(deadline - time.monotonic(), 0.1) + 1.0)
+        except (DistError, OSError, FutureTimeout) as exc:
             # A client that timed out may still get the late answer: never reuse it.
             self._store = None
             raise RendezvousTimeout(
