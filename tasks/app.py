@@ -34,6 +34,32 @@ def retry_policy(seconds: float) -> dict[str, float]:
     }
 
 
+# redis-py tries each new connection twice before it reports a failure to Celery.
+ATTEMPTS_PER_CONNECT = 2
+# The longest pause between two of the result subscription's retries.
+SUBSCRIBE_RETRY_INTERVAL_S = 0.5
+
+
+def connect_budget(deadline: float) -> tuple[float, dict[str, float]]:
+    """The socket connect timeout and the result subscription's retry policy that
+    make a producer give up within ``deadline`` seconds, whatever Redis does.
+
+    Redis that refuses connections (stopped) fails each attempt at once: the
+    retries then span the deadline, riding out a restart. Redis that cannot be
+    reached (a link down) lets each attempt run to its connect timeout, and
+    Celery subscribes to the task's result before it publishes: its first
+    subscription (one connect), the retries that start before the policy's
+    ``timeout``, one last pause and the last retry (one connect) must all fit
+    in the deadline. A connect is one eighth of it (0.2 s to 5 s), so the two
+    connects take half, the retries' window the rest.
+    """
+    connect_timeout = min(5.0, max(0.2, deadline / 8))
+    one_connect = ATTEMPTS_PER_CONNECT * connect_timeout
+    window = max(0.01, deadline - 2 * one_connect - SUBSCRIBE_RETRY_INTERVAL_S)
+    policy = {**retry_policy(deadline), "interval_max": SUBSCRIBE_RETRY_INTERVAL_S, "timeout": window}
+    return connect_timeout, policy
+
+
 def redis_tls_options(settings: ClientSettings) -> dict[str, Any] | None:
     """redis-py SSL parameters for a ``rediss://`` URL (None for ``redis://``).
 
@@ -56,7 +82,7 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
     """Configuration of a producer (trainer, API): fail fast when Redis is down."""
     url = settings.redis_url.get_secret_value()
     deadline = settings.broker_connect_timeout
-    connect_timeout = min(5.0, max(1.0, deadline / 2))
+    connect_timeout, subscribe_policy = connect_budget(deadline)
     broker_transport = {
         "visibility_timeout": settings.visibility_timeout,
         # Connection set-up (kombu ``ensure_connection``): give up after
@@ -68,8 +94,9 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
         "health_check_interval": 10,
     }
     backend_transport = {
-        # Subscribing to a result and reading it: same deadline.
-        "retry_policy": retry_policy(deadline),
+        # Subscribing to a result (before the publish) and reading it: the
+        # same deadline, held even when each connect runs to its timeout.
+        "retry_policy": subscribe_policy,
     }
     tls = redis_tls_options(settings)
     config: dict[str, Any] = {

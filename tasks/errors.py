@@ -31,7 +31,8 @@
         │   └── RendezvousUnreachable  a worker cannot reach RQ_RENDEZVOUS_HOST (wrong address)
         ├── ManifestMismatch      a worker refused the manifest (name, shape, dtype)
         ├── SyncRefused           a worker refused the command (signature, state)
-        └── WorkerLost            a worker stopped answering mid-sync
+        ├── WorkerLost            a worker stopped answering mid-sync
+        └── BrokerLost            Redis stopped answering the trainer mid-sync
 
 Errors from redis, vLLM and torch are mapped at the boundary with
 ``raise ... from exc``. Errors raised inside a Celery task travel to the
@@ -265,12 +266,20 @@ class WorkerLost(WeightSyncError):
     pass
 
 
+class BrokerLost(WeightSyncError):
+    """Redis stopped answering the trainer mid-sync: it cannot read the workers' acks.
+
+    ``workers``: those whose acks it was waiting for. A worker that did not get
+    the trainer's decision resumes on its old weights once its wait for it ends.
+    """
+
+
 # How a weight-sync error crosses a process (engine rank → worker host →
 # trainer): as a kind and a message (``weight_sync.protocol.SyncFailure``),
 # mapped back to its class here; "failed" stands for anything else.
 SyncErrorKind = Literal[
     "no_workers", "rendezvous_timeout", "rendezvous_unreachable", "manifest_mismatch", "refused",
-    "worker_lost", "failed",
+    "worker_lost", "broker_lost", "failed",
 ]
 SYNC_ERRORS: dict[SyncErrorKind, type[WeightSyncError]] = {
     "no_workers": NoWorkers,
@@ -279,6 +288,7 @@ SYNC_ERRORS: dict[SyncErrorKind, type[WeightSyncError]] = {
     "manifest_mismatch": ManifestMismatch,
     "refused": SyncRefused,
     "worker_lost": WorkerLost,
+    "broker_lost": BrokerLost,
     "failed": WeightSyncError,
 }
 

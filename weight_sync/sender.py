@@ -50,11 +50,14 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from tasks import keys
 from tasks.app import app
 from tasks.app import settings as client_settings
 from tasks.auth import signed_arguments
 from tasks.errors import (
+    BrokerLost,
     ManifestMismatch,
     NoWorkers,
     RendezvousTimeout,
@@ -73,6 +76,11 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+# The acks' Redis client gives up on a silent Redis after these seconds (a
+# read outlasts the 1 s BLPOP); the phase's deadline bounds the retries.
+ACK_CONNECT_S = 2.0
+ACK_READ_S = 5.0
 
 # Gloo buckets travel in pieces of this size (SyncSettings.chunk_bytes = None).
 GLOO_CHUNK_BYTES = 128 << 20
@@ -118,6 +126,9 @@ class WeightSender:
         self.settings = settings or SyncSettings()
         self.pool = pool
         self.client = connect(client_settings())
+        # Read in a loop up to each phase's deadline: no retries of its own.
+        self.acks_client = connect(client_settings(), connect_timeout=ACK_CONNECT_S, read_timeout=ACK_READ_S,
+                                   give_up_at_once=True)
         self.store: Any = None
         self.store_port = 0
         self.group: Any = None
@@ -191,7 +202,16 @@ class WeightSender:
             phases["transfer"] = time.monotonic() - t
 
             t = time.monotonic()
-            committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
+            try:
+                committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
+            except BrokerLost as exc:
+                # Who joined the group, and who committed, is unknown here.
+                self.group = None
+                self.roster = {}
+                if broken is None:
+                    raise
+                raise BrokerLost(f"{exc}; the transfer had failed too: {broken}", phase=exc.phase,
+                                 workers=exc.workers) from exc
             phases["commit"] = time.monotonic() - t
             if broken is not None and not committed:
                 raise broken
@@ -319,7 +339,13 @@ class WeightSender:
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
             manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
-            timeouts=self.settings.timeouts.worker,
+            # A worker waits for the decision no longer than the trainer may take to
+            # write it (its trigger and ready phases): a trainer gone or cut off
+            # leaves it resuming on its old weights.
+            timeouts=self.settings.timeouts.worker.model_copy(update={"decision": min(
+                self.settings.timeouts.trigger + self.settings.timeouts.ready,
+                max(deadline - time.monotonic(), 0.1),
+            )}),
         )
         arguments = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
                                      self.settings.weight_sync_secret, destination=list(plan.members))
@@ -549,13 +575,31 @@ class WeightSender:
         """
         got = self._acks.setdefault(phase, {})
         name = keys.sync_acks(plan.sync_id, phase)
+        unreachable: redis.RedisError | None = None  # the last read, when it failed
         while not expected <= set(got) and (remaining := deadline - time.monotonic()) > 0:
-            item = self.client.blpop([name], timeout=max(0.1, min(remaining, 1.0)))
+            try:
+                item = self.acks_client.blpop([name], timeout=max(0.1, min(remaining, 1.0)))
+            except redis.RedisError as exc:
+                # Retried until the phase's deadline: a Redis restart is ridden out.
+                unreachable = exc
+                time.sleep(min(0.2, max(remaining, 0.0)))
+                continue
+            unreachable = None
             if item is None:
                 continue
             ack = SyncAck.model_validate_json(item[1])
             if ack.sync_id == plan.sync_id and ack.node in plan.members:
                 self._acks.setdefault(ack.phase, {})[ack.node] = ack
+        if unreachable is not None and not expected <= set(got):
+            raise BrokerLost(
+                f"sync epoch {plan.epoch} to version {plan.version}: Redis at {client_settings().redacted_url} "
+                f"stopped answering the trainer while it waited for the {phase!r} acks "
+                f"({type(unreachable).__name__}: {unreachable}); it cannot tell what "
+                f"{', '.join(sorted(expected - set(got)))} did. A worker that never read the trainer's "
+                "decision resumes on its old weights; check the trainer host's network, then sync again "
+                "(catch_up brings any worker left behind)",
+                phase=phase, workers=expected - set(got),
+            ) from unreachable
         return {node: ack for node, ack in got.items() if node in expected}
 
     def catch_up(self, weights: Weights, timeout: float = 120.0, pause: PauseMode = "wait") -> SyncReport | None:

@@ -35,12 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import redis
 
 from tasks import keys
-from tasks.errors import ManifestMismatch, RendezvousUnreachable, SyncRefused
+from tasks.errors import ManifestMismatch, RendezvousTimeout, RendezvousUnreachable, SyncRefused
 from weight_sync import wire
 from weight_sync.protocol import (
     PROTOCOL_VERSION,
@@ -58,6 +59,10 @@ from workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
 
+# Seconds waited for the decision past the plan's ``timeouts.decision`` (the
+# store's own round trips, a trainer slow to write it).
+DECISION_GRACE_S = 5.0
+
 
 class SyncParticipant:
     def __init__(
@@ -72,6 +77,10 @@ class SyncParticipant:
         self.client = client
         self.state = state
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        # Reads of the decision: a store read to a silent trainer outlives its
+        # timeout (giving up is one more round trip), so each is waited for here
+        # and, past its deadline, left to end when its connection does.
+        self._decision_reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-decision")
         self._current: Future[None] | None = None
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
@@ -257,22 +266,48 @@ class SyncParticipant:
             self.state.fail_update(None)
 
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
-        """Read the trainer's decision from its store (the client is kept between syncs)."""
-        from torch.distributed import DistNetworkError
+        """Read the trainer's decision from its store (the client is kept between syncs),
+        waiting no longer than the plan's ``timeouts.decision`` (and a grace)."""
+        from torch.distributed import DistError, DistNetworkError
 
         key = keys.sync_decision(plan.sync_id)
-        try:
-            return SyncDecision.model_validate_json(self._decision_store(plan).get(key))
-        except DistNetworkError:
-            self._store = None  # the trainer's store restarted: reconnect once
-            return SyncDecision.model_validate_json(self._decision_store(plan).get(key))
+        waited = plan.timeouts.decision + DECISION_GRACE_S
+        deadline = time.monotonic() + waited
 
-    def _decision_store(self, plan: SyncPlan) -> Any:
+        def read() -> SyncDecision:
+            try:
+                return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
+            except DistNetworkError:
+                self._store = None  # the trainer's store restarted: reconnect once
+                if time.monotonic() >= deadline:
+                    raise
+                return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
+
+        try:
+            return self._decision_reads.submit(read).result(timeout=max(deadline - time.monotonic(), 0.1) + 1.0)
+        except (DistError, OSError, FutureTimeout) as exc:
+            # A client that timed out may still get the late answer: never reuse it.
+            self._store = None
+            why = str(exc).strip()[:200] or "no answer in time"
+            raise RendezvousTimeout(
+                f"{self.node} got no decision for sync epoch {plan.epoch} from the trainer's store at "
+                f"{plan.store_host}:{plan.store_port} within {waited:.0f}s ({type(exc).__name__}: {why}): "
+                "the trainer is gone or cut off; resuming on the weights held",
+                phase="ready", workers=[self.node],
+            ) from exc
+
+    def _decision_store(self, plan: SyncPlan, deadline: float) -> Any:
         address = (plan.store_host, plan.store_port)
+        remaining = max(deadline - time.monotonic(), 0.1)
         if self._store is None or self._store_address != address:
-            self._store = wire.connect_store(plan.store_host, plan.store_port, plan.timeouts.store_connect)
+            # TCPStore's own connect to a host gone silent outlasts its timeout
+            # (the kernel's SYN retries, minutes): a bounded probe goes first.
+            wire.check_reachable(plan.store_host, plan.store_port, min(plan.timeouts.probe, remaining))
+            self._store = wire.connect_store(
+                plan.store_host, plan.store_port, min(plan.timeouts.store_connect, remaining)
+            )
             self._store_address = address
-        self._store.set_timeout(datetime.timedelta(seconds=plan.timeouts.decision))
+        self._store.set_timeout(datetime.timedelta(seconds=remaining))
         return self._store
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: SyncFailure | None = None,
