@@ -106,7 +106,9 @@ def _required_calls(text: str) -> list[ToolCallOut] | None:
         return None
 
 
-def message(request: ChatCompletionRequest, tool_mode: Mode, sample: Sample) -> tuple[str | None, list[ToolCallOut], str | None]:
+def message(
+    request: ChatCompletionRequest, tool_mode: Mode, sample: Sample,
+) -> tuple[str | None, list[ToolCallOut], str | None]:
     """``(content, tool_calls, finish_reason)`` of a choice."""
     if tool_mode == "auto" and sample.tool_calls is not None:
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.function.name, arguments=c.function.arguments))
@@ -159,7 +161,8 @@ class ChoiceStream:
             if required is None:
                 return self._text, None
             return None, [ToolCallDeltaOut(index=i, id=c.id, type="function",
-                                           function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
+                                           function=FunctionCallDelta(name=c.function.name,
+                                                                      arguments=c.function.arguments))
                           for i, c in enumerate(required)]
         return delta.text, None
 

@@ -3,8 +3,9 @@
 Every prompt (a fresh token-id prompt each) goes both ways: as a 1-prompt
 ``generate`` task through Redis to one worker (until ``.get()`` returns), and
 straight into vLLM's offline ``LLM.generate`` in this process, built from
-the same engine config; the legs alternate in blocks, the first block warms up. The difference of the percentiles is what the queue
-costs: Celery messaging, the result backend, validation and result building.
+the same engine config; the legs alternate in blocks, the first block warms
+up. The difference of the percentiles is what the queue costs: Celery
+messaging, the result backend, validation and result building.
 
     .venv/bin/python bench/latency.py                        # CPU: tiny model
     python bench/latency.py --device cuda --model PATH       # GPU

@@ -190,7 +190,8 @@ def _turn(gateway: Gateway, session: str, turn: int, via: str = "header") -> str
 def _session_turns(gateway: Gateway) -> dict[str, float]:
     text = httpx.get(f"{gateway.base}/metrics", timeout=10).text
     return {route: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            for route in ("new", "sticky", "shared") if line.startswith(f'rollout_queue_api_session_turns_total{{route="{route}"}}')}
+            for route in ("new", "sticky", "shared")
+            if line.startswith(f'rollout_queue_api_session_turns_total{{route="{route}"}}')}
 
 
 def test_every_turn_of_a_session_goes_to_the_worker_that_served_its_first(session_gateway: Gateway) -> None:

@@ -77,7 +77,8 @@ def test_lm_eval_local_completions_scores_equal_lm_evals_vllm_model(
 ) -> None:
     tasks = _task(tmp_path / "tasks")
     engine = ",".join([f"pretrained={model_a}", "dtype=float32", f"max_model_len={MAX_MODEL_LEN}",
-                       "gpu_memory_utilization=0.1", *(["enforce_eager=True"] if "--enforce-eager" in ENGINE_FLAGS else [])])
+                       "gpu_memory_utilization=0.1",
+                       *(["enforce_eager=True"] if "--enforce-eager" in ENGINE_FLAGS else [])])
     # The offline engine starts (tens of seconds) while the gateway run goes on.
     offline = _lm_eval("lm-eval-vllm", "vllm", engine, tasks, tmp_path / "vllm")
     gateway = start_gateway("api-lm-eval-gateway", redis_url, {})
@@ -98,5 +99,6 @@ def test_lm_eval_local_completions_scores_equal_lm_evals_vllm_model(
     for doc, expected in reference.items():
         assert through_gateway[doc] == pytest.approx(expected, abs=1e-3), f"item {doc}"
     assert gateway_acc == reference_acc
+    delta = max(abs(a - b) for d in reference for a, b in zip(reference[d], through_gateway[d]))
     print(f"lm-eval rq_tiny: acc {gateway_acc:.2f} through the gateway and from vLLM; "
-          f"max |delta loglikelihood| {max(abs(a - b) for d in reference for a, b in zip(reference[d], through_gateway[d])):.2e}")
+          f"max |delta loglikelihood| {delta:.2e}")

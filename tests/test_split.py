@@ -178,7 +178,8 @@ def test_a_failing_part_fails_the_call_naming_the_prompt_by_its_index_in_the_who
     prompts[9] = [7] * 600  # in the third part (prompts 7-9)
     handle = generate.delay(prompts, GREEDY)
     assert isinstance(handle, SplitResult)
-    with pytest.raises(PromptTooLong, match=rf"^prompt 9 has 600 tokens; this worker's max_model_len is {MAX_MODEL_LEN}"):
+    too_long = rf"^prompt 9 has 600 tokens; this worker's max_model_len is {MAX_MODEL_LEN}"
+    with pytest.raises(PromptTooLong, match=too_long):
         handle.get(timeout=TIMEOUT)
     wait_for(lambda: handle.state == states.FAILURE, 30, "the call's state to be FAILURE")
     assert isinstance(handle.get(timeout=TIMEOUT, propagate=False), PromptTooLong)

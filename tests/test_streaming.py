@@ -236,7 +236,8 @@ def test_a_worker_killed_mid_stream_ends_both_streams_with_an_error(
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             chunks = gw.client().completions.create(
-                model=MODEL, prompt="Tell me a story", stream=True, **{k: v for k, v in long.items() if k != "ignore_eos"},
+                model=MODEL, prompt="Tell me a story", stream=True,
+                **{k: v for k, v in long.items() if k != "ignore_eos"},
                 extra_body={"ignore_eos": True},
             )
             next(iter(chunks))

@@ -1,9 +1,10 @@
 """``WorkerRuntime``: one worker node's parts, their state, and its heartbeat.
 
 Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
-through, the ``SyncParticipant``, the ``CommandVerifier`` of signed control commands, the registry heartbeat (a thread writing
-``WorkerInfo`` with a TTL) and fencing: a worker whose weights are older than
-the fleet's stops consuming the generate queue until a sync catches it up.
+through, the ``SyncParticipant``, the ``CommandVerifier`` of signed control
+commands, the registry heartbeat (a thread writing ``WorkerInfo`` with a TTL)
+and fencing: a worker whose weights are older than the fleet's stops
+consuming the generate queue until a sync catches it up.
 Its state (``workers.state.NodeState``, the engine host's) is written only
 through its transitions; the runtime follows each change, consuming its queues
 or not and publishing the registry entry.
