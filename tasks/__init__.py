@@ -6,6 +6,14 @@
     for item in generate.stream(["2+2="], {"max_tokens": 64}): ...   # SampleDelta..., GenerationResult
     for index, result in generate_many(prompts, params, chunk_size=64): ...
     control.sleep(level=1); control.wake_up()    # also pause, resume, engine_stats...
+
+Owns what producers, trainers and workers agree on: the ``generate`` task and
+its schemas, the Celery app and client settings, Redis key and task names
+(``keys``), the error tree (``errors``), the worker registry, control commands
+and their signing, and the user's face of the weight sync (``sync_weights``;
+the protocol itself is ``weight_sync``). Imports celery, kombu, redis and
+pydantic; never ``workers``, ``api``, ``cli`` or vLLM, and torch only lazily
+where a sync sends tensors: a trainer or a pipeline imports it on any host.
 """
 
 from tasks import control, sync_weights
