@@ -208,6 +208,9 @@ class NodeState:
             refusal = self.refusal()
             if refusal is not None and refusal != before[2]:
                 log.warning("fenced: %s", refusal)
-            if (self.current, self.consuming) != before[:2]:
-                for listener in self._listeners:
-                    listener(self)
+            changed = (self.current, self.consuming) != before[:2]
+        # Outside the lock: a listener writes to Redis (the registry), and no other
+        # thread's transition (a control command on the consumer's loop) waits on it.
+        if changed:
+            for listener in self._listeners:
+                listener(self)
