@@ -27,7 +27,7 @@ TORCH_VERSION := 2.13.0+cpu
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_WHEELS ?=
 PYTEST_ARGS ?=
-BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_sync.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
+BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_transfer.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
 .PHONY: setup browser quickstart test bench lint clean
 
@@ -69,7 +69,7 @@ test: setup
 
 bench: $(STAMP)
 	@set -e; for b in $(BENCH_CPU); do echo "# $$b" >&2; $(PY) $$b; done
-	$(PY) bench/weight_sync.py --cpu-weights plain
+	$(PY) bench/weight_transfer.py --cpu-weights plain
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tasks weight_sync workers api cli bench tests

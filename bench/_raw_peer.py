@@ -1,6 +1,6 @@
 """Rank 1 of the raw-broadcast baseline: receive buckets of the given sizes, N rounds.
 
-Run by bench/weight_sync.py; prints "ready" once joined and "done" at the end.
+Run by bench/weight_transfer.py; prints "ready" once joined and "done" at the end.
 Round i starts when the trainer sets ``bench/go/i`` in the store; the peer
 posts every bucket and answers ``bench/posted/i``.
 """

@@ -21,7 +21,7 @@ for step in $steps; do
   start=$(date +%s)
   case $step in
     tests)      timeout 480 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py > "$OUT/gpu-tests.txt" 2>&1 ;;
-    sync)       RQ_SYNC_TRACE=1 timeout 300 python3 bench/weight_sync.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log"
+    sync)       RQ_SYNC_TRACE=1 timeout 300 python3 bench/weight_transfer.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/sync.log"
                 cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null ;;
     pattern)    timeout 200 python3 bench/sync_pattern.py --device cuda >> "$OUT/bench-gpu.jsonl" 2> "$OUT/pattern.log" ;;
     throughput) python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS---rounds 5} >> "$OUT/bench-gpu.jsonl" 2> "$OUT/throughput.log" ;;

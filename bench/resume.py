@@ -1,19 +1,23 @@
 """What checkpoints cost and what they save: throughput with and without, tokens lost per kill.
 
-Two workers side by side on one machine, each on a queue of its own: worker
-0 runs with ``--checkpoint-tokens 0`` (off), worker 1 with
-``--checkpoint-tokens K``. The same workload runs through each in turn
-(legs alternated, ``--rounds`` of each; medians), then worker 1 takes one
-long task and is killed with ``kill -9`` at a random moment after its first
-checkpoint, and restarted under the same name (it restores its own tasks
-before consuming anything, the same path as the reaper's on another node).
+One worker, started with ``--checkpoint-tokens K``. The same workload runs
+through it with checkpoints off and on in turn (the ``checkpoint_tokens``
+engine op switches them between legs; the prefix cache is reset before each
+leg; the order alternates; ``--rounds`` of each; medians): one engine, so the
+ratio measures the checkpoints, not a difference between two engines (two
+engines on one H200, both without checkpoints, differed by 7 %). Then the
+worker takes one long task and is killed with ``kill -9`` at a random moment
+after its first checkpoint, and restarted under the same name (it restores
+its own tasks before consuming anything, the same path as the reaper's on
+another node).
 
     .venv/bin/python bench/resume.py                     # CPU, tiny model
     python bench/resume.py --device cuda                 # H200: 1,024 x 256-token generations
 
 Prints one JSON line:
 
-- ``tok_s_without`` / ``tok_s_with`` / ``ratio`` (target >= 0.97);
+- ``tok_s_without`` / ``tok_s_with`` / ``ratio`` (target >= 0.97), and each
+  round's ratio (``round_ratios``: the spread);
 - ``tokens_lost_per_sample`` (mean, max; target <= K): what the victim had
   generated when it died minus what its checkpoint kept. What it had
   generated is estimated from the checkpoint's growth, polled every 10 ms
@@ -39,6 +43,7 @@ from pydantic import SecretStr
 from cli.localstack import LocalStack, WorkerSpec
 from tasks import keys
 from tasks.app import configure
+from tasks.control import engine_command
 from tasks.schemas import SamplingParams
 from tasks.settings import ClientSettings
 from workers.progress import read_progress
@@ -90,10 +95,12 @@ def main() -> None:
         size = args.prompts_per_task
         return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
-    def leg(index: int, round_index: int, tasks: int | None = None) -> float:
-        time.sleep(benchlib.IDLE_S)  # the other engine's shared-memory spin ends
+    def leg(checkpoint_tokens: int, round_index: int, tasks: int | None = None) -> float:
+        engine_command("checkpoint_tokens", {"tokens": checkpoint_tokens}, workers=[node])
+        engine_command("reset_prefix_cache", workers=[node])  # each leg prefills its prompts
+        time.sleep(benchlib.IDLE_S)
         chunks = workload(round_index)[:tasks]
-        seconds, tokens, _ = benchlib.run_tasks(f"{stack.queue}-w{index}", chunks, params, 3600)
+        seconds, tokens, _ = benchlib.run_tasks(stack.queue, chunks, params, 3600)
         return tokens / seconds
 
     client_settings = ClientSettings()
@@ -102,23 +109,24 @@ def main() -> None:
         stack.ensure_redis(url)
         configure(client_settings.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         client = stack.client()
-        stack.start_worker(spec(0), index=0, timeout=900)
-        victim = stack.start_worker(spec(interval), index=1, timeout=900)
-        for index in (0, 1):  # warm-up: every engine has run the workload's shapes
-            leg(index, 99, tasks=1)
-        rates: dict[int, list[float]] = {0: [], 1: []}
+        victim = stack.start_worker(spec(interval), index=0, timeout=900)
+        node = stack.worker_name(0)
+        for tokens in (0, interval):  # warm-up: the engine has run the workload's shapes
+            leg(tokens, 99, tasks=1)
+        rates: dict[int, list[float]] = {0: [], interval: []}
         for r in range(args.rounds):
-            for index in ((0, 1) if r % 2 == 0 else (1, 0)):
-                rates[index].append(leg(index, r))
-                benchlib.log(f"round {r} worker {index}: {rates[index][-1]:.0f} tok/s")
-        without, with_ = statistics.median(rates[0]), statistics.median(rates[1])
+            for tokens in ((0, interval) if r % 2 == 0 else (interval, 0)):
+                rates[tokens].append(leg(tokens, r))
+                benchlib.log(f"round {r} checkpoint_tokens {tokens}: {rates[tokens][-1]:.0f} tok/s")
+        without, with_ = statistics.median(rates[0]), statistics.median(rates[interval])
+        round_ratios = [round(w / o, 3) for w, o in zip(rates[interval], rates[0], strict=True)]
 
         # ---- kill -9 of worker 1 mid-task, restart under the same name
         from tasks.generate import generate
 
         kill_params = params.model_copy(update={"max_tokens": kill_len})
         prompts = benchlib.token_prompts(settings.model, kill_prompts, args.input_len, seed=args.seed + 1000)
-        handle = generate.apply_async((prompts, kill_params), queue=f"{stack.queue}-w1")
+        handle = generate.apply_async((prompts, kill_params), queue=stack.queue)
         history: list[tuple[float, dict[str, int]]] = []
         kill_after: float | None = None
         while True:
@@ -147,9 +155,9 @@ def main() -> None:
             lost.append(max(0.0, min(kill_len - length, rate * (killed_at - t1))))
         # The dead worker's registry entry says "serving" until its TTL ends:
         # only then can the restarted one's be told from it.
-        while client.exists(keys.worker_key(stack.worker_name(1))):
+        while client.exists(keys.worker_key(node)):
             time.sleep(0.1)
-        stack.start_worker(spec(interval), index=1, timeout=900)
+        stack.start_worker(spec(interval), index=0, timeout=900)
         serving_at = time.monotonic()
         first_new: float | None = None
         while not handle.ready():
@@ -169,6 +177,7 @@ def main() -> None:
             "tok_s_without": round(without, 1),
             "tok_s_with": round(with_, 1),
             "ratio": round(with_ / without, 3),
+            "round_ratios": round_ratios,
             "kill_task": {"prompts": kill_prompts, "max_tokens": kill_len},
             "tokens_lost_per_sample": {"mean": round(statistics.mean(lost), 1), "max": round(max(lost), 1)},
             "kept_tokens": sum(kept.values()),

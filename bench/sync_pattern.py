@@ -7,7 +7,7 @@ piece at once, direct pieces straight into tensors of their own (as a worker
 receiving in place does), alternated with a raw broadcast of the same bucket
 sizes from ready buffers. One JSON line with ``pattern_s / raw_s``: what the
 protocol's piece pattern costs on the wire, apart from what the engine's and
-the trainer's processes add (``bench/weight_sync.py`` measures those).
+the trainer's processes add (``bench/weight_transfer.py`` measures those).
 
     python bench/sync_pattern.py                    # CPU, gloo, 0.5B-shaped float32
     python bench/sync_pattern.py --device cuda      # GPU 1 -> GPU 0, NCCL, 7B-shaped bf16
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch
 
-    from bench.weight_sync import state_dict
+    from bench.weight_transfer import state_dict
     from tasks.schemas import WorkerInfo
     from tasks.settings import SyncSettings
     from weight_sync import wire

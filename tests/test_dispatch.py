@@ -109,12 +109,16 @@ def test_a_worker_with_half_the_room_holds_half_as_much_and_leaves_the_rest_in_r
 ) -> None:
     # 2 prompts a task: disp-4 holds 2 tasks at once, disp-8 holds 4. What
     # each holds is the rule, asserted; the tasks each serves follow from it
-    # and from its engine's speed (recorded).
+    # and from its engine's speed (recorded). The tasks are long (256 tokens,
+    # seconds each) so that each worker fills its room before any task it
+    # holds ends: with 32-token tasks, one engine slowed by the machine's
+    # load served 2 of 24 tasks while the other drained the queue (seen in
+    # CI: 22 : 2), and disp-8 never held a third.
     engine_command("intake_peak", workers=list(BUDGETS))  # a new peak from here
-    served = dict(collections.Counter(burst(24, 2, 32)))
+    served = dict(collections.Counter(burst(12, 2, 256)))
     most = engine_command("intake_peak", workers=list(BUDGETS))
     figures["proportional"] = {"served": served, "most_sequences_held": most}
-    assert sum(served.values()) == 24
+    assert sum(served.values()) == 12
     assert set(served) == set(BUDGETS), served
     # A task is taken while the room is not zero: at most budget - 1 + its size.
     for node, budget in BUDGETS.items():

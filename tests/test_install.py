@@ -137,3 +137,19 @@ def test_packages_import_only_downward_cli_on_top_and_workers_without_the_gatewa
                 found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
                           for name in names if name.split(".")[0] in banned]
     assert not found, found
+
+
+BENCH_SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py")
+                       if p.name not in {"benchlib.py", "_raw_peer.py"} and not p.name.startswith("__"))
+
+
+@pytest.mark.parametrize("script", BENCH_SCRIPTS)
+def test_each_benchmark_starts_the_way_the_docs_run_it(script: str) -> None:
+    # `python bench/X.py` puts bench/ first on sys.path: a script named like a
+    # package (bench/weight_sync.py once was) hides it from every benchmark.
+    import subprocess
+
+    done = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout

@@ -421,3 +421,34 @@ def test_on_new_weights_refuses_an_unknown_choice_before_sending() -> None:
 
     with pytest.raises(InvalidRequest, match="on_new_weights='later'"):
         generate.apply_async((["x"], {}), queue=QUEUE, on_new_weights="later")
+
+
+def test_the_checkpoint_tokens_op_switches_checkpoints_off_and_on_from_the_next_task(
+    survivor: Proc, redis_client: redis_lib.Redis,
+) -> None:
+    # What bench/resume.py's A/B legs on one engine rest on.
+    from tasks.control import engine_command
+    from tasks.errors import ControlFailed
+
+    def checkpointed(params: dict[str, Any]) -> bool:
+        """Run one task on res-a; whether its checkpoint ever showed in Redis."""
+        handle = generate.apply_async((PROMPTS[:1], params), queue=QUEUE)
+        seen = False
+        while not handle.ready():
+            seen = seen or bool(redis_client.exists(keys.progress_key(handle.id)))
+            time.sleep(0.005)
+        assert len(handle.get(timeout=10)["outputs"][0]["samples"][0]["token_ids"]) == params["max_tokens"]
+        return seen
+
+    params = {**LONG, "max_tokens": 400, "n": 1}
+    try:
+        assert engine_command("checkpoint_tokens", {"tokens": 0}, workers=["res-a@tests"]) == {
+            "res-a@tests": INTERVAL}
+        assert not checkpointed(params)
+        assert engine_command("checkpoint_tokens", {"tokens": INTERVAL}, workers=["res-a@tests"]) == {
+            "res-a@tests": 0}
+        assert checkpointed(params)
+    finally:
+        engine_command("checkpoint_tokens", {"tokens": INTERVAL}, workers=["res-a@tests"])
+    with pytest.raises(ControlFailed, match="must be >= 0"):
+        engine_command("checkpoint_tokens", {"tokens": -1}, workers=["res-a@tests"])

@@ -2,7 +2,7 @@
 
 Production workers load ``weight_sync.receiver.WeightReceiver``; a worker
 started with ``--worker-extension-cls weight_sync.bench_receiver.BenchReceiver``
-(``BENCH_EXTENSION``: bench/weight_sync.py, the weight-sync tests) also
+(``BENCH_EXTENSION``: bench/weight_transfer.py, the weight-sync tests) also
 answers the ``rq_engine`` ops ``receive_one``, ``receive_raw``,
 ``last_receive`` and ``weight_checksum`` (``workers.control``).
 """

@@ -101,6 +101,8 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
         }
     if op == "intake_peak":  # the most sequences held after taking a task, since the last call
         return runtime.intake.reset_peak()
+    if op == "checkpoint_tokens":  # from the next task on; answers the previous interval
+        return runtime.set_checkpoint_tokens(int(args["tokens"]))
     if op == "world_size":
         return runtime.settings.tensor_parallel_size
     if op == "reset_prefix_cache":
@@ -119,11 +121,11 @@ def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
     if op == "wake_up":  # awake again once the KV cache is
         host.wake_up(args.get("tags"))
         return True
-    if op == "receive_one":  # the per-tensor baseline of bench/weight_sync.py
+    if op == "receive_one":  # the per-tensor baseline of bench/weight_transfer.py
         return host.collective_rpc(
             "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0
         )
-    if op == "receive_raw":  # bench/weight_sync.py: raw broadcast into the engine's process
+    if op == "receive_raw":  # bench/weight_transfer.py: raw broadcast into the engine's process
         return host.collective_rpc("rq_receive_raw", 300.0, args["sizes"], 120.0)
     if op == "weight_checksum":
         return host.collective_rpc("rq_weight_checksum", 120.0)

@@ -54,10 +54,7 @@ class WorkerRuntime:
         budget = settings.intake_sequences or host.max_num_seqs
         self.intake = Intake(host, budget)
         self.service.on_submitted = self.intake.entered
-        if settings.checkpoint_tokens > 0:
-            # A checkpoint outlives its task's longest possible redelivery wait.
-            self.service.progress = ProgressStore(self.client, settings.visibility_timeout)
-            self.service.checkpoint_tokens = settings.checkpoint_tokens
+        self.set_checkpoint_tokens(settings.checkpoint_tokens)
         self.ledger = InflightLedger(self.client, self.node, ttl_s=settings.visibility_timeout)
         self.reaper = Reaper(
             app, self.client, self.node,
@@ -96,6 +93,19 @@ class WorkerRuntime:
                 self.consumer.call_soon(self.consumer.add_task_queue, queue)
             else:
                 self.consumer.call_soon(self.consumer.cancel_task_queue, queue)
+
+    def set_checkpoint_tokens(self, tokens: int) -> int:
+        """Checkpoint partial generations every ``tokens`` tokens (0: off), from the
+        next task on; the previous interval. (``--checkpoint-tokens`` at start;
+        the ``checkpoint_tokens`` engine op later: a benchmark's A/B legs on one engine.)"""
+        if tokens < 0:
+            raise ValueError(f"checkpoint_tokens must be >= 0, not {tokens}")
+        previous = self.service.checkpoint_tokens
+        if tokens > 0 and self.service.progress is None:
+            # A checkpoint outlives its task's longest possible redelivery wait.
+            self.service.progress = ProgressStore(self.client, self.settings.visibility_timeout)
+        self.service.checkpoint_tokens = tokens
+        return previous
 
     def info(self) -> WorkerInfo:
         inflight = self.host.inflight_requests()

@@ -19,7 +19,7 @@ The worker loads the receiver with the benchmarks' engine calls
 Prints one JSON line with a/b and c/a. CPU (gloo): 0.5B-shaped float32.
 CUDA (NCCL): 7B-shaped bf16, trainer on GPU 1, worker and receiver on GPU 0:
 
-    python bench/weight_sync.py --device cuda --shape qwen2-7b
+    python bench/weight_transfer.py --device cuda --shape qwen2-7b
 """
 
 from __future__ import annotations
