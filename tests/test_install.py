@@ -149,7 +149,7 @@ def test_each_benchmark_starts_the_way_the_docs_run_it(script: str) -> None:
     # package (bench/weight_sync.py once was) hides it from every benchmark.
     import subprocess
 
-    done = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=ROOT,
+    done = subprocess.run([sys.executable, f"bench/{script}", "--help"], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout
