@@ -615,12 +615,15 @@ class WeightSender:
         return {w.node: w.weight_version for w in live_workers(self.client, self.pool)}
 
     def close(self) -> None:
-        """Drop the process group and the store; the next sync builds new ones."""
+        """Drop the process group and the store, and disconnect from Redis; the
+        next sync builds new ones (and reconnects)."""
         self.group = None
         self.roster = {}
         self.store = None
         self.store_port = 0
         self._send_buffers = []
+        for client in (self.client, self.acks_client):
+            client.close()
 
 
 __all__ = ["GLOO_CHUNK_BYTES", "WeightSender", "Weights", "named_tensors"]

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
 from workers.engine_stats import EngineStats, stat_logger_factory
+from workers.logprobs import logprob_of, top_logprobs
 from workers.progress import (
     SampleKey,
     SampleProgress,
@@ -183,18 +184,6 @@ def _aborted_output(prompt_ids: list[int], n: int, version: int) -> PromptOutput
     """The output of a prompt aborted before the engine produced any: n empty samples."""
     sample = Sample(text="", token_ids=[], finish_reason="abort", weight_versions=[(0, version)])
     return PromptOutput(prompt_token_ids=prompt_ids, samples=[sample] * n)
-
-
-def _logprob_of(position: Any, token_id: int) -> float | None:
-    if position is None:
-        return None
-    entry = position.get(token_id)
-    return None if entry is None else float(entry.logprob)
-
-
-def _top(position: Any, k: int) -> list[tuple[int, float]]:
-    ranked = sorted(position.items(), key=lambda item: (item[1].rank or 0, -item[1].logprob))
-    return [(int(tid), float(lp.logprob)) for tid, lp in ranked if (lp.rank or 0) <= k][:k]
 
 
 class EngineHost:
@@ -699,9 +688,9 @@ class EngineHost:
             logprobs = top = None
             if params.logprobs is not None and comp.logprobs is not None:
                 positions = list(comp.logprobs)
-                logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+                logprobs = [logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
                 if params.logprobs > 0:
-                    top = [_top(p, params.logprobs) for p in positions]
+                    top = [top_logprobs(p, params.logprobs) for p in positions]
             spans = version_spans(live.version, live.spans.get(comp.index, []), len(token_ids))
             samples.append(
                 Sample(
@@ -719,9 +708,10 @@ class EngineHost:
         prompt_ids = list(out.prompt_token_ids or [])
         prompt_lps = prompt_top = None
         if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_lps = [_logprob_of(p, t) for p, t in zip(out.prompt_logprobs, prompt_ids)]
+            prompt_lps = [logprob_of(p, t) for p, t in zip(out.prompt_logprobs, prompt_ids)]
             if params.prompt_logprobs > 0:
-                prompt_top = [None if p is None else _top(p, params.prompt_logprobs) for p in out.prompt_logprobs]
+                prompt_top = [None if p is None else top_logprobs(p, params.prompt_logprobs)
+                              for p in out.prompt_logprobs]
         return PromptOutput(
             prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
             samples=samples,

@@ -50,6 +50,7 @@ import redis
 
 from tasks import keys
 from tasks.schemas import Sample, SamplingParams
+from workers.logprobs import logprob_of, top_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -383,17 +384,15 @@ class TaskCheckpointer:
 
     def _chunk(self, unit: Unit, rid: str, index: int, completion: Any, saved: int, end: int) -> SampleProgress:
         """Tokens ``saved:end`` of one request's sample, with the sample's spans so far."""
-        from workers.engine import _logprob_of, _top
-
         params = unit.params
         token_ids = completion.token_ids[saved:end]
         logprobs = top = None
         if params.logprobs is not None and completion.logprobs is not None:
             positions = completion.logprobs[saved:end]  # a list, or vLLM's FlatLogprobs: both slice
             token_ids = token_ids[: len(positions)]  # logprobs are merged after the tokens
-            logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+            logprobs = [logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
             if params.logprobs > 0:
-                top = [_top(p, params.logprobs) for p in positions]
+                top = [top_logprobs(p, params.logprobs) for p in positions]
         length = saved + len(token_ids)
         chunk = SampleProgress(
             token_ids=list(token_ids), logprobs=logprobs, top_logprobs=top,

@@ -24,7 +24,7 @@ import redis
 
 from tasks import keys
 from tasks.schemas import SampleDelta, StreamEvent
-from workers.engine import _logprob_of, _top
+from workers.logprobs import logprob_of, top_logprobs
 from workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
@@ -127,9 +127,9 @@ class TaskStream:
             logprobs = top = None
             if self._logprobs is not None and comp.logprobs is not None:
                 positions = list(comp.logprobs)
-                logprobs = [_logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+                logprobs = [logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
                 if self._logprobs > 0:
-                    top = [_top(p, self._logprobs) for p in positions]
+                    top = [top_logprobs(p, self._logprobs) for p in positions]
             delta = SampleDelta(
                 prompt=prompt, sample=comp.index, text=comp.text, token_ids=token_ids,
                 logprobs=logprobs, top_logprobs=top, finish_reason=comp.finish_reason,
