@@ -70,6 +70,13 @@ class _Live:
     finished: bool = False  # its final output is in (the task may still wait for others)
 
 
+def per_request_stream_interval() -> bool:
+    """Whether this vLLM's ``SamplingParams`` take a ``stream_interval`` (0.32 does)."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return "stream_interval" in getattr(VllmSamplingParams, "__struct_fields__", ())
+
+
 def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | None = None) -> Any:
     """Our validated params → ``vllm.SamplingParams``. ``kind``: the output
     vLLM sends: ``final`` only, or each step's ``delta`` (streamed tasks,
@@ -102,7 +109,7 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
     }
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
-    if every is not None and every > 1 and "stream_interval" in getattr(VllmSamplingParams, "__struct_fields__", ()):
+    if every is not None and every > 1 and per_request_stream_interval():
         kwargs["stream_interval"] = every
     structured = None
     if params.json_schema is not None:

@@ -27,7 +27,7 @@ from tasks.auth import CommandVerifier
 from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo
 from workers.dedup import DuplicateGuard, quick_client
-from workers.engine import EngineHost
+from workers.engine import EngineHost, per_request_stream_interval
 from workers.intake import Intake
 from workers.progress import ProgressStore
 from workers.reaper import InflightLedger, Reaper
@@ -101,6 +101,16 @@ class WorkerRuntime:
         if tokens < 0:
             raise ValueError(f"checkpoint_tokens must be >= 0, not {tokens}")
         previous = self.service.checkpoint_tokens
+        if tokens > 0 and previous <= 0 and not per_request_stream_interval():
+            engine_every = getattr(self.host.engine.vllm_config.scheduler_config, "stream_interval", 1)
+            if engine_every < tokens:
+                # Measured on an H200 (1,024 x 256 tokens, vLLM 0.24): 0.67x the
+                # throughput without checkpoints (docs/BENCHMARKS.md).
+                log.warning(
+                    "checkpoints every %d tokens on a vLLM without per-request stream_interval: every "
+                    "request sends an output every %d step(s), which costs throughput (0.67x measured "
+                    "on an H200); start the worker with --stream-interval %d to send one per checkpoint "
+                    "(streamed tasks then get their deltas that often too)", tokens, engine_every, tokens)
         if tokens > 0 and self.service.progress is None:
             # A checkpoint outlives its task's longest possible redelivery wait.
             self.service.progress = ProgressStore(self.client, self.settings.visibility_timeout)
