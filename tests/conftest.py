@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from cli.localstack import RedisServer, redis_reachable
+from cli.localstack import LocalProcess, RedisServer, redis_reachable
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
@@ -100,9 +100,30 @@ def worker_registered(client: redis_lib.Redis, node: str, state: str = "serving"
     return raw is not None and WorkerInfo.model_validate_json(raw).state == state
 
 
+# Every worker start_worker started, and whether it serves the whole session.
+_STARTED: list[tuple[Proc, bool]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_module_workers() -> Iterator[None]:
+    """The workers a module started stop with the module, also when the fixture
+    that started them failed before its own teardown (seen: a module fixture
+    that timed out waiting for its workers left four engines running, ~2 GB
+    each, through the rest of the suite, which then ran out of memory)."""
+    first = len(_STARTED)
+    yield
+    running = LocalProcess.running()
+    for proc, for_session in _STARTED[first:]:
+        if not for_session and proc in running:  # not stopped yet (a pid is not signalled twice)
+            proc.stop()
+
+
 @pytest.fixture(scope="session")
 def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[WorkerStarter]:
-    """Start a CPU worker subprocess; waits until it registers as serving."""
+    """Start a CPU worker subprocess; waits until it registers as serving.
+
+    It stops at the end of the module that started it (``stop_module_workers``)
+    unless ``for_session``."""
     procs: list[Proc] = []
 
     def start(
@@ -117,6 +138,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
         url: str | None = None,
         wait: bool = True,
         timeout: float = 240.0,
+        for_session: bool = False,
     ) -> Proc:
         argv = [
             python(), "-m", "cli", "worker",
@@ -128,6 +150,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
         proc = Proc(name.replace("@", "-"), argv,
                     env={"REDIS_URL": url or redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)
+        _STARTED.append((proc, for_session))
         if wait:
             client = redis_client if url is None else redis_lib.Redis.from_url(url, decode_responses=True)
             proc.wait_until(lambda: worker_registered(client, name), timeout, f"{name} to serve")
@@ -142,7 +165,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
 def gen_worker(start_worker: WorkerStarter, model_a: Path) -> Proc:
     """The shared worker on the default queue, model A, weights never changed; it
     parses tool calls the Hermes way (tests/test_tools.py)."""
-    return start_worker(model_a, "gen@tests", extra=["--tool-call-parser", "hermes"])
+    return start_worker(model_a, "gen@tests", extra=["--tool-call-parser", "hermes"], for_session=True)
 
 
 @pytest.fixture(scope="session")
