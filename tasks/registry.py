@@ -27,15 +27,12 @@ def connect(
     decode: bool = True,
     give_up_at_once: bool = False,
 ) -> redis.Redis:
-    """A client for ``settings.redis_url``. A command that meets a dead pooled
-    connection (Redis restarted, a network link cut and mended) is sent once
-    more on a new one: redis-py's default here is no retry, and a trainer's next
-    sync after a mended link failed at once with "Broken pipe". ``give_up_at_once``
-    turns that off, for callers that must not block: the duplicate check runs in
-    a worker's consumer loop (``workers.dedup``)."""
+    """A client for ``settings.redis_url``. ``give_up_at_once`` turns off
+    redis-py's retries, for callers that must not block: the duplicate check
+    runs in a worker's consumer loop (``workers.dedup``)."""
     from tasks.app import redis_tls_options
 
-    retry = {"retry": Retry(NoBackoff(), 0 if give_up_at_once else 1)}
+    retry = {"retry": Retry(NoBackoff(), 0)} if give_up_at_once else {}
     return redis.Redis.from_url(
         settings.redis_url.get_secret_value(),
         socket_connect_timeout=connect_timeout,

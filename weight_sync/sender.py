@@ -591,6 +591,11 @@ class WeightSender:
             if ack.sync_id == plan.sync_id and ack.node in plan.members:
                 self._acks.setdefault(ack.phase, {})[ack.node] = ack
         if unreachable is not None and not expected <= set(got):
+            # The trainer's link to Redis broke: its pooled connections are dead
+            # (a command sent on one after the link is back fails at once with
+            # "Broken pipe", seen in CI as the next sync's BrokerUnavailable).
+            for client in (self.client, self.acks_client):
+                client.connection_pool.disconnect()
             raise BrokerLost(
                 f"sync epoch {plan.epoch} to version {plan.version}: Redis at {client_settings().redacted_url} "
                 f"stopped answering the trainer while it waited for the {phase!r} acks "
