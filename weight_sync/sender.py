@@ -594,8 +594,7 @@ class WeightSender:
             # The trainer's link to Redis broke: its pooled connections are dead
             # (a command sent on one after the link is back fails at once with
             # "Broken pipe", seen in CI as the next sync's BrokerUnavailable).
-            for client in (self.client, self.acks_client):
-                client.connection_pool.disconnect()
+            self._disconnect_redis()
             raise BrokerLost(
                 f"sync epoch {plan.epoch} to version {plan.version}: Redis at {client_settings().redacted_url} "
                 f"stopped answering the trainer while it waited for the {phase!r} acks "
@@ -627,8 +626,12 @@ class WeightSender:
         self.store = None
         self.store_port = 0
         self._send_buffers = []
+        self._disconnect_redis()
+
+    def _disconnect_redis(self) -> None:
+        """Close both clients' pooled connections; the next command connects afresh."""
         for client in (self.client, self.acks_client):
-            client.close()
+            client.connection_pool.disconnect()
 
 
 __all__ = ["GLOO_CHUNK_BYTES", "WeightSender", "Weights", "named_tensors"]

@@ -70,6 +70,7 @@ class _Live:
     finished: bool = False  # its final output is in (the task may still wait for others)
 
 
+@functools.cache
 def per_request_stream_interval() -> bool:
     """Whether this vLLM's ``SamplingParams`` take a ``stream_interval`` (0.32 does)."""
     from vllm import SamplingParams as VllmSamplingParams
