@@ -526,3 +526,67 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
     assert not ready.ok and ready.error is not None and ready.error.kind == "rendezvous_unreachable"
     assert "set RQ_RENDEZVOUS_HOST on the trainer" in ready.error.message and "own loopback" in ready.error.message
     assert state.refusal() == "missed sync to version 3" and state.current == "fenced"
+
+
+def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_is_refused() -> None:
+    """A trainer that gave a sync up triggers again (a retried catch-up) while this
+    worker still ends the old one (its trigger heard late, its failure still being
+    acked): the newer epoch is accepted and runs once the old one is over; an older
+    epoch is refused, and the epoch in hand heard again is ignored (its acks stand)."""
+    import threading
+
+    from workers.state import NodeState
+    from workers.sync import SyncParticipant
+
+    class Host:  # the engine host's surface a sync uses; the first pause waits, every pause fails
+        weight_version = 0
+
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+            self.first_pause = threading.Event()
+
+        def is_sleeping(self) -> bool:
+            return False
+
+        def pause(self, mode: str, timeout: float) -> None:
+            self.calls.append("pause")
+            if self.calls.count("pause") == 1:
+                assert self.first_pause.wait(30)
+            raise TimeoutError("the engine did not pause in time")
+
+        def resume(self, version: int | None, timeout: float) -> None:
+            self.calls.append("resume")
+
+    host, acks, state = Host(), AckLists(), NodeState()
+    state.ready()
+    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]
+    empty = Manifest(tensors=[], bucket_sizes=[])
+    participant._manifests[empty.wire()[1]] = empty  # as if read from Redis before
+    participant._shapes_loaded = True  # no checkpoint to compare with
+    with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers the probe
+        port = store.getsockname()[1]
+        plans = {epoch: _plan(epoch=epoch, sync_id=f"epoch-{epoch}-{time.time()}", store_port=port,
+                              issued_at=time.time()) for epoch in (4, 5, 6)}
+        assert participant.accept(plans[5].model_dump(mode="json"))["ok"]
+        deadline = time.monotonic() + 30
+        while host.calls != ["pause"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.calls == ["pause"]
+        again = participant.accept(plans[5].model_dump(mode="json"))
+        assert not again["ok"] and "already in sync epoch 5" in again["error"]
+        assert not participant.accept(plans[4].model_dump(mode="json"))["ok"]
+        assert participant.accept(plans[6].model_dump(mode="json"))["ok"]
+        assert host.calls == ["pause"]  # epoch 6 waits for epoch 5
+        host.first_pause.set()
+        while participant.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not participant.busy()
+    assert host.calls == ["pause", "resume", "pause", "resume"]
+    for epoch, accepted in ((4, False), (5, True), (6, True)):
+        answers = [a for a in acks.acks(keys.sync_acks(plans[epoch].sync_id, "accepted")) if a.phase == "accepted"]
+        assert [a.ok for a in answers] == [accepted], (epoch, answers)
+    (refused,) = acks.acks(keys.sync_acks(plans[4].sync_id, "accepted"))
+    assert refused.error is not None and "already in sync epoch 5" in refused.error.message
+    for epoch in (5, 6):
+        (done,) = acks.acks(keys.sync_acks(plans[epoch].sync_id, "done"))
+        assert not done.ok and done.error is not None and "did not pause" in done.error.message

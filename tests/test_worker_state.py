@@ -132,6 +132,21 @@ def test_a_failed_sync_fences_with_what_it_left_or_serves_on_its_current_weights
     assert state.current == "serving" and state.consuming
 
 
+def test_a_half_loaded_worker_stays_half_loaded_when_a_later_sync_fails_before_changing_a_weight() -> None:
+    state = serving()
+    state.begin_update()
+    state.fail_update(Fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync epoch 3"))
+    for left in (Fence(FenceReason.MISSED_SYNC, "missed sync to version 4"), None):
+        state.begin_update()  # a catch-up the trainer then called off
+        state.fail_update(left)
+        assert state.fence_reason is FenceReason.HALF_LOADED and state.current == "fenced"
+    state.lift(*CAUGHT_UP)  # the heartbeat at the fleet's version: not enough
+    assert state.current == "fenced"
+    state.begin_update()
+    state.finish_update()
+    assert state.current == "serving"
+
+
 def test_listeners_see_each_change_of_the_shown_state_or_of_consuming_once() -> None:
     state = NodeState()
     seen: list[tuple[str, bool]] = []

@@ -9,7 +9,8 @@ only by its own transition:
     sleeping   the engine's KV cache is asleep      sleep() / wake()
     paused     by an operator                       pause() / resume()
     fence      weights behind the fleet's, or       fence(reason) / lift(*reasons),
-               half-loaded (a ``FenceReason``)      finish_update() lifts any
+               half-loaded (a ``FenceReason``)      finish_update() lifts any (and only it
+                                                   a half-loaded one)
 
 Every transition goes through :meth:`NodeState._change`, the only writer.
 Everything else asks: ``current`` (the ``WorkerState`` the registry, the
@@ -181,11 +182,17 @@ class NodeState:
         self._change(updating=False, fence=None)
 
     def fail_update(self, fence: Fence | None) -> None:
-        """The sync failed; ``fence``: what it left (None: the weights it had, still current)."""
-        if fence is None:
-            self._change(updating=False)
-        else:
-            self._change(updating=False, fence=fence)
+        """The sync failed; ``fence``: what it left (None: the weights it had, still current).
+
+        A half-loaded fence stays whatever a later failed sync says: one called off
+        before it changed a weight does not make the weights whole (only
+        :meth:`finish_update` does), and a missed-sync fence the heartbeat lifts
+        must not stand in for it."""
+        with self._lock:
+            if fence is None or self.fence_reason is FenceReason.HALF_LOADED:
+                self._change(updating=False)
+            else:
+                self._change(updating=False, fence=fence)
 
     def hold_intake(self) -> None:
         """A sync pauses the engine: requests wait until :meth:`release_intake`."""

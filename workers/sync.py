@@ -81,7 +81,8 @@ class SyncParticipant:
         # timeout (giving up is one more round trip), so each is waited for here
         # and, past its deadline, left to end when its connection does.
         self._decision_reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-decision")
-        self._current: Future[None] | None = None
+        self._current: Future[None] | None = None  # the last sync submitted, and its epoch
+        self._current_epoch = -1
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
         self._shapes_loaded = False
@@ -117,13 +118,22 @@ class SyncParticipant:
             plan.manifest = self._manifest(plan.manifest_digest)
             self._check_manifest(plan)
             with self._lock:
-                if self._current is not None and not self._current.done():
-                    raise SyncRefused(f"{self.node} is already in a sync")
+                if self._current is not None and not self._current.done() and self._current_epoch >= plan.epoch:
+                    if self._current_epoch == plan.epoch:  # the trigger heard twice: its acks stand
+                        log.warning("weight sync epoch %d: trigger heard again, ignored", plan.epoch)
+                        return {"ok": False, "node": self.node, "error": f"already in sync epoch {plan.epoch}"}
+                    raise SyncRefused(f"{self.node} is already in sync epoch {self._current_epoch}")
+                # A newer epoch while an older one still runs: the trainer gave that one up (a
+                # trigger heard late, a failed sync still acking). The older one ends soon, as
+                # a trainer that gives up a sync writes a decision that leaves the late worker
+                # out; this one runs after it (one sync thread), its "ready" ack inside the
+                # trainer's ready deadline.
                 self._ack(plan, "accepted", True)
                 # From the trainer's publish to this handler (one clock when both share a host),
                 # and this handler's own time.
                 timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
                 self._current = self._pool.submit(self.sync, plan, timing)
+                self._current_epoch = plan.epoch
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync epoch %s refused: %s", epoch, exc)
             failure = SyncFailure.of(exc)
