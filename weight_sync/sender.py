@@ -385,7 +385,7 @@ class WeightSender:
     def await_ready(
         self, plan: SyncPlan, accepted: set[str], deadline: float
     ) -> tuple[SyncDecision, dict[str, str]]:
-        """Wait for "ready" acks; write the decision (roster, ranks) to the store."""
+        """3, ready: wait for "ready" acks; write the decision (roster, ranks) to the store."""
         acks = self._collect(plan, "ready", accepted,
                              min(deadline, time.monotonic() + self.settings.timeouts.ready))
         silent = {node: "did not pause in time" for node in accepted - set(acks)}
@@ -532,7 +532,7 @@ class WeightSender:
     def await_commit(
         self, plan: SyncPlan, decision: SyncDecision, deadline: float
     ) -> tuple[list[str], dict[str, str], dict[str, float]]:
-        """6. Wait for "done" acks; move the pool's fleet version forward."""
+        """5. Wait for "done" acks; move the pool's fleet version forward."""
         acks = self._collect(plan, "done", set(decision.offsets),
                              min(deadline, time.monotonic() + self.settings.timeouts.commit))
         committed = sorted(node for node, ack in acks.items() if ack.ok)
