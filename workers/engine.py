@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
 from workers.engine_stats import EngineStats, stat_logger_factory
-from workers.logprobs import logprob_of, top_logprobs
+from workers.logprobs import logprob_of, sampled_logprobs, top_logprobs
 from workers.progress import (
     SampleKey,
     SampleProgress,
@@ -696,7 +696,7 @@ class EngineHost:
             logprobs = top = None
             if params.logprobs is not None and comp.logprobs is not None:
                 positions = list(comp.logprobs)
-                logprobs = [logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+                logprobs = sampled_logprobs(positions, token_ids)
                 if params.logprobs > 0:
                     top = [top_logprobs(p, params.logprobs) for p in positions]
             spans = version_spans(live.version, live.spans.get(comp.index, []), len(token_ids))

@@ -24,7 +24,7 @@ import redis
 
 from tasks import keys
 from tasks.schemas import SampleDelta, StreamEvent
-from workers.logprobs import logprob_of, top_logprobs
+from workers.logprobs import sampled_logprobs, top_logprobs
 from workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class TaskStream:
             logprobs = top = None
             if self._logprobs is not None and comp.logprobs is not None:
                 positions = list(comp.logprobs)
-                logprobs = [logprob_of(p, t) or 0.0 for p, t in zip(positions, token_ids)]
+                logprobs = sampled_logprobs(positions, token_ids)
                 if self._logprobs > 0:
                     top = [top_logprobs(p, self._logprobs) for p in positions]
             delta = SampleDelta(
