@@ -19,7 +19,7 @@ from workers.settings import EngineSettings
 def offline_llm(settings: EngineSettings) -> Any:
     """A ``vllm.LLM`` configured like a worker started with ``settings``."""
     if settings.device == "cpu":
-        cpu_environment(settings.cpu_weights)
+        cpu_environment(settings.cpu_weights, async_engine=False)
     from vllm import LLM
 
     return LLM(**engine_kwargs(settings))

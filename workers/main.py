@@ -29,12 +29,22 @@ from workers.settings import WorkerSettings
 log = logging.getLogger("rollout_queue.worker")
 
 
-def cpu_environment(weights: str = "packed") -> None:
+def cpu_environment(weights: str = "packed", *, async_engine: bool = True) -> None:
     """vLLM-on-CPU settings seen to work (docs/DEPLOYMENT.md, "vLLM on CPU"); explicit values win.
-    ``weights``: the ``cpu_weights`` setting, passed on to the engine's processes."""
+    ``weights``: the ``cpu_weights`` setting, passed on to the engine's processes.
+    ``async_engine``: for an ``AsyncLLM`` (a worker's engine), not an offline ``LLM``."""
     os.environ[cpu_weights.ENV] = "1" if weights == "plain" else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if async_engine and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+        # An AsyncLLM runs its engine core in a process of its own; vLLM's CPU
+        # platform then runs the model in a third one (the mp executor, there
+        # to bind OpenMP threads, which nobind does not). Off, the model runs
+        # in the engine-core process (the uni executor, as on a one-GPU
+        # worker): one process and one vLLM import less, 29 s to serving
+        # instead of 41 on this project's 2-core test machine. An offline LLM
+        # would instead run its engine in the caller's process: not for it.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # Transparent huge pages for torch's large CPU tensors: a weight sync's
     # layerwise reload allocates every layer afresh, and 2 MiB pages halve the
     # page-fault cost of that (measured: 0.36 s → 0.18 s to fill 1 GiB).
