@@ -119,6 +119,15 @@ def test_joining_keeps_the_saved_part_and_both_span_lists_mark_the_resume() -> N
     assert roundtrip == prefix
 
 
+def test_a_checkpoint_chunk_writes_numpy_logprobs_as_plain_floats() -> None:
+    numpy = pytest.importorskip("numpy")
+    chunk = SampleProgress(token_ids=[7, 8], logprobs=[numpy.float64(-0.5), numpy.float32(-0.25)],
+                           top_logprobs=[[(7, numpy.float64(-0.5))], [(8, -0.25)]], weight_versions=[(0, 1)],
+                           workers=[(0, "w@a")])
+    back = SampleProgress.from_json(chunk.to_json())
+    assert back.logprobs == [-0.5, -0.25] and back.top_logprobs == [[(7, -0.5)], [(8, -0.25)]]
+
+
 @dataclass
 class GrowingOutput:
     """The attributes of vLLM's ``CompletionOutput`` a checkpointer reads, grown by hand."""

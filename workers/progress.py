@@ -55,7 +55,9 @@ from workers.logprobs import sampled_logprobs, top_logprobs
 
 log = logging.getLogger(__name__)
 
-_ENCODE = msgspec.json.Encoder().encode
+# A number type msgspec does not know (a numpy scalar from some vLLM) is
+# written as a float, as json.dumps wrote its float subclasses.
+_ENCODE = msgspec.json.Encoder(enc_hook=float).encode
 SampleKey = tuple[int, int]  # (prompt index in the task, sample index in the prompt)
 ChunkKey = tuple[int, int, int]  # (prompt, sample, index of the chunk's first token in the sample)
 
