@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
+from workers import logprobs as lp
 from workers.engine_stats import EngineStats, stat_logger_factory
-from workers.logprobs import logprob_of, sampled_logprobs, top_logprobs
 from workers.progress import (
     SampleKey,
     SampleProgress,
@@ -70,12 +70,17 @@ class _Live:
     finished: bool = False  # its final output is in (the task may still wait for others)
 
 
-@functools.cache
 def per_request_stream_interval() -> bool:
     """Whether this vLLM's ``SamplingParams`` take a ``stream_interval`` (0.32 does)."""
+    return _takes("stream_interval")
+
+
+@functools.cache
+def _takes(name: str) -> bool:
+    """Whether this vLLM's ``SamplingParams`` have the field ``name``."""
     from vllm import SamplingParams as VllmSamplingParams
 
-    return "stream_interval" in getattr(VllmSamplingParams, "__struct_fields__", ())
+    return name in getattr(VllmSamplingParams, "__struct_fields__", ())
 
 
 def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | None = None) -> Any:
@@ -110,6 +115,8 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
     }
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
+    if (params.logprobs is not None or params.prompt_logprobs is not None) and _takes("flat_logprobs"):
+        kwargs["flat_logprobs"] = True  # a few lists per request, not objects per token (workers.logprobs)
     if every is not None and every > 1 and per_request_stream_interval():
         kwargs["stream_interval"] = every
     structured = None
@@ -125,6 +132,19 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
         kwargs["structured_outputs"] = structured
     return VllmSamplingParams(**kwargs)
 
+
+
+def _merge(whole: Any, out: Any) -> None:
+    """``whole.add(out, aggregate=True)`` (vLLM's merge of a delta output), with
+    flat logprobs appended list by list (``workers.logprobs.extend``) rather
+    than by vLLM's ``FlatLogprobs.extend``, which builds a dict per position."""
+    mine = {completion.index: completion for completion in whole.outputs}
+    for completion in out.outputs:
+        into = mine.get(completion.index)
+        if into is not None and lp.is_flat(into.logprobs) and lp.is_flat(completion.logprobs):
+            lp.extend(into.logprobs, completion.logprobs)
+            completion.logprobs = None  # merged: vLLM's add skips it
+    whole.add(out, aggregate=True)
 
 def _structured_outputs_config() -> Any:
     from vllm.config import StructuredOutputsConfig
@@ -661,7 +681,7 @@ class EngineHost:
                 if whole is None:
                     whole = out
                 else:
-                    whole.add(out, aggregate=True)
+                    _merge(whole, out)
                 by_index = {completion.index: completion for completion in whole.outputs}
                 for completion in out.outputs:
                     observe(by_index[completion.index])
@@ -679,7 +699,7 @@ class EngineHost:
                 if merged is None:
                     merged = out
                 else:
-                    merged.add(out, aggregate=True)
+                    _merge(merged, out)
             if out.finished:
                 return out if merged is None else merged
 
@@ -695,10 +715,7 @@ class EngineHost:
             token_ids = list(comp.token_ids)
             logprobs = top = None
             if params.logprobs is not None and comp.logprobs is not None:
-                positions = list(comp.logprobs)
-                logprobs = sampled_logprobs(positions, token_ids)
-                if params.logprobs > 0:
-                    top = [top_logprobs(p, params.logprobs) for p in positions]
+                logprobs, top = lp.sample_logprobs(comp.logprobs, token_ids, params.logprobs)
             spans = version_spans(live.version, live.spans.get(comp.index, []), len(token_ids))
             samples.append(
                 Sample(
@@ -716,10 +733,7 @@ class EngineHost:
         prompt_ids = list(out.prompt_token_ids or [])
         prompt_lps = prompt_top = None
         if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_lps = [logprob_of(p, t) for p, t in zip(out.prompt_logprobs, prompt_ids)]
-            if params.prompt_logprobs > 0:
-                prompt_top = [None if p is None else top_logprobs(p, params.prompt_logprobs)
-                              for p in out.prompt_logprobs]
+            prompt_lps, prompt_top = lp.prompt_logprobs(out.prompt_logprobs, prompt_ids, params.prompt_logprobs)
         return PromptOutput(
             prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
             samples=samples,

@@ -51,7 +51,7 @@ import redis
 
 from tasks import keys
 from tasks.schemas import Sample, SamplingParams
-from workers.logprobs import sampled_logprobs, top_logprobs
+from workers.logprobs import sample_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -395,11 +395,8 @@ class TaskCheckpointer:
         token_ids = completion.token_ids[saved:end]
         logprobs = top = None
         if params.logprobs is not None and completion.logprobs is not None:
-            positions = completion.logprobs[saved:end]  # a list, or vLLM's FlatLogprobs: both slice
-            token_ids = token_ids[: len(positions)]  # logprobs are merged after the tokens
-            logprobs = sampled_logprobs(positions, token_ids)
-            if params.logprobs > 0:
-                top = [top_logprobs(p, params.logprobs) for p in positions]
+            logprobs, top = sample_logprobs(completion.logprobs, token_ids, params.logprobs, start=saved)
+            token_ids = token_ids[: len(logprobs)]  # tokens whose logprobs are not merged yet wait
         length = saved + len(token_ids)
         chunk = SampleProgress(
             token_ids=list(token_ids), logprobs=logprobs, top_logprobs=top,

@@ -24,7 +24,7 @@ import redis
 
 from tasks import keys
 from tasks.schemas import SampleDelta, StreamEvent
-from workers.logprobs import sampled_logprobs, top_logprobs
+from workers.logprobs import sample_logprobs
 from workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
@@ -126,10 +126,7 @@ class TaskStream:
                 continue
             logprobs = top = None
             if self._logprobs is not None and comp.logprobs is not None:
-                positions = list(comp.logprobs)
-                logprobs = sampled_logprobs(positions, token_ids)
-                if self._logprobs > 0:
-                    top = [top_logprobs(p, self._logprobs) for p in positions]
+                logprobs, top = sample_logprobs(comp.logprobs, token_ids, self._logprobs)
             delta = SampleDelta(
                 prompt=prompt, sample=comp.index, text=comp.text, token_ids=token_ids,
                 logprobs=logprobs, top_logprobs=top, finish_reason=comp.finish_reason,
