@@ -124,6 +124,8 @@ def main() -> None:
         # ---- kill -9 of worker 1 mid-task, restart under the same name
         from tasks.generate import generate
 
+        # The last round ends on its leg without checkpoints when the rounds are even.
+        engine_command("checkpoint_tokens", {"tokens": interval}, workers=[node])
         kill_params = params.model_copy(update={"max_tokens": kill_len})
         prompts = benchlib.token_prompts(settings.model, kill_prompts, args.input_len, seed=args.seed + 1000)
         handle = generate.apply_async((prompts, kill_params), queue=stack.queue)
