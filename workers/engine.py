@@ -133,7 +133,6 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
     return VllmSamplingParams(**kwargs)
 
 
-
 def _merge(whole: Any, out: Any) -> None:
     """``whole.add(out, aggregate=True)`` (vLLM's merge of a delta output), with
     flat logprobs appended list by list (``workers.logprobs.extend``) rather
@@ -145,6 +144,7 @@ def _merge(whole: Any, out: Any) -> None:
             lp.extend(into.logprobs, completion.logprobs)
             completion.logprobs = None  # merged: vLLM's add skips it
     whole.add(out, aggregate=True)
+
 
 def _structured_outputs_config() -> Any:
     from vllm.config import StructuredOutputsConfig

@@ -19,7 +19,7 @@ never turns a flat one back into dicts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 TopK = list[tuple[int, float]]
 
@@ -73,6 +73,22 @@ def _sampled(logprobs: Any, token_ids: Sequence[int], start: int, missing: float
     ]
 
 
+def _read(
+    logprobs: Any, token_ids: Sequence[int], k: int, start: int, missing: float | None,
+) -> tuple[list[float | None], list[TopK | None] | None]:
+    """The logprobs of ``token_ids`` from position ``start`` on (``missing``
+    where vLLM gave none), and with ``k`` > 0 each position's top ``k`` (None
+    where vLLM has no position)."""
+    values = _sampled(logprobs, token_ids, start, missing)
+    if k <= 0:
+        return values, None
+    top: list[TopK | None] = []
+    for index in range(start, start + len(token_ids)):
+        entries = _entries(logprobs, index)
+        top.append(None if entries is None else _top(entries, k))
+    return values, top
+
+
 def sample_logprobs(
     logprobs: Any, token_ids: Sequence[int], k: int, start: int = 0,
 ) -> tuple[list[float], list[TopK] | None]:
@@ -81,14 +97,9 @@ def sample_logprobs(
     many as vLLM has positions for: a checkpoint may read a sample whose
     tokens are merged and whose logprobs are not yet."""
     token_ids = token_ids[: max(0, len(logprobs) - start)]  # positions vLLM has not merged yet: none
-    values = [0.0 if v is None else v for v in _sampled(logprobs, token_ids, start, 0.0)]
-    if k <= 0:
-        return values, None
-    top = []
-    for index in range(start, start + len(token_ids)):
-        entries = _entries(logprobs, index)
-        top.append([] if entries is None else _top(entries, k))
-    return values, top
+    values, top = _read(logprobs, token_ids, k, start, 0.0)
+    # With 0.0 for a missing logprob, no value is None; a sample has every position.
+    return cast(list[float], values), None if top is None else [entries or [] for entries in top]
 
 
 def prompt_logprobs(
@@ -96,15 +107,7 @@ def prompt_logprobs(
 ) -> tuple[list[float | None], list[TopK | None] | None]:
     """A prompt's logprobs of its tokens (None where vLLM gave none: its first
     token), and with ``k`` > 0 each position's top ``k`` (None likewise)."""
-    count = min(len(token_ids), len(logprobs))
-    values = _sampled(logprobs, token_ids[:count], 0, None)
-    if k <= 0:
-        return values, None
-    top: list[TopK | None] = []
-    for index in range(count):
-        entries = _entries(logprobs, index)
-        top.append(None if entries is None else _top(entries, k))
-    return values, top
+    return _read(logprobs, token_ids[: len(logprobs)], k, 0, None)
 
 
 def extend(logprobs: Any, more: Any) -> None:
