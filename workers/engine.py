@@ -187,8 +187,31 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kwargs["max_num_seqs"] = settings.max_num_seqs
     if settings.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
+    if settings.device == "cpu":
+        kwargs.update(_whole_prefills(settings))
     kwargs.update(settings.engine_args)  # vLLM's own flags (workers/engine_cli.py)
     return kwargs
+
+
+def _whole_prefills(settings: EngineSettings) -> dict[str, Any]:
+    """CPU engines prefill each prompt in one step (no chunked prefill).
+
+    When a prompt is prefilled in chunks, vLLM samples a token for it at each
+    chunk, drops it, and rewinds the request's seeded generator by its
+    offset; a CPU generator has no offset (``RuntimeError: CPU Generator does
+    not use offset``) and the engine core died. A sample resumed from its
+    checkpoint (prompt plus its tokens so far) is such a prompt, and so is any
+    seeded prompt sharing a step with others past the step's token budget.
+    Whole prefills need a step that holds the longest prompt: vLLM then sizes
+    ``max_num_batched_tokens`` itself; one given smaller than
+    ``max_model_len`` is raised to it."""
+    whole: dict[str, Any] = {"enable_chunked_prefill": False}
+    given, longest = settings.max_num_batched_tokens, settings.max_model_len
+    if given is not None and longest is not None and given < longest:
+        log.info("max_num_batched_tokens %d raised to max_model_len %d: CPU engines prefill "
+                 "whole prompts", given, longest)
+        whole["max_num_batched_tokens"] = longest
+    return whole
 
 
 def version_spans(first: int, changes: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
