@@ -166,6 +166,9 @@ def _worker_parser(sub: Any) -> None:
     _add_setting(w, "--drain-timeout", "on SIGTERM, hand unfinished tasks on after this many seconds "
                  "(none: finish them)", type=float)
     _add_setting(w, "--heartbeat-s", "registry heartbeat interval, seconds", type=float)
+    _add_setting(w, "--engine-answer-s", "an engine that has not answered the heartbeat's no-op "
+                 "question for this many seconds is lost: the worker hands its tasks back and exits",
+                 type=float)
     _add_setting(w, "--registry-ttl-s", "a worker whose heartbeat stopped leaves the registry after "
                  "this many seconds", type=float)
     _add_setting(w, "--reap-grace-s", "a node gone from the registry this long is dead: its tasks "

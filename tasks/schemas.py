@@ -429,6 +429,8 @@ class WorkerInfo(_Message):
     heartbeat_at: float = 0.0
     # Seconds between this worker's heartbeats (``heartbeat_at`` refreshes).
     heartbeat_s: float = Field(2.0, gt=0.0)
+    # When the engine last answered the heartbeat's no-op question (0: not yet asked).
+    engine_answered_at: float = 0.0
 
     @property
     def ranks(self) -> int:

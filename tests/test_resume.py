@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis as redis_lib
 from safetensors.torch import load_file
@@ -243,7 +244,13 @@ def registry(client: redis_lib.Redis, node: str) -> WorkerInfo | None:
 # its own (the survivor's fence leaves them serving): started with the
 # survivor, so their engines load together (~30 s each here), not one after
 # another inside the tests.
-VICTIMS = {"res-b@tests": (VICTIM_POOL, []), "res-c@tests": ("res-leaving", ["--drain-timeout", "0.5"])}
+VICTIMS = {
+    "res-b@tests": (VICTIM_POOL, []),
+    "res-c@tests": ("res-leaving", ["--drain-timeout", "0.5"]),
+    # Their engines are killed or stopped under them (test_a_worker_whose_engine_...).
+    "res-d@tests": ("res-engine-dies", []),
+    "res-e@tests": ("res-engine-hangs", ["--engine-answer-s", "4"]),
+}
 
 
 def own_queue(node: str) -> str:
@@ -389,6 +396,61 @@ def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_
     assert result["worker"] == "res-a@tests"
     assert_resumed(result, params, kept, ["res-c@tests", "res-a@tests"], [0])
     print(f"SIGTERM: exited {exited_after:.1f} s after the signal (drain timeout {drain} s)")
+
+
+def engine_core(worker: Proc) -> psutil.Process:
+    """The worker's vLLM engine-core process (its child titled ``VLLM::EngineCore``)."""
+    for child in psutil.Process(worker.popen.pid).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no engine-core process under {worker.name}")
+
+
+@pytest.mark.parametrize(
+    ("node", "fault"),
+    [("res-d@tests", signal.SIGKILL), ("res-e@tests", signal.SIGSTOP)],
+    ids=["engine-killed", "engine-stopped"],
+)
+def test_a_worker_whose_engine_is_lost_hands_every_task_back_and_exits_non_zero(
+    survivor: Proc, redis_client: redis_lib.Redis, node: str, fault: signal.Signals,
+) -> None:
+    """A dead engine (its core killed) or a hung one (stopped: it answers
+    nothing, fails nothing) must not make its worker a black hole that takes
+    task after task and fails each: the worker fences itself, hands every task
+    back (not failed, not retried into itself), says so once, and exits 4 for
+    its supervisor to restart it. The tasks finish on the survivor, each
+    sample resumed from what the lost worker checkpointed."""
+    params = {**LONG, "max_tokens": 960}
+    with Fenced(redis_client, survivor):
+        with victim_worker(survivor, redis_client, node) as victim:
+            handles = [generate.apply_async((PROMPTS, params), queue=own_queue(node)) for _ in range(3)]
+            wait_for_checkpoint(redis_client, handles[0].id, 4, INTERVAL, victim)
+            core = engine_core(victim)
+            struck = time.monotonic()
+            core.send_signal(fault)
+            try:
+                code = victim.popen.wait(90)
+            finally:
+                if fault == signal.SIGSTOP and core.is_running():
+                    core.kill()  # the worker's shutdown should have; never leave it stopped
+            exited_after = time.monotonic() - struck
+            log_text = victim.log_path.read_text(errors="replace")
+            assert code == 4, victim.tail()
+            assert log_text.count("handing its tasks back to the queue and exiting (code 4)") == 1, victim.tail()
+            assert not redis_client.exists(keys.worker_key(node))  # out of the registry
+        kept = checkpoint(redis_client, handles[0].id)
+    # Unfenced, the survivor takes all three (none failed; the first resumes).
+    results = [handle.get(timeout=400) for handle in handles]
+    assert [r["worker"] for r in results] == ["res-a@tests"] * 3
+    for result in results:
+        assert result["usage"]["completion_tokens"] == len(PROMPTS) * params["n"] * params["max_tokens"]
+    resumed = results[0]["outputs"][0]["samples"][0]
+    assert resumed["workers"][0][1] == node and len(kept) == 4
+    print(f"{fault.name} of the engine core: worker exited 4 after {exited_after:.1f} s; "
+          f"3 tasks finished on the survivor")
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,11 @@ logic, with no Redis and no engine."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 
+from workers.liveness import EngineWatch
 from workers.state import CAUGHT_UP, Fence, FenceReason, NodeState
 
 
@@ -172,3 +175,66 @@ def test_a_request_waiting_for_intake_goes_in_when_the_sync_releases_it() -> Non
     state.release_intake()
     waiter.join(10.0)
     assert entered == [True]
+
+
+# ---------------------------------------------------------------------------
+# EngineWatch: the heartbeat's question to the engine (pure logic: a stand-in
+# host whose answers the test gives; the real engine's cases are in
+# tests/test_resume.py, a core killed and a core stopped under a live worker)
+# ---------------------------------------------------------------------------
+
+
+class _Engine:
+    errored = False
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.engine = _Engine()
+        self.asked: list[concurrent.futures.Future[bool]] = []
+
+    def probe(self) -> concurrent.futures.Future[bool]:
+        self.asked.append(concurrent.futures.Future())
+        return self.asked[-1]
+
+
+def test_an_engine_that_answers_each_heartbeat_is_never_lost() -> None:
+    host = _Host()
+    watch = EngineWatch(host, answer_s=0.05)
+    for _ in range(3):
+        assert watch.check() is None
+        host.asked[-1].set_result(False)
+        time.sleep(0.06)  # longer than answer_s: answered questions never count
+    assert watch.check() is None
+    assert len(host.asked) == 4 and watch.answered_at > 0
+
+
+def test_an_engine_that_leaves_a_question_unanswered_past_the_bound_is_lost() -> None:
+    host = _Host()
+    watch = EngineWatch(host, answer_s=0.05)
+    assert watch.check() is None
+    assert watch.check() is None  # still within the bound: no second question
+    assert len(host.asked) == 1
+    time.sleep(0.06)
+    reason = watch.check()
+    assert reason is not None and "has not answered" in reason and "--engine-answer-s" in reason
+
+
+def test_a_sync_holding_the_engine_makes_the_watch_forget_its_question() -> None:
+    host = _Host()
+    watch = EngineWatch(host, answer_s=0.05)
+    watch.check()
+    time.sleep(0.06)
+    assert watch.check(busy=True) is None  # a transfer may rightly keep the core busy
+    assert watch.check() is None  # a new question, a new bound
+    assert len(host.asked) == 2
+
+
+def test_a_dead_engine_core_is_lost_at_the_next_heartbeat() -> None:
+    host = _Host()
+    host.engine.errored = True
+    assert watch_reason(host) == "the engine core died"
+
+
+def watch_reason(host: _Host) -> str | None:
+    return EngineWatch(host, answer_s=30.0).check()

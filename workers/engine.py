@@ -58,6 +58,11 @@ class HandedOff(Requeue):
     """The worker is leaving (SIGTERM past its drain deadline): requeue the task at once."""
 
 
+class EngineLost(Requeue):
+    """The engine died or stopped answering: the task goes back to the queue at
+    once, for another worker (nothing was wrong with it; the worker leaves)."""
+
+
 @dataclass
 class _Live:
     """A request in the engine, and the weight versions its samples crossed."""
@@ -68,6 +73,7 @@ class _Live:
     handed_off: bool = False  # aborted by hand_off(): the task goes back to the queue
     sequences: int = 1  # the request's samples (n): what it holds of max_num_seqs
     finished: bool = False  # its final output is in (the task may still wait for others)
+    future: concurrent.futures.Future[Any] | None = None  # its final output; cancelled if the engine is lost
 
 
 def per_request_stream_interval() -> bool:
@@ -266,6 +272,9 @@ class EngineHost:
         self.generated_tokens = 0
         self.finished_requests = 0
         self.stats = EngineStats()  # fed by the engine's stat logger each step
+        # Why the engine is lost (died, or stopped answering: lose()); None while it serves.
+        self.lost: str | None = None
+        self.on_lost: list[Callable[[str], None]] = []  # the runtime: fence, hand back, leave
 
     # ------------------------------------------------------------------ life
 
@@ -428,6 +437,7 @@ class EngineHost:
             errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
             if errors:
                 raise self._engine_error(errors[0])
+            self._raise_if_lost()
             with self._lock:
                 lives = {i: self._live[rid] for i, rid in zip(run, rids)}
             if any(live.aborted_for_sync for live in lives.values()):
@@ -484,6 +494,7 @@ class EngineHost:
             errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
             if errors:
                 raise self._engine_error(errors[0])
+            self._raise_if_lost()
             with self._lock:
                 lives = {rid: self._live[rid] for rid in rids}
             if any(live.aborted_for_sync for live in lives.values()):
@@ -517,6 +528,9 @@ class EngineHost:
             ]
             version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
             return outputs, version
+        except EngineLost:
+            checkpoint.save_now()  # the next worker continues from here
+            raise
         finally:
             with self._lock:
                 for rid in rids:
@@ -601,6 +615,7 @@ class EngineHost:
         checkpointed request as it grows (see ``_collect``).
         """
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(rids)
+        self._raise_if_lost()
         while True:
             self.wait_for_intake(deadline)
             with self._submit_lock:
@@ -634,7 +649,12 @@ class EngineHost:
             hook = None if on_output is None else functools.partial(on_output, int(rid.rsplit("-", 1)[1]))
             future = asyncio.run_coroutine_threadsafe(self._collect(queue, watch, hook), self._loop)
             future.add_done_callback(lambda _, rid=rid: self._finished(rid))
+            with self._lock:
+                self._live[rid].future = future
             collected.append(future)
+        if self.lost is not None:  # lost while these were being added: lose() missed them
+            for future in collected:
+                future.cancel()
         if on_submitted is not None:
             on_submitted()
         return collected
@@ -645,8 +665,7 @@ class EngineHost:
             if live is not None:
                 live.finished = True
 
-    @classmethod
-    def _refused(cls, rids: list[str], position: int, exc: BaseException) -> Exception:
+    def _refused(self, rids: list[str], position: int, exc: BaseException) -> Exception:
         """The error for a request vLLM would not add.
 
         vLLM refuses a request it finds invalid (a regex its grammar backend
@@ -661,19 +680,58 @@ class EngineHost:
         if not isinstance(exc, (ValueError, VLLMClientError)) or isinstance(
             exc, (InvalidRequest, PromptTooLong)
         ):
-            return cls._engine_error(exc)
+            return self._engine_error(exc)
         if position == 0:
             return InvalidRequest(f"the engine refused the request: {exc}")
         index = rids[position].rsplit("-", 1)[1]
         return InvalidRequest(f"prompt {index} was refused by the engine: {exc}")
 
-    @staticmethod
-    def _engine_error(exc: BaseException | None) -> Exception:
-        if isinstance(exc, (InvalidRequest, PromptTooLong, EngineError)):
+    def _engine_error(self, exc: BaseException | None) -> Exception:
+        """The error a task raises for a request that failed with ``exc``: the
+        request's own fault as it was, ``EngineLost`` when the engine is dead
+        (it fails every request; the task goes to another worker), else
+        ``EngineError``."""
+        if isinstance(exc, (InvalidRequest, PromptTooLong, EngineError, Requeue)):
             return exc
         # Some vLLM errors carry no message of their own, only a cause.
         detail = str(exc) or repr(getattr(exc, "__cause__", None) or getattr(exc, "__context__", None))
+        if self._dead(exc):
+            self.lose(f"the engine died ({type(exc).__name__}: {detail[:200]})")
+            return self._lost_error()
         return EngineError(f"the engine failed the request: {type(exc).__name__}: {detail}")
+
+    def _dead(self, exc: BaseException | None) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(exc, EngineDeadError) or (self.engine is not None and bool(self.engine.errored))
+
+    def lose(self, reason: str) -> bool:
+        """The engine is gone (it died, or stopped answering): every request
+        waiting on it stops waiting and its task raises ``EngineLost`` (back to
+        the queue, its progress checkpointed), no request enters it any more,
+        and ``on_lost`` hears ``reason`` once. False when it was lost already."""
+        with self._lock:
+            if self.lost is not None:
+                return False
+            self.lost = reason
+            waiting = [live.future for live in self._live.values() if live.future is not None]
+        for future in waiting:
+            future.cancel()
+        for listener in self.on_lost:
+            listener(reason)
+        return True
+
+    def _lost_error(self) -> EngineLost:
+        return EngineLost(f"{self.lost}; the task goes back to the queue for another worker", countdown=0.0)
+
+    def _raise_if_lost(self) -> None:
+        if self.lost is not None:
+            raise self._lost_error()
+
+    def probe(self) -> concurrent.futures.Future[Any]:
+        """Ask the engine core a no-op question (whether it sleeps): answered
+        between two of its steps, never by a hung or stopped engine."""
+        return asyncio.run_coroutine_threadsafe(self.engine.is_sleeping(), self._loop)
 
     async def _add(self, rid: str, prompt_ids: list[int], sampling: Any) -> Any:
         from vllm.inputs import TokensPrompt

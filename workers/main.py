@@ -145,5 +145,9 @@ def run_worker(settings: WorkerSettings) -> int:
         runtime.stop()
         # A worker given a drain deadline is racing a notice: its requests are
         # all finished or handed off, so the engine's processes get 1 s.
-        host.shutdown(timeout=1.0 if settings.drain_timeout is not None else None)
+        # A lost engine's core may be stopped or hung: it is not waited for.
+        leaving = settings.drain_timeout is not None or host.lost is not None
+        host.shutdown(timeout=1.0 if leaving else None)
+    if runtime.exit_code is not None:
+        return runtime.exit_code
     return int(worker.exitcode or 0)

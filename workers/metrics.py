@@ -122,6 +122,8 @@ class RuntimeCollector(Collector):
         yield gauge("waiting_requests", "Requests waiting in the engine's scheduler", info.waiting_requests)
         yield gauge("inflight_tasks", "generate tasks in flight", info.inflight_tasks)
         yield gauge("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)", info.kv_cache_usage)
+        yield gauge("engine_up", "1 while the engine answers; 0 once it died or stopped answering "
+                    "(the worker then hands its tasks back and exits)", 0.0 if rt.host.lost else 1.0)
         worker = GaugeMetricFamily(
             f"{PREFIX}_worker_info", "1, labelled with what this worker serves",
             labels=names + ["model", "device", "vllm_version"],

@@ -15,6 +15,8 @@ redeliver a dead worker's tasks.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -29,6 +31,7 @@ from tasks.schemas import WorkerInfo
 from workers.dedup import DuplicateGuard, quick_client
 from workers.engine import EngineHost, per_request_stream_interval
 from workers.intake import Intake
+from workers.liveness import EngineWatch
 from workers.progress import ProgressStore
 from workers.reaper import InflightLedger, Reaper
 from workers.service import GenerationService
@@ -37,6 +40,14 @@ from workers.state import CAUGHT_UP, FenceReason, NodeState
 from workers.sync import SyncParticipant
 
 log = logging.getLogger(__name__)
+
+# The exit code of a worker that left because its engine was lost (died or
+# hung): non-zero, so that its supervisor (compose's restart policy,
+# Kubernetes, systemd) starts a fresh one. 3 is "the engine did not load".
+ENGINE_LOST_EXIT = 4
+# How long a worker whose engine is lost waits for its tasks to go back to the
+# queue before it stops (they go at once: their requests fail or are cancelled).
+HAND_BACK_S = 30.0
 
 
 class WorkerRuntime:
@@ -68,6 +79,9 @@ class WorkerRuntime:
         # Checks the signature of every state-changing control command (workers/control.py).
         self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s)
         self.sync = SyncParticipant(host, self.node, self.client, self.state)
+        self.watch = EngineWatch(host, settings.engine_answer_s)
+        host.on_lost.append(self._engine_lost)
+        self.exit_code: int | None = None  # set when the worker must exit non-zero
         self.consumer: Any = None
         self._consuming = True
         self.state.on_change(self._follow)
@@ -145,6 +159,7 @@ class WorkerRuntime:
             started_at=self.started_at,
             heartbeat_at=time.time(),
             heartbeat_s=self.settings.heartbeat_s,
+            engine_answered_at=self.watch.answered_at,
         )
 
     def publish(self) -> None:
@@ -197,6 +212,9 @@ class WorkerRuntime:
             last_t, last_tokens = self._last_tokens
             self.tokens_per_s = (tokens - last_tokens) / max(now - last_t, 1e-6)
             self._last_tokens = (now, tokens)
+            lost = self.watch.check(busy=self.sync.busy()) if self.host.lost is None else None
+            if lost is not None:
+                self.host.lose(lost)
             try:
                 self._check_fleet_version()
                 if self.service.handed_on is not None:
@@ -205,8 +223,31 @@ class WorkerRuntime:
                 log.warning("fleet version check failed: %s", exc)
             self.publish()
 
+    def _engine_lost(self, reason: str) -> None:
+        """The engine died or hung (``EngineHost.lose``): take no more tasks, hand
+        back those held (each raises ``EngineLost`` or is refused: back to the
+        queue, not failed), and exit non-zero for a supervisor to start a fresh
+        worker. Restarting the engine in place would come back on the model's
+        original weights, behind the fleet: a fresh worker catches up the
+        usual way."""
+        log.error("worker %s: %s; fenced, handing its tasks back to the queue and exiting "
+                  "(code %d) for its supervisor to restart it", self.node, reason, ENGINE_LOST_EXIT)
+        self.exit_code = ENGINE_LOST_EXIT
+        self.state.fence(FenceReason.ENGINE_LOST, f"{self.node}'s engine is lost ({reason})")
+        leave = threading.Thread(target=self._leave, name="engine-lost", daemon=True)
+        leave.start()
+
+    def _leave(self) -> None:
+        deadline = time.monotonic() + HAND_BACK_S
+        while self.service.inflight_tasks and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Celery's warm shutdown: tasks still reserved run, are refused (fenced) and requeued.
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def _check_fleet_version(self) -> None:
         if self.sync.busy() or self.state.current in ("sleeping", "stopping", "starting"):
+            return
+        if self.state.fence_reason is FenceReason.ENGINE_LOST:
             return
         fleet = fleet_version(self.client, self.settings.pool)
         if fleet > self.host.weight_version:

@@ -58,6 +58,11 @@ class WorkerSettings(EngineSettings):
     pool: str = keys.DEFAULT_POOL
     heartbeat_s: float = Field(2.0, gt=0.0)
     registry_ttl_s: float = 10.0
+    # The heartbeat asks the engine a no-op question each beat; an engine that
+    # has not answered for this long is lost (hung, or stopped): the worker
+    # fences itself, hands its tasks back and exits (workers/liveness.py).
+    # Longer than the longest engine step (a long prefill on a slow CPU).
+    engine_answer_s: float = Field(30.0, gt=0.0)
     # A node whose registry key has been gone this long is dead: the reaper
     # puts its unacknowledged tasks back in their queues (workers/reaper.py).
     reap_grace_s: float = 10.0

@@ -41,11 +41,12 @@ SLEEPING = "sleeping"  # the refusal of a task while asleep
 
 
 class FenceReason(enum.Enum):
-    """Why a worker's weights keep it from serving."""
+    """Why a worker's weights (or its engine) keep it from serving."""
 
     FLEET_AHEAD = "fleet ahead"  # the pool's fleet version is above this worker's (heartbeat)
     MISSED_SYNC = "missed sync"  # a sync to a newer version failed before changing any weight
     HALF_LOADED = "half-loaded"  # a failed sync left weights it could not roll back
+    ENGINE_LOST = "engine lost"  # the engine died or stopped answering: the worker leaves
 
 
 # Lifted when the heartbeat sees the worker at the fleet's version again; a
