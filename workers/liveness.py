@@ -16,8 +16,11 @@ fence, hand every task back, exit non-zero for a supervisor to restart it.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class Probed(Protocol):
@@ -57,6 +60,10 @@ class EngineWatch:
             # dead core shows as ``errored`` above).
             if not probe.cancelled() and probe.exception() is None:
                 self.answered_at = time.time()
-        self._probe = self.host.probe()
+        try:
+            self._probe = self.host.probe()
+        except Exception as exc:  # noqa: BLE001  the heartbeat must go on; the next beat asks again
+            log.warning("could not ask the engine whether it answers: %s", exc)
+            return None
         self._asked = now
         return None
