@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,14 +92,25 @@ def queued_task_ids(client: redis_lib.Redis, queue: str) -> list[str]:
     return [json.loads(item)["headers"]["id"] for item in client.lrange(queue, 0, -1)]
 
 
+def held_task_ids(client: redis_lib.Redis, node: str) -> set[str]:
+    """The tasks ``node`` holds: fetched, in its in-flight set, not acked."""
+    held = set()
+    for tag in client.smembers(keys.inflight_key(node)):
+        record = client.hget(keys.KOMBU_UNACKED, tag)
+        if record is not None:
+            held.add(json.loads(record)[0]["headers"]["id"])
+    return held
+
+
 def test_a_starting_worker_names_an_orphaned_engine_core_in_its_log(life_worker: Proc, orphan: int) -> None:
-    log = life_worker.log_path.read_text(errors="replace")
+    log = life_worker.log_path.read_text(errors="replace")  # the pid is this run's
     assert f"pid {orphan} (VLLM::EngineCore, orphaned" in log, life_worker.tail()
 
 
 def test_revoke_with_terminate_aborts_a_running_generation_and_the_task_ends_revoked(
     life_worker: Proc, redis_client: redis_lib.Redis,
 ) -> None:
+    log_start = life_worker.log_path.stat().st_size  # the log is appended to across runs
     # 256 sequences of 480 tokens: minutes on this CPU unless aborted.
     params = {"max_tokens": 480, "ignore_eos": True, "n": 8}
     result = generate.apply_async(([f"long {i}" for i in range(32)], params), queue=QUEUE)
@@ -114,26 +124,27 @@ def test_revoke_with_terminate_aborts_a_running_generation_and_the_task_ends_rev
     wait_for(lambda: AsyncResult(result.id).state == "REVOKED", 60, "the task to end REVOKED")
     wait_for(lambda: (info := registry(redis_client, NODE)) is not None and info.inflight_requests == 0, 30,
              "its engine requests to be aborted")
-    log = life_worker.log_path.read_text(errors="replace")
-    assert "NotImplementedError" not in log
+    with life_worker.log_path.open("rb") as log:
+        log.seek(log_start)
+        assert b"NotImplementedError" not in log.read()
 
 
 def test_revoke_without_terminate_drops_a_waiting_task_as_celery_does(
     life_worker: Proc, redis_client: redis_lib.Redis,
 ) -> None:
     result = generate.apply_async((["later"], {"max_tokens": 4}), queue=QUEUE, countdown=3)
-    wait_for(lambda: redis_client.scard(keys.inflight_key(NODE)) > 0, 30, "the worker to hold the task")
+    wait_for(lambda: result.id in held_task_ids(redis_client, NODE), 30, "the worker to hold the task")
     app.control.revoke(result.id, reply=True, destination=[NODE], timeout=10)
-    time.sleep(5)  # past its countdown: Celery drops it instead of running it
+    # Past its countdown Celery drops it (acked, never run) instead of running it.
+    wait_for(lambda: result.id not in held_task_ids(redis_client, NODE), 30, "the revoked task to be dropped")
     assert AsyncResult(result.id).state == "REVOKED"
-    wait_for(lambda: redis_client.scard(keys.inflight_key(NODE)) == 0, 30, "the dropped task to be acked")
 
 
 def test_sigterm_hands_a_countdown_task_back_to_the_queue_at_once_without_counting_a_redelivery(
     life_worker: Proc, redis_client: redis_lib.Redis,
 ) -> None:
     result = generate.apply_async((["in five minutes"], {"max_tokens": 4}), queue=QUEUE, countdown=300)
-    wait_for(lambda: redis_client.scard(keys.inflight_key(NODE)) > 0, 30, "the worker to hold the task")
+    wait_for(lambda: result.id in held_task_ids(redis_client, NODE), 30, "the worker to hold the task")
     cores = engine_cores(life_worker)
     life_worker.send_signal(signal.SIGTERM)  # its main process only
     wait_for(lambda: result.id in queued_task_ids(redis_client, QUEUE), 20, "the task to be back in its queue")
@@ -141,18 +152,24 @@ def test_sigterm_hands_a_countdown_task_back_to_the_queue_at_once_without_counti
     assert not redis_client.exists(keys.redeliveries(result.id)), "a graceful exit was counted as a death"
     assert not redis_client.exists(keys.inflight_key(NODE))
     assert result.id in queued_task_ids(redis_client, QUEUE)  # not taken again by the leaving worker
-    gone, alive = psutil.wait_procs(cores, timeout=30)
+    _, alive = psutil.wait_procs(cores, timeout=30)
     assert not alive, f"engine cores outlived their worker: {alive}"
     redis_client.delete(QUEUE)
     AsyncResult(result.id).forget()
 
 
-def test_an_engine_core_dies_with_its_worker_killed_during_engine_load(
+def test_an_engine_core_dies_with_its_worker_killed_or_terminated_during_engine_load(
     start_worker: WorkerStarter, model_a: Path,
 ) -> None:
-    loading = start_worker(model_a, "life-load@tests", queue="life-load", pool=POOL, wait=False)
-    loading.wait_until(lambda: bool(engine_cores(loading)), 240, "its engine core to start")
-    cores = engine_cores(loading)
-    os.kill(loading.pid, signal.SIGKILL)  # the worker's main process only: the OOM killer's way
-    gone, alive = psutil.wait_procs(cores, timeout=30)
-    assert not alive, f"engine core(s) {[p.pid for p in alive]} outlived their worker (re-parented, still running)"
+    # Two workers load side by side; the main process of one gets SIGKILL (the
+    # OOM killer's way), the other's SIGTERM (before Celery's handlers exist).
+    loading = {sig: start_worker(model_a, f"life-{sig.name.lower()}@tests", queue=f"life-{sig.name.lower()}",
+                                 pool=POOL, wait=False)
+               for sig in (signal.SIGKILL, signal.SIGTERM)}
+    for sig, proc in loading.items():
+        proc.wait_until(lambda proc=proc: bool(engine_cores(proc)), 240, "its engine core to start")
+        cores = engine_cores(proc)
+        os.kill(proc.pid, sig)  # the worker's main process only
+        _, alive = psutil.wait_procs(cores, timeout=30)
+        assert not alive, (f"engine core(s) {[p.pid for p in alive]} outlived their worker ({sig.name}): "
+                           "re-parented, still running")
