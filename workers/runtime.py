@@ -213,7 +213,8 @@ class WorkerRuntime:
             held = self.ledger.prune()
             if held:
                 self.reaper.hand_back(held - running_delivery_tags())
-        except redis.RedisError as exc:
+        except Exception as exc:  # noqa: BLE001  Redis away: the engine must still shut down (the
+            # reaper restores them later, counted: this process cannot tell it otherwise).
             log.warning("could not hand back the tasks this worker still holds: %s", exc)
         self.state.stopping()
         self.ledger.close()
