@@ -16,7 +16,9 @@ Who may send what:
 - Celery's built-in state-changing commands (shutdown, pool_restart,
   add_consumer, rate_limit...) cannot be signed: :func:`restrict_celery_control`
   replaces them with a refusal unless ``--allow-celery-control``. ``revoke``
-  stays: it is how producers cancel tasks, and it only drops tasks.
+  stays: it is how producers cancel tasks, and it only drops tasks. With
+  ``terminate=True`` a running task's prompts are aborted in the engine
+  (:func:`revoke`): the threads pool cannot kill a task's thread.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery.worker.control import Panel, control_command
+from celery.utils.functional import maybe_list
+from celery.worker import state as worker_state
+from celery.worker.control import Panel, control_command, ok
 
 from tasks import keys
 from tasks.errors import ControlRefused
@@ -51,6 +55,10 @@ _runtime: WorkerRuntime | None = None
 def install(runtime: WorkerRuntime) -> None:
     global _runtime
     _runtime = runtime
+    if Panel.data.get("revoke") is not revoke:  # the consumer reads Panel.data when it starts
+        global _celery_revoke
+        _celery_revoke = Panel.data["revoke"]
+        Panel.data["revoke"] = revoke
 
 
 def _rt() -> WorkerRuntime:
@@ -155,6 +163,29 @@ def rq_engine(
 # ---------------------------------------------------------------------------
 # Celery's built-in control commands
 # ---------------------------------------------------------------------------
+
+_celery_revoke: Callable[..., dict[str, Any]] | None = None  # Celery's, replaced by install()
+
+
+def revoke(state: Any, task_id: Any, terminate: bool = False, signal: str | None = None,
+           **kwargs: Any) -> dict[str, Any]:
+    """Celery's ``revoke`` (queued and reserved tasks are dropped, their results
+    REVOKED); with ``terminate``, the tasks this worker runs have their prompts
+    aborted in the engine and end REVOKED. Celery's own terminate kills a pool
+    process; on the threads pool it answered ``NotImplementedError`` and the
+    generation ran on."""
+    if _celery_revoke is None:
+        raise RuntimeError("worker control not installed")
+    reply = _celery_revoke(state, task_id, terminate=False, signal=signal, **kwargs)
+    if not terminate:
+        return reply
+    ids = set(maybe_list(task_id) or [])
+    running = {request.id for request in tuple(worker_state.active_requests)} & ids
+    if not running:
+        return ok("terminate: tasks unknown")
+    generating = _rt().service.terminate(running)
+    return ok(f"terminate: {', '.join(sorted(running))} (prompts aborted in the engine: "
+              f"{', '.join(generating) or 'none yet'})")
 
 
 def disabled_celery_commands(meta: Mapping[str, Any], data: Mapping[str, Callable[..., Any]]) -> list[str]:

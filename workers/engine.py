@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
 from workers import logprobs as lp
+from workers import orphans
 from workers.engine_stats import EngineStats, stat_logger_factory
 from workers.progress import (
     SampleKey,
@@ -304,6 +305,10 @@ class EngineHost:
             problem = self.sleep_mode_problem()
             if problem is not None:
                 raise EngineError(problem)
+        # An engine core a dead worker left holds memory this one needs: name
+        # it; and this worker's own engine core dies with it (workers.orphans).
+        orphans.report_stale_engines(self.settings.device)
+        orphans.tie_engine_core()
         self._thread.start()
 
         async def create() -> Any:

@@ -122,6 +122,7 @@ def run_worker(settings: WorkerSettings) -> int:
 
     def on_shutdown(**_: Any) -> None:
         runtime.state.stopping()
+        runtime.hand_back_waiting()  # ETA/countdown tasks: back to the queue now, uncounted
         if settings.drain_timeout is not None:
             runtime.drain(settings.drain_timeout)
 

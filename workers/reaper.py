@@ -368,6 +368,25 @@ class Reaper:
                     self.stale_fetch_s, report.restored, report.dead_lettered, report.gone, report.errors)
         return len(stale)
 
+    def hand_back(self, tags: set[str]) -> ReapReport:
+        """Put back in their queues, at once and not counted as redeliveries, messages
+        of this node's in-flight set that this live worker will not run: it is
+        leaving on SIGTERM (tasks waiting in Celery's timer for their ETA or
+        countdown, tasks it fetched and never started). A graceful exit is not
+        a death: counted, three rolling restarts failed a task with an ETA for
+        good (``RedeliveryLimitReached``)."""
+        ledger = keys.inflight_key(self.node)
+        report = ReapReport(node=self.node)
+        if not tags:
+            return report
+        with self.app.connection_for_write() as conn:
+            for tag in sorted(tags):
+                self._isolated(report, self._restore_one, conn.default_channel, ledger, tag, False)
+        log.warning("leaving: handed %d task(s) this worker will not run back to their queue %s "
+                    "(%d already gone, %d left after errors)", len(report.restored), report.restored,
+                    report.gone, report.errors)
+        return report
+
     def _restore_fetched(self, channel: Any, processing: str, item: bytes) -> tuple[str, str]:
         """Move one message from a processing list back to its queue, atomically
         (a poison item to its dead-letter list)."""

@@ -86,6 +86,7 @@ class WorkerRuntime:
         self._consuming = True
         self.state.on_change(self._follow)
         self._stop = threading.Event()
+        self._hand_back: threading.Thread | None = None  # hand_back_waiting()'s, if any
         self._heartbeat = threading.Thread(target=self._beat, name="registry-heartbeat", daemon=True)
         self._last_tokens = (time.monotonic(), 0)
         self.tokens_per_s = 0.0
@@ -195,10 +196,41 @@ class WorkerRuntime:
         timer.name, timer.daemon = "drain-deadline", True
         timer.start()
 
+    def hand_back_waiting(self) -> None:
+        """SIGTERM: the tasks waiting in Celery's timer for their ETA or countdown
+        will not run here; their timer entries are cancelled and their messages
+        go back to the queue now, uncounted (on a thread: this runs in the
+        signal handler, which must not wait on Redis)."""
+        waiting = waiting_for_eta(self.consumer)
+        for entry in waiting:
+            entry.cancel()
+        tags = {entry.args[0].message.delivery_tag for entry in waiting}
+        if tags:
+            self._hand_back = threading.Thread(
+                target=self._hand_back_quietly, args=(tags,), name="hand-back", daemon=True)
+            self._hand_back.start()
+
+    def _hand_back_quietly(self, tags: set[str]) -> None:
+        try:
+            self.reaper.hand_back(tags)
+        except Exception as exc:  # noqa: BLE001  Redis away: stop() tries again with what is left
+            log.warning("could not hand back this worker's waiting tasks: %s", exc)
+
     def stop(self) -> None:
-        """After Celery stopped (in-flight tasks finished or requeued)."""
+        """After Celery stopped (in-flight tasks finished or requeued): what this
+        worker still holds and runs no task for goes back to the queue uncounted
+        (``Reaper.hand_back``), so a graceful exit is never taken for a death."""
         self._stop.set()
         self.reaper.stop()
+        if self._hand_back is not None:
+            self._hand_back.join(timeout=30)
+        try:
+            held = self.ledger.prune()
+            if held:
+                self.reaper.hand_back(held - running_delivery_tags())
+        except Exception as exc:  # noqa: BLE001  Redis away: the engine must still shut down (the
+            # reaper restores them later, counted: this process cannot tell it otherwise).
+            log.warning("could not hand back the tasks this worker still holds: %s", exc)
         self.state.stopping()
         self.ledger.close()
         try:
@@ -272,3 +304,22 @@ def held_delivery_tags() -> set[str]:
         except RuntimeError:  # changed size while copied (the consumer's thread): again
             continue
         return {request.message.delivery_tag for request in requests}
+
+
+def running_delivery_tags() -> set[str]:
+    """The delivery tags of the tasks this worker process runs now (started, not finished)."""
+    from celery.worker import state
+
+    return {request.message.delivery_tag for request in tuple(state.active_requests)}
+
+
+def waiting_for_eta(consumer: Any) -> list[Any]:
+    """The timer entries of Celery's ``consumer`` that will start a task at its ETA
+    (``Consumer.apply_eta_task``; their first argument is the task's request),
+    not cancelled; none without a consumer."""
+    timer = getattr(consumer, "timer", None)
+    if timer is None:
+        return []
+    entries = [scheduled[-1] for scheduled in timer.queue]  # (eta, priority, entry), a snapshot
+    return [entry for entry in entries
+            if getattr(entry.fun, "__name__", "") == "apply_eta_task" and entry.args and not entry.cancelled]

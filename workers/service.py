@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 from celery import Task
+from celery.exceptions import Ignore
 from pydantic import ValidationError
 
 from tasks import keys
@@ -93,6 +94,45 @@ class GenerationService:
         # Checkpoints of partial generations (workers.progress); None: off.
         self.progress: ProgressStore | None = None
         self.checkpoint_tokens = 0
+        # Running tasks' prompt counts, and the tasks revoked with terminate=True
+        # (terminate()): their prompts are aborted, they end REVOKED.
+        self._running: dict[str, int] = {}
+        self._terminated: set[str] = set()
+
+    def terminate(self, task_ids: set[str]) -> list[str]:
+        """``revoke(terminate=True)`` of tasks this worker runs (``workers.control``):
+        their prompts are aborted in the engine the way a gone client's are
+        (``keys.abort_key``, read by the running task), and the task ends
+        REVOKED; returns the ids of those already generating."""
+        generating = []
+        with self._lock:
+            self._terminated |= task_ids
+            running = {task_id: self._running[task_id] for task_id in task_ids if task_id in self._running}
+        for task_id, prompts in sorted(running.items()):
+            self._abort_prompts(task_id, prompts)
+            generating.append(task_id)
+        return generating
+
+    def _abort_prompts(self, task_id: str, prompts: int) -> None:
+        if self.client is None:
+            return
+        key = keys.abort_key(task_id)
+        with self.client.pipeline() as pipe:
+            pipe.sadd(key, *range(prompts))
+            pipe.expire(key, int(self.hard_time_limit) + 60)  # the task's longest possible run
+            pipe.execute()
+        log.warning("task %s revoked with terminate: aborting its %d prompt(s) in the engine", task_id, prompts)
+
+    def _end_if_terminated(self, task: Task) -> None:
+        """Raise ``Ignore`` (Celery keeps the REVOKED state stored here) if ``task``
+        was revoked with terminate while it ran."""
+        task_id = task.request.id
+        with self._lock:
+            if task_id not in self._terminated:
+                return
+            self._terminated.discard(task_id)
+        task.backend.mark_as_revoked(task_id, "terminated", request=task.request)
+        raise Ignore(f"task {task_id} revoked with terminate=True: its prompts were aborted in the engine")
 
     def _check_vocabulary(self, request: GenerateRequest) -> None:
         """Token ids in params must exist in this model (vLLM would refuse them later)."""
@@ -174,10 +214,12 @@ class GenerationService:
         deadline = started + time_limit(
             task.request.timelimit, self.soft_time_limit, self.hard_time_limit
         )
+        task_id = task.request.id
         with self._lock:
             self.inflight_tasks += 1
+            if task_id:
+                self._running[task_id] = len(request.prompts)
         ok = False
-        task_id = task.request.id
         callback = self.on_submitted
         submitted = None if callback is None else functools.partial(callback, task_id)
         checkpoint = None
@@ -186,6 +228,7 @@ class GenerationService:
             tools = functools.partial(self._tool_stream, request) if request.kind == "chat" else None
             stream = self.streams.open(task_id, self.node, request.params.logprobs, tools)
         try:
+            self._end_if_terminated(task)  # revoked while it waited to start
             if self.progress is not None:
                 # A task requeued by a pause="abort" sync comes back while the sync
                 # still runs: decide what to keep against the weights it will run on.
@@ -197,11 +240,14 @@ class GenerationService:
                 first_prompt(headers), checkpoint, saved,
                 None if stream is None else stream.on_output,
             )
+            self._end_if_terminated(task)
             ok = True
             if stream is not None:
                 stream.end()
         finally:
             with self._lock:
+                self._running.pop(task_id, None)
+                self._terminated.discard(task_id)
                 self.inflight_tasks -= 1
                 self.completed_tasks += ok
                 self.failed_tasks += not ok
