@@ -457,7 +457,8 @@ class EngineHost:
                 for i in range(len(prompt_ids))
             ]
             if skipped or stopped:
-                log.info("aborted %d of %d prompts: their client went away", len(skipped | stopped), len(prompt_ids))
+                log.info("aborted %d of %d prompts: their client went away or the task was revoked",
+                         len(skipped | stopped), len(prompt_ids))
             version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
             return outputs, version
         finally:
