@@ -27,7 +27,7 @@ import psutil
 
 from cli.localstack import LocalProcess, free_port
 
-__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "free_port", "install_guard", "on_exit", "python"]
+__all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "engine_cores", "free_port", "install_guard", "on_exit", "python"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / ".artifacts"
@@ -90,3 +90,19 @@ def install_guard() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
     atexit.register(kill_everything_started)
+
+
+def engine_cores(proc: LocalProcess) -> list[psutil.Process]:
+    """The vLLM engine-core processes (titled ``VLLM::EngineCore``) below ``proc``'s main process."""
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    found = []
+    for child in below:
+        try:
+            if "EngineCore" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found

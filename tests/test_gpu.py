@@ -14,9 +14,13 @@ checksums and prompt logprobs within a tolerance are.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -27,8 +31,10 @@ pytest.importorskip("vllm")
 from safetensors.torch import load_file
 
 from tasks import app, control, generate, keys, sync_weights
+from tasks.schemas import WorkerInfo
 from tasks.settings import SyncSettings
-from tests.conftest import MODELS, WorkerStarter
+from tests.conftest import MODELS, WorkerStarter, wait_for
+from tests.procs import Proc, engine_cores
 from weight_sync.bench_receiver import BENCH_EXTENSION
 
 pytestmark = pytest.mark.gpu
@@ -198,3 +204,60 @@ def test_nccl_sync_from_gpu1_into_a_worker_on_gpu0_changes_weights_and_logprobs(
           f"worker phases {again.worker_phases}")
     assert error < 0.05 and error < moved / 5
     sync_weights.close(pool)
+
+
+# ---------------------------------------------------------------------------
+# A lost engine on the GPU: its task goes back, its memory is freed
+# ---------------------------------------------------------------------------
+
+LOST_QUEUE = "gpu-lost"
+
+
+def lone_gpu_worker(start_worker: WorkerStarter, name: str) -> Proc:
+    return start_worker(
+        qwen(1), name, queue=LOST_QUEUE, pool=LOST_QUEUE, timeout=600,
+        extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15",
+               "--max-model-len", "4096", "--engine-answer-s", "20"],
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+
+
+def gpu_compute_pids() -> set[int]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+def test_a_cuda_worker_whose_engine_core_is_killed_hands_its_task_to_the_next_worker_and_frees_the_gpu(
+    gpu_workers: dict[str, str], start_worker: WorkerStarter, redis_client: Any,
+) -> None:
+    first = lone_gpu_worker(start_worker, "gpu-lost-1@tests")
+    handle = generate.apply_async(
+        (PROMPTS, {"temperature": 0.8, "max_tokens": 3000, "ignore_eos": True, "n": 4}), queue=LOST_QUEUE)
+    (core,) = engine_cores(first)
+    wait_for(lambda: core.pid in gpu_compute_pids(), 60, "the engine core on the GPU")
+    wait_for(lambda: WorkerInfo.model_validate_json(
+        redis_client.get(keys.worker_key("gpu-lost-1@tests"))).inflight_requests > 0,
+        60, "the task's requests in the engine (a heartbeat)")
+    assert not handle.ready()  # mid-generation: 3,000 tokens x 32 samples
+    core.kill()
+    assert first.popen.wait(120) == 4, first.tail()
+    assert "handing its tasks back to the queue and exiting (code 4)" in first.log_path.read_text(errors="replace")
+    wait_for(lambda: core.pid not in gpu_compute_pids(), 60, "the killed core's GPU memory to be freed")
+    second = lone_gpu_worker(start_worker, "gpu-lost-2@tests")  # the supervisor's restart
+    result = handle.get(timeout=600)
+    assert result["worker"] == "gpu-lost-2@tests"
+    assert all(len(s["token_ids"]) == 3000 for o in result["outputs"] for s in o["samples"])
+    second.stop()
+
+
+def test_kill_9_of_a_cuda_worker_takes_its_engine_core_and_its_gpu_memory_with_it(
+    gpu_workers: dict[str, str], start_worker: WorkerStarter,
+) -> None:
+    worker = lone_gpu_worker(start_worker, "gpu-lost-3@tests")
+    (core,) = engine_cores(worker)
+    wait_for(lambda: core.pid in gpu_compute_pids(), 60, "the engine core on the GPU")
+    os.kill(worker.pid, signal.SIGKILL)  # the main process alone, as the OOM killer would
+    gone, _ = psutil.wait_procs([core], timeout=60)
+    assert gone, f"engine core {core.pid} outlived its worker"
+    wait_for(lambda: core.pid not in gpu_compute_pids(), 60, "the core's GPU memory to be freed")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import redis as redis_lib
 from safetensors.torch import load_file
@@ -27,7 +26,7 @@ from tasks import generate, keys, sync_weights
 from tasks.schemas import Sample, SamplingParams, WorkerInfo
 from tasks.settings import SyncSettings, SyncTimeouts
 from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for, worker_registered
-from tests.procs import Proc
+from tests.procs import Proc, engine_cores
 from workers.progress import (
     ProgressStore,
     SampleProgress,
@@ -398,17 +397,6 @@ def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_
     print(f"SIGTERM: exited {exited_after:.1f} s after the signal (drain timeout {drain} s)")
 
 
-def engine_core(worker: Proc) -> psutil.Process:
-    """The worker's vLLM engine-core process (its child titled ``VLLM::EngineCore``)."""
-    for child in psutil.Process(worker.popen.pid).children(recursive=True):
-        try:
-            if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no engine-core process under {worker.name}")
-
-
 @pytest.mark.parametrize(
     ("node", "fault"),
     [("res-d@tests", signal.SIGKILL), ("res-e@tests", signal.SIGSTOP)],
@@ -428,7 +416,7 @@ def test_a_worker_whose_engine_is_lost_hands_every_task_back_and_exits_non_zero(
         with victim_worker(survivor, redis_client, node) as victim:
             handles = [generate.apply_async((PROMPTS, params), queue=own_queue(node)) for _ in range(3)]
             wait_for_checkpoint(redis_client, handles[0].id, 4, INTERVAL, victim)
-            core = engine_core(victim)
+            (core,) = engine_cores(victim)
             struck = time.monotonic()
             core.send_signal(fault)
             try:

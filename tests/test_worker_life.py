@@ -29,7 +29,7 @@ from tasks import generate, keys
 from tasks.app import app
 from tasks.schemas import WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
-from tests.procs import Proc
+from tests.procs import Proc, engine_cores
 
 QUEUE = POOL = "life"
 NODE = "life@tests"
@@ -65,22 +65,6 @@ def orphan() -> Iterator[int]:
 @pytest.fixture(scope="module")
 def life_worker(start_worker: WorkerStarter, model_a: Path, orphan: int) -> Proc:
     return start_worker(model_a, NODE, queue=QUEUE, pool=POOL, max_inflight=8)
-
-
-def engine_cores(proc: Proc) -> list[psutil.Process]:
-    """The ``VLLM::EngineCore`` processes below ``proc``'s main process."""
-    try:
-        below = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    found = []
-    for child in below:
-        try:
-            if "EngineCore" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
 
 
 def registry(client: redis_lib.Redis, node: str) -> WorkerInfo | None:
