@@ -166,6 +166,7 @@ class SignatureBatcher:
         except BaseException as exc:
             for job in jobs:
                 job.cancel()  # a failed part fails the request: the others' prompts are aborted
+                job.add_done_callback(_retrieved)
             failed = next((part for part, job in zip(parts, jobs)
                            if job.done() and not job.cancelled() and job.exception() is exc), None)
             if failed is not None and isinstance(exc, BadRequest):
@@ -342,6 +343,12 @@ class SignatureBatcher:
         for task in list(self._running):
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
+
+
+def _retrieved(job: asyncio.Future[Any]) -> None:
+    """Mark a part's outcome as seen: its request already has the first error of its parts."""
+    if not job.cancelled():
+        job.exception()
 
 
 def _joined(shares: list[Share]) -> Share:

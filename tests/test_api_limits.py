@@ -30,6 +30,7 @@ from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 MAX_REQUEST_SEQUENCES = 64
 MAX_TASK_SEQUENCES = 4
 RESULT_PREFIX = "celery-task-meta-"
+ABORTED_LINE = "their client went away"  # the worker logs it when it aborts prompts
 
 
 @pytest.fixture(scope="module")
@@ -125,47 +126,54 @@ def _new_keys(client: redis_lib.Redis, pattern: str, before: set[str]) -> set[st
     return {k for k in client.scan_iter(pattern) if k not in before}
 
 
-def _leaves_nothing_once_its_task_ends(gw: Gateway, client: redis_lib.Redis, body: dict[str, Any]) -> None:
-    """Send ``body`` (a long generation), drop the connection once its task runs, and see its
-    abort set written, then it and the task's result gone when the task ends."""
-    abort_pattern, result_pattern = f"{keys.PREFIX}:abort:api-*", f"{RESULT_PREFIX}api-*"
-    aborts_before = set(client.scan_iter(abort_pattern))
+def _aborted_lines(worker: Proc) -> int:
+    return worker.log_path.read_text(errors="replace").count(ABORTED_LINE)
+
+
+def _leaves_nothing_once_its_task_ends(
+    gw: Gateway, worker: Proc, client: redis_lib.Redis, body: dict[str, Any]
+) -> None:
+    """Send ``body`` (a long generation), drop the connection once its task runs, see the
+    worker abort it, then neither its result nor its abort set left in Redis."""
+    result_pattern = f"{RESULT_PREFIX}api-*"
     results_before = set(client.scan_iter(result_pattern))
+    aborted_before = _aborted_lines(worker)
     data = json.dumps({"model": MODEL, **body}).encode()
     host, port = gw.base.removeprefix("http://").split(":")
 
-    async def drop_once_started() -> None:
-        reader, writer = await asyncio.open_connection(host, int(port))
+    async def drop_once_started() -> str:
+        _, writer = await asyncio.open_connection(host, int(port))
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
         await writer.drain()
         # Its task has started once the worker stored STARTED under its result key.
         deadline = time.monotonic() + RESULT_TIMEOUT
-        while not _new_keys(client, result_pattern, results_before):
+        while not (started := _new_keys(client, result_pattern, results_before)):
             assert time.monotonic() < deadline, "the task never started"
             await asyncio.sleep(0.1)
         writer.close()
+        (key,) = started
+        return str(key).removeprefix(RESULT_PREFIX)
 
-    asyncio.run(drop_once_started())
-    gw.proc.wait_until(lambda: _new_keys(client, abort_pattern, aborts_before), 30, "the abort set")
-    (abort,) = _new_keys(client, abort_pattern, aborts_before)
-    task_id = abort.removeprefix(f"{keys.PREFIX}:abort:")
-    gw.proc.wait_until(lambda: not client.exists(abort, f"{RESULT_PREFIX}{task_id}"), RESULT_TIMEOUT,
-                       "the abandoned task's abort set and result to be deleted")
+    task_id = asyncio.run(drop_once_started())
+    worker.wait_until(lambda: _aborted_lines(worker) > aborted_before, RESULT_TIMEOUT, "the worker to abort it")
+    gw.proc.wait_until(lambda: not client.exists(f"{RESULT_PREFIX}{task_id}"), RESULT_TIMEOUT,
+                       "the abandoned task's result to be deleted")
+    assert not client.exists(keys.abort_key(task_id))
 
 
 def test_an_abandoned_stream_leaves_no_result_or_abort_set_in_redis(
-    limits_gateway: Gateway, redis_client: redis_lib.Redis
+    limits_gateway: Gateway, gen_worker: Proc, redis_client: redis_lib.Redis
 ) -> None:
-    _leaves_nothing_once_its_task_ends(limits_gateway, redis_client, {
+    _leaves_nothing_once_its_task_ends(limits_gateway, gen_worker, redis_client, {
         "prompt": "Tell me a story", "n": 4, "max_tokens": MAX_MODEL_LEN - 32, "temperature": 1.0,
         "ignore_eos": True, "stream": True})
 
 
 def test_an_abandoned_request_leaves_no_abort_set_in_redis(
-    limits_gateway: Gateway, redis_client: redis_lib.Redis
+    limits_gateway: Gateway, gen_worker: Proc, redis_client: redis_lib.Redis
 ) -> None:
-    _leaves_nothing_once_its_task_ends(limits_gateway, redis_client, {
+    _leaves_nothing_once_its_task_ends(limits_gateway, gen_worker, redis_client, {
         "prompt": ["Tell me a story", "Once upon"], "n": 2, "max_tokens": MAX_MODEL_LEN - 32,
         "temperature": 1.0, "ignore_eos": True})
 
