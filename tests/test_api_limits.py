@@ -91,6 +91,16 @@ def test_a_request_bigger_than_a_task_is_split_over_tasks_and_answered_in_prompt
     assert body["usage"]["completion_tokens"] == 12 * 2
 
 
+def test_a_bad_prompt_in_a_later_part_of_a_split_request_is_named_by_its_index_in_the_request(
+    limits_gateway: Gateway,
+) -> None:
+    # n=2: 2 prompts a task. Prompt 3 (the second of the second part) is too long
+    # for the worker's max_model_len, which only the worker can count.
+    prompts = ["hi", "hello", "hey", "ab " * MAX_MODEL_LEN]
+    error = _error(_complete(limits_gateway, prompt=prompts, n=2, max_tokens=1, temperature=1.0), 400)
+    assert error["message"].startswith("prompt 3 "), error
+
+
 # --------------------------------------------------------------------------
 # Stop strings and nesting
 # --------------------------------------------------------------------------
