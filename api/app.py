@@ -92,7 +92,9 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.started = int(time.time())
         self.watcher = ResultWatcher(
-            client.redis_url.get_secret_value(), celery_app.backend, settings.result_poll_s
+            client.redis_url.get_secret_value(), celery_app.backend, settings.result_poll_s,
+            # A task may start up to request_timeout_s after it is sent, then run its time limit.
+            abandoned_ttl_s=settings.request_timeout_s + max(client.task_soft_time_limit, client.task_time_limit),
         )
         self.batcher = SignatureBatcher(
             self.send,
@@ -103,6 +105,7 @@ class Gateway:
             max_batch_prompts=settings.max_batch_prompts,
             max_inflight_tasks=settings.max_inflight_tasks,
             timeout_s=settings.request_timeout_s,
+            max_task_sequences=client.task_max_sequences,
         )
         self.relay = StreamRelay(
             client.redis_url.get_secret_value(), self.send_streamed, self.abort, self.watcher,
@@ -169,13 +172,15 @@ class Gateway:
     ) -> None:
         """Every check a request passes alone before it may share a task (``api.checks``)."""
         settings = self.settings
+        param = "messages" if kind == "chat" else "prompt"
+        checks.check_sequences(len(prompts), params.n, settings.max_request_sequences, param)
         checks.check_prompts(
             kind, prompts, await self.limits.current(), settings.max_prompt_chars,
             settings.max_prompt_tokens,
         )
-        for param in ("regex", "guided_regex"):
-            checks.check_regex(getattr(body, param), param)
-        checks.check_task(kind, prompts, params, "messages" if kind == "chat" else "prompt")
+        for regex in ("regex", "guided_regex"):
+            checks.check_regex(getattr(body, regex), regex)
+        checks.check_task(kind, prompts, params, param)
 
     async def start(self) -> None:
         await self.watcher.start()

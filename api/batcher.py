@@ -6,10 +6,14 @@ worker). Its batch key is ``(kind, signature(params), queue)``:
 one task carries one prompt kind and one signature, so requests with
 different signatures (or kinds) never share a task. The first request of a
 key opens a batch and starts a timer of ``batch_window_ms``; requests with
-the same key join it until the timer fires or it holds
-``max_batch_prompts`` prompts; then the batch is sent as ONE ``generate``
-task and each request gets back its own slice of the result's ``outputs``.
-A request with more prompts than the cap travels alone, never split.
+the same key join it until the timer fires or it holds as many prompts as
+one task may (``max_batch_prompts``, and no more than ``max_task_sequences``
+sequences, prompts x n); then the batch is sent as ONE ``generate`` task and
+each request gets back its own slice of the result's ``outputs``. A request
+with more prompts than a task may hold is split (``tasks.split.plan_parts``):
+its parts are submitted like requests of their own, so several workers serve
+it, and its answer joins theirs in prompt order (``task_id`` and ``worker``
+then name every task and worker, comma-joined).
 
 Bound: open batches plus tasks awaiting results never exceed
 ``max_inflight_tasks``. A request that would open one more batch past it is
@@ -57,6 +61,7 @@ from tasks.errors import (
 )
 from tasks.schemas import GenerationResult, PromptKind, PromptOutput, SamplingParams
 from tasks.signature import signature
+from tasks.split import plan_parts, prompts_per_task
 
 log = logging.getLogger("rollout_queue.api")
 
@@ -120,6 +125,7 @@ class SignatureBatcher:
         max_batch_prompts: int,
         max_inflight_tasks: int,
         timeout_s: float,
+        max_task_sequences: int,
     ) -> None:
         self._send = send
         self._abort = abort
@@ -127,6 +133,7 @@ class SignatureBatcher:
         self._metrics = metrics
         self.window_s = window_s
         self.max_batch_prompts = max_batch_prompts
+        self.max_task_sequences = max_task_sequences
         self.max_inflight_tasks = max_inflight_tasks
         self.timeout_s = timeout_s
         self._open: dict[tuple[str, str, str | None], _Batch] = {}
@@ -146,10 +153,35 @@ class SignatureBatcher:
     ) -> Share:
         """Queue ``prompts`` with ``params`` (for ``queue``: a sticky session's worker; None:
         the gateway's); returns this request's outputs, in order."""
+        cap = prompts_per_task(params.n, self.max_batch_prompts, self.max_task_sequences)
+        if len(prompts) <= cap:
+            return await self._submit(kind, prompts, params, queue, cap)
+        parts = plan_parts(len(prompts), cap)
+        jobs = [
+            asyncio.ensure_future(self._submit(kind, prompts[part.start : part.stop], params, queue, cap))
+            for part in parts
+        ]
+        try:
+            shares = await asyncio.gather(*jobs)
+        except BaseException as exc:
+            for job in jobs:
+                job.cancel()  # a failed part fails the request: the others' prompts are aborted
+                job.add_done_callback(_retrieved)
+            failed = next((part for part, job in zip(parts, jobs)
+                           if job.done() and not job.cancelled() and job.exception() is exc), None)
+            if failed is not None and isinstance(exc, BadRequest):
+                raise _renumbered(exc, failed.start) from None
+            raise
+        return _joined(shares)
+
+    async def _submit(
+        self, kind: PromptKind, prompts: list[Any], params: SamplingParams, queue: str | None, cap: int,
+    ) -> Share:
+        """One request (or part) of at most ``cap`` prompts, in a batch of at most ``cap``."""
         sig = signature(params)
         key = (kind, sig, queue)
         batch = self._open.get(key)
-        if batch is not None and batch.prompts + len(prompts) > self.max_batch_prompts:
+        if batch is not None and batch.prompts + len(prompts) > cap:
             self._flush(batch)
             batch = None
         if batch is None:
@@ -167,7 +199,7 @@ class SignatureBatcher:
         waiter = _Waiter(prompts=prompts, future=asyncio.get_running_loop().create_future())
         batch.waiters.append(waiter)
         batch.prompts += len(prompts)
-        if batch.prompts >= self.max_batch_prompts:
+        if batch.prompts >= cap:
             self._flush(batch)
         try:
             return await waiter.future
@@ -311,6 +343,35 @@ class SignatureBatcher:
         for task in list(self._running):
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
+
+
+def _retrieved(job: asyncio.Future[Any]) -> None:
+    """Mark a part's outcome as seen: its request already has the first error of its parts."""
+    if not job.cancelled():
+        job.exception()
+
+
+def _joined(shares: list[Share]) -> Share:
+    """The parts of a split request as one share: outputs in prompt order, every task and
+    worker named once (comma-joined), the lowest weight version."""
+    tasks = {share.task_id: share.batch_prompts for share in shares}
+    workers = dict.fromkeys(node for share in shares for node in share.worker.split(","))
+    return Share(
+        outputs=[output for share in shares for output in share.outputs],
+        task_id=",".join(tasks),
+        signature=shares[0].signature,
+        weight_version=min(share.weight_version for share in shares),
+        worker=",".join(workers),
+        batch_prompts=sum(tasks.values()),
+    )
+
+
+def _renumbered(exc: BadRequest, offset: int) -> BadRequest:
+    """A part's error naming ``prompt <i>``, naming it by its index in the whole request."""
+    found = _PROMPT_AT_FAULT.match(str(exc))
+    if found is None:
+        return exc
+    return BadRequest(f"prompt {int(found.group(1)) + offset}{str(exc)[found.end():]}", exc.param)
 
 
 def _at_fault(

@@ -8,7 +8,8 @@ gateway knows:
   UTF-8 form): 400 naming the field;
 - size limits, before anything reaches Redis: a text prompt (or a chat
   conversation's contents) of more than ``RQ_API_MAX_PROMPT_CHARS`` characters, a
-  token prompt of more than ``RQ_API_MAX_PROMPT_TOKENS`` ids: 413;
+  token prompt of more than ``RQ_API_MAX_PROMPT_TOKENS`` ids, more than
+  ``RQ_API_MAX_REQUEST_SEQUENCES`` sequences (prompts x n): 413;
 - token ids below the vocabulary size (``RQ_API_TOKENIZER``'s, else the one the
   serving workers report in the registry)
   and token prompts shorter than the serving workers' ``max_model_len`` (read
@@ -136,6 +137,17 @@ def check_prompts(
                     "per prompt (RQ_API_MAX_PROMPT_CHARS)",
                     "messages" if kind == "chat" else "prompt",
                 )
+
+
+def check_sequences(prompts: int, n: int, limit: int, param: str) -> None:
+    """Refuse a request asking for more than ``limit`` sequences (prompts x n)."""
+    if prompts * n > limit:
+        raise RequestTooLarge(
+            f"this request asks for {prompts * n} sequences ({prompts} prompts x n={n}); this "
+            f"gateway takes at most {limit} per request (RQ_API_MAX_REQUEST_SEQUENCES): send fewer "
+            "prompts or a smaller n per request",
+            param if prompts > 1 else "n",
+        )
 
 
 def _conversation_chars(prompt: Any) -> int:

@@ -8,7 +8,12 @@ start-up, brings every result of this gateway and nobody else's; no
 per-task subscribe, no thread per waiting request. A slow poll (``MGET`` of
 the pending keys) covers a message missed while the connection was down.
 Results are decoded with the Celery backend's own decoder (compression,
-serializer, exception rebuilding) and deleted once read.
+serializer, exception rebuilding) and deleted once read, with the task's
+abort set (``keys.abort_key``). A result nobody waits for any more (its
+client went away, or the request timed out while a worker still ran it) is
+deleted when it arrives: the watcher keeps watching for it for
+``abandoned_ttl_s`` (the longest a task may still run), instead of leaving it
+in Redis for ``RQ_RESULT_EXPIRES`` (6 h).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import redis.asyncio as aioredis
 from celery import states
 from redis.exceptions import RedisError
 
+from tasks import keys
 from tasks.errors import ResultTimeout
 from tasks.schemas import GenerationResult
 
@@ -29,14 +35,19 @@ log = logging.getLogger("rollout_queue.api")
 
 
 class ResultWatcher:
-    def __init__(self, redis_url: str, backend: Any, poll_s: float = 1.0) -> None:
+    def __init__(
+        self, redis_url: str, backend: Any, poll_s: float = 1.0, abandoned_ttl_s: float = 3600.0
+    ) -> None:
         self.instance = uuid.uuid4().hex[:10]
         self._url = redis_url
         self._backend = backend
         self._poll_s = poll_s
+        self._abandoned_ttl_s = abandoned_ttl_s
         key_prefix = backend.task_keyprefix
         self._key_prefix = key_prefix.decode() if isinstance(key_prefix, bytes) else str(key_prefix)
         self._futures: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        # Tasks whose result nobody will read: task id → when to stop watching (loop time).
+        self._abandoned: dict[str, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._redis: aioredis.Redis | None = None
         self._pubsub: Any = None
@@ -87,7 +98,11 @@ class ResultWatcher:
         future = self._futures[task_id]
         try:
             meta = await asyncio.wait_for(future, timeout)
+        except asyncio.CancelledError:
+            self._abandon(task_id)  # the client went away: its task ends without a reader
+            raise
         except TimeoutError:
+            self._abandon(task_id)  # a worker may still be running it
             raise ResultTimeout(
                 f"no result for task {task_id} within {timeout:g}s; the task expires unserved. "
                 "Check that workers consume this gateway's queue (`rollout-queue status`) "
@@ -106,6 +121,14 @@ class ResultWatcher:
             raise error
         raise RuntimeError(f"task {task_id} ended in state {status}: {error!r}")
 
+    @property
+    def abandoned(self) -> int:
+        """Results watched for only to be deleted."""
+        return len(self._abandoned)
+
+    def _abandon(self, task_id: str) -> None:
+        self._abandoned[task_id] = asyncio.get_running_loop().time() + self._abandoned_ttl_s
+
     # ------------------------------------------------------------ background
 
     def _key(self, task_id: str) -> str:
@@ -113,10 +136,16 @@ class ResultWatcher:
 
     def _deliver(self, task_id: str, payload: Any) -> None:
         future = self._futures.get(task_id)
-        if future is None or future.done():
+        abandoned = task_id in self._abandoned
+        if (future is None or future.done()) and not abandoned:
             return
         meta = self._backend.decode_result(payload)
-        if meta.get("status") in states.READY_STATES:
+        if meta.get("status") not in states.READY_STATES:
+            return
+        if abandoned:
+            del self._abandoned[task_id]
+            self._spawn(self._delete(task_id))
+        elif future is not None:
             future.set_result(meta)
 
     async def _listen(self) -> None:
@@ -141,7 +170,12 @@ class ResultWatcher:
         assert self._redis is not None
         while True:
             await asyncio.sleep(self._poll_s)
+            now = asyncio.get_running_loop().time()
+            for task_id, until in list(self._abandoned.items()):
+                if until < now:  # it never ended (lost); its result, if any, expires
+                    del self._abandoned[task_id]
             pending = [task_id for task_id, f in self._futures.items() if not f.done()]
+            pending += list(self._abandoned)
             if not pending:
                 continue
             try:
@@ -157,8 +191,9 @@ class ResultWatcher:
                         log.exception("could not decode the result of %s", task_id)
 
     async def _delete(self, task_id: str) -> None:
+        """Delete a read (or abandoned) result and the task's abort set, if it has one."""
         assert self._redis is not None
         try:
-            await self._redis.delete(self._key(task_id))
+            await self._redis.delete(self._key(task_id), keys.abort_key(task_id))
         except (RedisError, OSError):
-            pass  # it expires with result_expires anyway
+            pass  # they expire anyway (result_expires; the abort set sooner)

@@ -2,7 +2,11 @@
 
 A request names its session with the ``X-Session-ID`` header or OpenAI's
 ``user`` field. After a turn, ``served`` records which worker answered it
-(``keys.session_key``, expiring after ``keys.SESSION_TTL_S`` of quiet); the
+(``keys.session_key``, expiring after ``keys.SESSION_TTL_S`` of quiet), if
+that worker runs sticky sessions (consumes its own queue, as its registry
+entry says): a worker without them could never be sent the next turn, so no
+key is written (a gateway in front of workers without ``--sticky-sessions``
+keeps no session state at all, however many sessions its clients name). The
 next turn goes to that worker's own queue (``keys.node_queue``: workers
 started with ``--sticky-sessions``), where its prefix cache still holds the
 conversation. It goes to the shared queue instead when that worker is gone
@@ -65,14 +69,32 @@ class Sessions:
         return own, "sticky"
 
     async def served(self, session: str | None, worker: str) -> None:
-        """Remember the worker that answered this session's turn."""
+        """Remember the worker that answered this session's turn, if it runs sticky sessions.
+
+        ``worker``: the node, or several comma-joined (a split request): the first is kept.
+        """
         if not session:
             return
+        node = worker.split(",")[0]
         try:
-            await self._redis().set(keys.session_key(session), worker, ex=self.ttl_s)
+            raw = await self._redis().get(keys.worker_key(node))
+            if not _runs_sticky_sessions(node, raw):
+                return
+            await self._redis().set(keys.session_key(session), node, ex=self.ttl_s)
         except aioredis.RedisError as exc:
             log.warning("could not record session %s's worker: %s", session[:32], exc)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+def _runs_sticky_sessions(node: str, registry_entry: str | bytes | None) -> bool:
+    """Whether the worker consumes its own queue (``--sticky-sessions``), per its registry entry."""
+    if not registry_entry:
+        return False
+    try:
+        info = WorkerInfo.model_validate_json(registry_entry)
+    except ValidationError:
+        return False
+    return keys.node_queue(node) in info.queues

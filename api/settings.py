@@ -56,6 +56,10 @@ class ApiSettings(BaseSettings):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_prompt_chars: int = Field(500_000, ge=1)
     max_prompt_tokens: int = Field(131_072, ge=1)
+    # Sequences one request may ask for (prompts x n): 413 past it. Requests
+    # with more sequences than a task holds (RQ_TASK_MAX_SEQUENCES) are split
+    # over several tasks, so several workers serve them.
+    max_request_sequences: int = Field(4096, ge=1)
     # The workers' max_model_len (prompts must fit it) is read from the worker
     # registry at most this often (seconds).
     limits_refresh_s: float = Field(5.0, gt=0.0)

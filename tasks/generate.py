@@ -6,10 +6,12 @@ message carries the canonical params and the signature (also as a header,
 so Flower and routers see it without parsing args). Monitors show a one-line
 summary (:func:`task_summary`) where the args go, never the prompts.
 
-A call with more than ``RQ_TASK_MAX_PROMPTS`` prompts (``ClientSettings``) is
+A call with more than ``RQ_TASK_MAX_PROMPTS`` prompts, or more than
+``RQ_TASK_MAX_SEQUENCES`` sequences (prompts x n; ``ClientSettings``), is
 split into several such tasks and returns a ``tasks.split.SplitResult``
 whose ``.get()`` joins them into one result; smaller calls (and calls that
-name their ``task_id``) are one task, as always.
+name their ``task_id``) are one task, as always. A call asking for more than
+``RQ_CALL_MAX_SEQUENCES`` sequences is refused (``InvalidRequest``).
 
 On a worker, :attr:`GenerateTask.executor` is installed at boot
 (``workers.service.GenerationService``); the task body only hands over.
@@ -40,7 +42,7 @@ from tasks.errors import (
 from tasks.schemas import GenerateRequest, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
-from tasks.split import SplitResult, plan_parts
+from tasks.split import SplitResult, plan_parts, prompts_per_task
 
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
@@ -73,6 +75,17 @@ def build_request(prompts: Any, params: SamplingParams | Mapping[str, Any] | Non
         params = dict(params)
     # Anything else goes to pydantic as is: its error names ``params``.
     return GenerateRequest.model_validate({"prompts": prompts, "params": params})
+
+
+def check_sequences(request: GenerateRequest, limit: int) -> None:
+    """Refuse a call asking for more than ``limit`` sequences (``RQ_CALL_MAX_SEQUENCES``)."""
+    sequences = len(request.prompts) * request.params.n
+    if sequences > limit:
+        raise InvalidRequest(
+            f"this call asks for {sequences} sequences ({len(request.prompts)} prompts x "
+            f"n={request.params.n}); a call may ask for at most {limit} (RQ_CALL_MAX_SEQUENCES): "
+            "send fewer prompts per call, or use generate_many"
+        )
 
 
 _KIND_WORD = {"text": "text", "chat": "chat", "tokens": "token"}
@@ -134,7 +147,9 @@ class GenerateTask(Task):
                 )
             headers[ON_NEW_WEIGHTS_HEADER] = on_new_weights
         headers.setdefault(SENT_AT_HEADER, time.time())
-        limit = settings().task_max_prompts
+        client = settings()
+        check_sequences(request, client.call_max_sequences)
+        limit = prompts_per_task(request.params.n, client.task_max_prompts, client.task_max_sequences)
         if len(request.prompts) <= limit or "task_id" in options:
             # A caller that names the task id watches that task's result
             # itself (the gateway does): never split.
@@ -174,8 +189,9 @@ class GenerateTask(Task):
         if refused:
             raise InvalidRequest(
                 f"{', '.join(refused)} cannot be used with a split generate call "
-                f"({len(request.prompts)} prompts > RQ_TASK_MAX_PROMPTS={limit}); send at most "
-                f"{limit} prompts per call, or raise RQ_TASK_MAX_PROMPTS"
+                f"({len(request.prompts)} prompts of n={request.params.n} > {limit} prompts per task, "
+                "RQ_TASK_MAX_PROMPTS and RQ_TASK_MAX_SEQUENCES); send at most "
+                f"{limit} prompts per call, or raise those settings"
             )
         split_id = str(uuid.uuid4())
         app = self._get_app()

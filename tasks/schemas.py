@@ -31,6 +31,18 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
+# Stop strings a request may carry, and their characters together: vLLM checks
+# every stop string against each sequence's new text at every step, so a long
+# list slows every request the engine runs (250,000 strings with n=4 held a
+# concurrent 2-token request for 24 s). OpenAI allows 4; vLLM sets no bound.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 16_384
+# Nesting (dicts and lists) of a structured-output schema, a tool's spec or
+# chat-template options: pydantic refuses to serialize past ~250 levels
+# ("Maximum serialization depth exceeded") and a message nests them a few
+# levels deeper, so deeper values are refused here, when they are parsed.
+MAX_JSON_DEPTH = 100
+
 # Heartbeats a worker may miss before readers call it dead (WorkerInfo.live_at):
 # one late beat on a loaded host is not a death.
 MISSED_HEARTBEATS = 3
@@ -54,6 +66,40 @@ def validation_summary(error: ValidationError, limit: int = 5) -> str:
         problems.append(f"{where}: {item['msg']}{shown}")
     more = error.error_count() - limit
     return "; ".join(problems) + (f"; and {more} more" if more > 0 else "")
+
+
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep dicts and lists nest in ``value`` (a scalar: 0), counted up to ``limit + 1``.
+
+    Iterative and stops past ``limit``, so a value nested thousands of levels
+    costs no recursion and little time.
+    """
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth) for child in children)
+    return deepest
+
+
+def check_json_depth(value: Any) -> None:
+    """Refuse ``value`` (a field validator's ``ValueError``, which names the field) if it
+    nests past ``MAX_JSON_DEPTH``."""
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"nests more than {MAX_JSON_DEPTH} levels of objects and arrays; this service takes "
+            f"at most {MAX_JSON_DEPTH}: flatten it (a $defs entry and $ref for a recursive part)"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -98,7 +144,19 @@ class SamplingParams(_Message):
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and any(s == "" for s in value):
+        if value is None:
+            return None
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed "
+                "(the engine checks each one at every step of every sequence)"
+            )
+        chars = sum(len(s) for s in value)
+        if chars > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings have {chars} characters together; at most {MAX_STOP_CHARS} are allowed"
+            )
+        if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
         return value or None
 
@@ -111,6 +169,7 @@ class SamplingParams(_Message):
     @classmethod
     def _schema_is_json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
+            check_json_depth(value)
             try:
                 json.dumps(value, allow_nan=False)
             except (TypeError, ValueError) as exc:
@@ -203,6 +262,12 @@ class Conversation(_Message):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @field_validator("tools", "chat_template_kwargs")
+    @classmethod
+    def _not_too_deep(cls, value: Any) -> Any:
+        check_json_depth(value)
+        return value
 
     @model_validator(mode="after")
     def _one_ending(self) -> Conversation:

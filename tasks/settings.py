@@ -71,6 +71,13 @@ class ClientSettings(BaseSettings):
     # H200's (1024). Measured on CPU (bench/split.py, 256 prompts on one
     # worker): 2 parts of 128 cost +1 % over one task, 8 parts of 32 +75 %.
     task_max_prompts: int = Field(default=128, ge=1)
+    # ... and a part holds at most this many sequences (prompts x n): with
+    # n=64, parts of 16 prompts. 1024: an H200 engine's running batch; with
+    # n <= 8 the prompt cap above is the one that splits.
+    task_max_sequences: int = Field(default=1024, ge=1)
+    # A generate call asking for more sequences than this (prompts x n, all
+    # parts together) is refused with InvalidRequest before anything is sent.
+    call_max_sequences: int = Field(default=65_536, ge=1)
     # Redeliveries of a task whose worker died, before it fails for good.
     task_max_redeliveries: int = 3
     # How long a producer retries an unreachable broker before giving up

@@ -1,10 +1,12 @@
 """Split generate calls: one big call as several ``generate`` tasks, joined on ``.get()``.
 
 ``generate.delay(prompts, params)`` with more than ``RQ_TASK_MAX_PROMPTS``
-prompts (``ClientSettings.task_max_prompts``) is sent as ``k`` ordinary
-``generate`` tasks (:func:`plan_parts`: consecutive prompt ranges of nearly
-equal size, each prompt's ``n`` samples in one task), so the workers' engines
-share it. The caller gets a :class:`SplitResult`, whose ``.get()`` waits for
+prompts (``ClientSettings.task_max_prompts``), or more than
+``RQ_TASK_MAX_SEQUENCES`` sequences (prompts x n, :func:`prompts_per_task`),
+is sent as ``k`` ordinary ``generate`` tasks (:func:`plan_parts`: consecutive
+prompt ranges of nearly equal size, each prompt's ``n`` samples in one task),
+so the workers' engines share it. The gateway splits its big requests the
+same way (``api.batcher``). The caller gets a :class:`SplitResult`, whose ``.get()`` waits for
 every part and returns ONE ``GenerationResult`` dict (:func:`join_results`):
 
 - ``outputs``: every prompt's output in prompt order;
@@ -45,7 +47,13 @@ from celery.result import AsyncResult, GroupResult
 
 from tasks.schemas import GenerationResult, Timing, Usage
 
-__all__ = ["SplitResult", "join_results", "plan_parts"]
+__all__ = ["SplitResult", "join_results", "plan_parts", "prompts_per_task"]
+
+
+def prompts_per_task(n: int, max_prompts: int, max_sequences: int) -> int:
+    """The most prompts of ``n`` samples one task holds: ``RQ_TASK_MAX_PROMPTS``, and
+    no more than ``RQ_TASK_MAX_SEQUENCES`` sequences (at least one prompt)."""
+    return max(1, min(max_prompts, max_sequences // n))
 
 
 def plan_parts(prompts: int, max_prompts: int) -> list[range]:

@@ -285,3 +285,58 @@ def test_several_greedy_samples_are_refused_before_enqueueing() -> None:
     with pytest.raises(ValidationError, match="identical greedy samples"):
         SamplingParams(n=2, temperature=0.0)
     assert SamplingParams(n=2, temperature=0.5).n == 2
+
+
+# --------------------------------------------------------------------------
+# Request limits: stop strings, JSON nesting
+# --------------------------------------------------------------------------
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    """A JSON-schema-like object nesting dicts exactly ``levels`` deep."""
+    value: dict[str, Any] = {"type": "string"}
+    for _ in range(levels - 1):
+        value = {"items": value}
+    return value
+
+
+def test_stop_lists_past_the_count_or_size_caps_are_refused_naming_stop_everywhere_params_are_parsed() -> None:
+    from tasks.schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    assert SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop is not None
+    assert SamplingParams(stop=["x" * MAX_STOP_CHARS]).stop is not None
+    too_many = {"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], "n": 4}
+    too_long = {"stop": ["x" * (MAX_STOP_CHARS // 2 + 1)] * 2}
+    for params, words in ((too_many, f"at most {MAX_STOP_STRINGS}"), (too_long, f"at most {MAX_STOP_CHARS}")):
+        # The producer (build_request) and a worker parsing a hand-made message alike.
+        with pytest.raises(pydantic.ValidationError, match=words) as producer:
+            build_request(["hi"], params)
+        assert producer.value.errors()[0]["loc"] == ("params", "stop")
+        with pytest.raises(pydantic.ValidationError, match=words) as wire:
+            GenerateRequest.model_validate({"prompts": ["hi"], "params": params})
+        assert validation_summary(wire.value).startswith("params.stop: ")
+
+
+def test_json_nested_past_the_depth_cap_is_refused_in_schemas_tools_and_template_options() -> None:
+    from tasks.schemas import MAX_JSON_DEPTH, Conversation, json_depth
+
+    assert json_depth(_nested(MAX_JSON_DEPTH)) == MAX_JSON_DEPTH and json_depth("x") == 0
+    assert json_depth(_nested(50_000)) == MAX_JSON_DEPTH + 1  # stops counting: no recursion, no time
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested(MAX_JSON_DEPTH - 4)}}
+    # At the cap, a whole task message still serializes (pydantic's own limit is ~250 levels).
+    deepest = GenerateRequest.model_validate({
+        "prompts": [{"messages": messages, "tools": [tool]}],
+        "params": {"json_schema": _nested(MAX_JSON_DEPTH)},
+    })
+    assert json.loads(json.dumps(deepest.model_dump(mode="json")))
+    deep = _nested(300)
+    deep_tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    for field, build in (
+        ("json_schema", lambda: SamplingParams(json_schema=deep)),
+        ("tools", lambda: Conversation(messages=messages, tools=[deep_tool])),
+        ("chat_template_kwargs", lambda: Conversation(messages=messages, chat_template_kwargs={"x": deep})),
+    ):
+        with pytest.raises(pydantic.ValidationError, match=f"more than {MAX_JSON_DEPTH} levels") as refused:
+            build()
+        assert refused.value.errors()[0]["loc"] == (field,)

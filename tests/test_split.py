@@ -19,10 +19,10 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
 from tasks import generate
-from tasks.errors import PromptTooLong
+from tasks.errors import InvalidRequest, PromptTooLong
 from tasks.schemas import GenerationResult, PromptOutput, Sample, Timing, Usage
 from tasks.signature import signature
-from tasks.split import SplitResult, join_results, plan_parts
+from tasks.split import SplitResult, join_results, plan_parts, prompts_per_task
 from tests.conftest import MAX_MODEL_LEN, wait_for
 from tests.procs import Proc
 
@@ -134,6 +134,46 @@ def test_a_small_call_is_one_task_and_a_big_one_parts_carrying_params_limits_and
         restored = SplitResult.restore(big.id)
         assert restored is not None and [p.id for p in restored.results] == [p.id for p in big.results]
         assert big.state == states.PENDING and not big.ready()
+    finally:
+        redis_client.delete(queue)
+
+
+def test_a_task_holds_at_most_the_sequence_cap_and_always_one_prompt() -> None:
+    assert prompts_per_task(n=1, max_prompts=128, max_sequences=1024) == 128
+    assert prompts_per_task(n=64, max_prompts=128, max_sequences=1024) == 16
+    assert prompts_per_task(n=256, max_prompts=128, max_sequences=16) == 1
+
+
+def test_a_call_with_many_samples_is_split_by_sequences(redis_client: redis_lib.Redis) -> None:
+    from tasks.app import configure, settings
+
+    queue = f"unconsumed-{uuid.uuid4().hex[:8]}"
+    before = settings()
+    configure(before.model_copy(update={"task_max_sequences": 8}))
+    try:
+        # 6 prompts x n=4: 2 prompts (8 sequences) a task, although 6 < RQ_TASK_MAX_PROMPTS.
+        handle = generate.apply_async((PROMPTS[:6], {"n": 4, "max_tokens": 2}), queue=queue)
+        assert isinstance(handle, SplitResult) and len(handle.results) == 3
+        headers = [json.loads(raw)["headers"] for raw in reversed(redis_client.lrange(queue, 0, -1))]
+        assert [(h["rq_first_prompt"], h["rq_sequences"]) for h in headers] == [(0, 8), (2, 8), (4, 8)]
+    finally:
+        configure(before)
+        redis_client.delete(queue)
+
+
+def test_a_call_past_the_sequence_cap_is_refused_before_anything_is_enqueued(
+    redis_client: redis_lib.Redis,
+) -> None:
+    from tasks.app import settings
+
+    queue = f"unconsumed-{uuid.uuid4().hex[:8]}"
+    # The hardening report's request: 16 KB of JSON asking for 128,000 sequences.
+    try:
+        with pytest.raises(InvalidRequest, match="RQ_CALL_MAX_SEQUENCES") as refused:
+            generate.apply_async(([[5, 6]] * 2000, {"n": 64, "max_tokens": 1, "temperature": 1.0}), queue=queue)
+        assert f"at most {settings().call_max_sequences}" in str(refused.value)
+        assert "128000 sequences (2000 prompts x n=64)" in str(refused.value)
+        assert redis_client.llen(queue) == 0
     finally:
         redis_client.delete(queue)
 
