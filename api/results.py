@@ -27,9 +27,9 @@ import redis.asyncio as aioredis
 from celery import states
 from redis.exceptions import RedisError
 
-from tasks import keys
-from tasks.errors import ResultTimeout
-from tasks.schemas import GenerationResult
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import ResultTimeout
+from rollout_queue.tasks.schemas import GenerationResult
 
 log = logging.getLogger("rollout_queue.api")
 

@@ -7,9 +7,9 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from api.settings import ApiSettings
-from tasks.app import configure
-from tasks.settings import ClientSettings
+from rollout_queue.api.settings import ApiSettings
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.settings import ClientSettings
 
 
 def run_api(
@@ -21,7 +21,7 @@ def run_api(
     """Serve the gateway until interrupted. Flags win over ``API_*`` / ``REDIS_URL``."""
     import uvicorn
 
-    from api.app import create_app
+    from rollout_queue.api.app import create_app
 
     given = {"host": host, "port": port, **overrides}
     settings = ApiSettings(**{k: v for k, v in given.items() if v is not None})

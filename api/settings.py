@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tasks import keys
+from rollout_queue.tasks import keys
 
 
 class ApiSettings(BaseSettings):

@@ -34,8 +34,8 @@ def version_line() -> str:
 
 def _setting_help(field: str, text: str) -> str:
     """``text (default: X; env RQ_X)`` from the field's own default."""
-    from tasks.settings import ENV_ALIASES, env_name
-    from workers.settings import WorkerSettings
+    from rollout_queue.tasks.settings import ENV_ALIASES, env_name
+    from rollout_queue.workers.settings import WorkerSettings
 
     info = WorkerSettings.model_fields[field]
     if info.default_factory is not None:
@@ -62,9 +62,9 @@ def _switch(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from workers.engine_cli import parse_engine_args
-    from workers.main import run_worker
-    from workers.settings import WorkerSettings
+    from rollout_queue.workers.engine_cli import parse_engine_args
+    from rollout_queue.workers.main import run_worker
+    from rollout_queue.workers.settings import WorkerSettings
 
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items()
@@ -80,7 +80,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from cli.tiny_model import make_tiny_model
+    from rollout_queue.cli.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.path, seed=args.seed, kind=args.kind, weights=not args.no_weights,
                            dtype=args.dtype)
@@ -89,34 +89,34 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from workers.status import run_status
+    from rollout_queue.workers.status import run_status
 
     return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url, node=args.node)
 
 
 def _dead_letters(args: argparse.Namespace) -> int:
-    from tasks.settings import ClientSettings
-    from workers.dead_letters import run_dead_letters
+    from rollout_queue.tasks.settings import ClientSettings
+    from rollout_queue.workers.dead_letters import run_dead_letters
 
     settings = ClientSettings(redis_url=SecretStr(args.redis_url)) if args.redis_url else ClientSettings()
     return run_dead_letters(settings, queue=args.queue, requeue_id=args.requeue, drop_id=args.drop)
 
 
 def _api(args: argparse.Namespace) -> int:
-    from api.server import run_api
+    from rollout_queue.api.server import run_api
 
     return run_api(host=args.host, port=args.port, redis_url=args.redis_url)
 
 
 def _quickstart_model(args: argparse.Namespace) -> int:
-    from cli.quickstart_model import ensure_quickstart_model
+    from rollout_queue.cli.quickstart_model import ensure_quickstart_model
 
     print(ensure_quickstart_model(args.models_dir))
     return 0
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    from cli.quickstart import run_quickstart
+    from rollout_queue.cli.quickstart import run_quickstart
 
     return run_quickstart()
 
@@ -248,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_invalid(exc: ValidationError, command: str) -> None:
-    from api.settings import ApiSettings
-    from tasks.settings import ClientSettings, describe_invalid
-    from workers.settings import WorkerSettings
+    from rollout_queue.api.settings import ApiSettings
+    from rollout_queue.tasks.settings import ClientSettings, describe_invalid
+    from rollout_queue.workers.settings import WorkerSettings
 
     model, prefix = {"ApiSettings": (ApiSettings, "RQ_API_"),
                      "ClientSettings": (ClientSettings, "RQ_")}.get(exc.title, (WorkerSettings, "RQ_"))

@@ -29,8 +29,8 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from tasks.errors import ControlRefused
-from tasks.schemas import ControlAuth
+from rollout_queue.tasks.errors import ControlRefused
+from rollout_queue.tasks.schemas import ControlAuth
 
 __all__ = ["AUTH_ARGUMENT", "CommandVerifier", "sign_command", "signed_arguments", "signing_payload"]
 

@@ -29,9 +29,9 @@ from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from tasks import keys
-from tasks.app import app, settings
-from tasks.errors import (
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app, settings
+from rollout_queue.tasks.errors import (
     BrokerUnavailable,
     EngineError,
     InvalidRequest,
@@ -39,10 +39,10 @@ from tasks.errors import (
     Requeue,
     RolloutError,
 )
-from tasks.schemas import GenerateRequest, SamplingParams
-from tasks.settings import redact_url
-from tasks.signature import signature
-from tasks.split import SplitResult, plan_parts, prompts_per_task
+from rollout_queue.tasks.schemas import GenerateRequest, SamplingParams
+from rollout_queue.tasks.settings import redact_url
+from rollout_queue.tasks.signature import signature
+from rollout_queue.tasks.split import SplitResult, plan_parts, prompts_per_task
 
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
@@ -226,7 +226,7 @@ class GenerateTask(Task):
     def stream(self, prompts: Any, params: Any = None, **options: Any) -> Iterator[Any]:
         """Send one task and yield its tokens as they are generated (``SampleDelta``),
         then its ``GenerationResult``: see ``tasks.streaming.stream``."""
-        from tasks.streaming import stream
+        from rollout_queue.tasks.streaming import stream
 
         return stream(self, prompts, params, **options)
 

@@ -20,7 +20,7 @@ from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError,
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weight_sync.protocol import WorkerTimeouts
+from rollout_queue.weight_sync.protocol import WorkerTimeouts
 
 
 def redact_url(url: str) -> str:

@@ -29,14 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.command import main as cli_main
-from tasks import keys
-from tasks.schemas import GenerationResult
+from rollout_queue.cli.command import main as cli_main
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.schemas import GenerationResult
+from rollout_queue.workers.poison import DeadLetter, check_task, dead_letter_fetched
+from rollout_queue.workers.reaper import InflightLedger, Reaper
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
 from tests.procs import ARTIFACTS, Proc, free_port
-from workers.poison import DeadLetter, check_task, dead_letter_fetched
-from workers.reaper import InflightLedger, Reaper
 
 QUEUE = POOL = "poison"
 NODE = "poison-a@tests"
@@ -281,7 +281,7 @@ def test_dead_letters_cli_lists_refuses_to_requeue_poison_requeues_what_decodes_
     good_raw = json.dumps(good).encode()
     processing = keys.processing_key("old-version@tests")
     client.lpush(processing, good_raw)
-    from tasks.errors import PoisonMessage
+    from rollout_queue.tasks.errors import PoisonMessage
 
     assert dead_letter_fetched(client, processing, good_raw, queue=QUEUE, node="old-version@tests",
                                poison=PoisonMessage("unknown-task", "no such task on this worker"))
@@ -454,8 +454,8 @@ def test_reclaim_own_and_a_stale_own_fetch_dead_letter_poison_instead_of_raising
 
 
 def test_the_dead_letter_list_is_bounded(quiet: Any) -> None:
-    from tasks.errors import PoisonMessage
-    from workers import poison as poison_module
+    from rollout_queue.tasks.errors import PoisonMessage
+    from rollout_queue.workers import poison as poison_module
 
     srv, _, _ = quiet
     client = srv.client()

@@ -23,8 +23,8 @@ from typing import Any
 from celery import signals
 from celery.worker.strategy import default as default_strategy
 
-from workers.dedup import DuplicateGuard
-from workers.intake import Intake
+from rollout_queue.workers.dedup import DuplicateGuard
+from rollout_queue.workers.intake import Intake
 
 log = logging.getLogger(__name__)
 

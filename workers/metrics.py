@@ -36,10 +36,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tasks.schemas import GenerationResult, WorkerState
+from rollout_queue.tasks.schemas import GenerationResult, WorkerState
 
 if TYPE_CHECKING:
-    from workers.runtime import WorkerRuntime
+    from rollout_queue.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
