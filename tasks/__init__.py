@@ -16,7 +16,7 @@ pydantic; never ``workers``, ``api``, ``cli`` or vLLM, and torch only lazily
 where a sync sends tensors: a trainer or a pipeline imports it on any host.
 """
 
-from rollout_queue import control, sync_weights
+from rollout_queue.tasks import control, sync_weights
 from rollout_queue.tasks.app import app, configure
 from rollout_queue.tasks.errors import RolloutError, WeightSyncError
 from rollout_queue.tasks.generate import generate
