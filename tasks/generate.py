@@ -25,11 +25,12 @@ from typing import Any, Protocol
 from celery import Task
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from tasks import keys
 from tasks.app import app, settings
 from tasks.errors import (
+    BrokerFull,
     BrokerUnavailable,
     EngineError,
     InvalidRequest,
@@ -55,6 +56,8 @@ FIRST_PROMPT_HEADER = "rq_first_prompt"
 # them on the new weights, "restart" generates them again from scratch.
 ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
+# Follow-up tasks Celery would send from the worker: refused (workers.delivery).
+LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
 
@@ -122,6 +125,13 @@ class GenerateTask(Task):
             raise InvalidRequest(
                 f"serializer {serializer!r} refused: tasks travel as JSON only "
                 "(workers accept nothing else; pickle would let a message run code)"
+            )
+        links = sorted(name for name in LINK_OPTIONS if options.get(name))
+        if links:
+            raise InvalidRequest(
+                f"{', '.join(links)} refused: generate tasks run no follow-up task (workers "
+                "dead-letter messages that carry one); wait for the result and send the next "
+                "task from the caller"
             )
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
@@ -198,6 +208,14 @@ class GenerateTask(Task):
     def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
         conf = self._get_app().conf
         url = redact_url(str(conf.broker_url or ""))
+        full = _out_of_memory(exc)
+        if full is not None:
+            return BrokerFull(
+                f"could not enqueue the task: Redis at {url} is full ({self._memory_figures()}) and "
+                f"refuses writes ({full}); nothing was enqueued. Free memory (results are kept for "
+                "RQ_RESULT_EXPIRES seconds; old dead letters: `rollout-queue dead-letters`) or raise "
+                "Redis's maxmemory, then send again"
+            )
         # retry_policy(): about one retry per second of broker_connect_timeout.
         waited = conf.task_publish_retry_policy.get("max_retries", "?")
         if isinstance(exc, RuntimeError) and exc.__cause__ is not None:
@@ -206,6 +224,17 @@ class GenerateTask(Task):
             f"could not enqueue the task: Redis at {url} did not answer for about {waited} s "
             f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
         )
+
+    def _memory_figures(self) -> str:
+        """``used_memory 9.9M of maxmemory 10.0M, maxmemory-policy noeviction`` (INFO is
+        allowed when Redis is full), or what kept us from reading them."""
+        try:
+            with self._get_app().connection_for_write() as conn:
+                memory = conn.default_channel.client.info("memory")
+        except Exception as exc:  # noqa: BLE001  only for the message
+            return f"memory figures unavailable: {type(exc).__name__}"
+        return (f"used_memory {memory.get('used_memory_human', '?')} of maxmemory "
+                f"{memory.get('maxmemory_human', '?')}, maxmemory-policy {memory.get('maxmemory_policy', '?')}")
 
     def stream(self, prompts: Any, params: Any = None, **options: Any) -> Iterator[Any]:
         """Send one task and yield its tokens as they are generated (``SampleDelta``),
@@ -227,6 +256,16 @@ class GenerateTask(Task):
             raise self.retry(exc=exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
         except EngineError as exc:
             raise self.retry(exc=exc, countdown=1) from exc
+
+
+def _out_of_memory(exc: BaseException | None) -> OutOfMemoryError | None:
+    """The ``OutOfMemoryError`` (Redis full) ``exc`` is or was caused by, if any."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OutOfMemoryError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 generate: GenerateTask = app.register_task(GenerateTask())  # type: ignore[assignment]

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli.command import main as cli_main
 from tasks import keys
+from tasks.errors import InvalidRequest
 from tasks.schemas import GenerationResult
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
@@ -94,12 +95,30 @@ def poison(kind: str, task: Any) -> tuple[bytes, str]:
     if kind == "body-not-args-kwargs-embed":  # used to escape it too: unpacking "x"
         env["body"] = base64.b64encode(b'"x"').decode()
         return json.dumps(env).encode(), "not-a-task"
+    if kind == "signature-header-an-object":  # used to fail after generating: ValidationError([])
+        env["headers"]["rq_signature"] = {"not": "a string"}
+        return json.dumps(env).encode(), "bad-headers"
+    if kind == "timelimit-not-numbers":  # used to fail: could not convert string to float
+        env["headers"]["timelimit"] = ["abc", None]
+        return json.dumps(env).encode(), "bad-headers"
+    if kind == "callbacks-to-an-unknown-task":  # the worker used to publish it, with the result
+        args, kwargs, embed = json.loads(base64.b64decode(env["body"]))
+        embed["callbacks"] = [{"task": "nonexistent.task", "args": [], "kwargs": {}, "immutable": False,
+                               "subtask_type": None, "options": {"queue": CALLBACK_QUEUE}}]
+        env["body"] = base64.b64encode(json.dumps([args, kwargs, embed]).encode()).decode()
+        return json.dumps(env).encode(), "links-refused"
     raise ValueError(kind)
 
 
 ENVELOPE_KINDS = ["not-json", "json-of-the-wrong-shape", "bad-base64", "missing-properties",
                   "missing-delivery-tag"]  # refused before kombu reads them
 TASK_KINDS = ["pickle-content-type", "task-without-id", "body-not-args-kwargs-embed"]  # by Celery
+# Refused by the generate task's strategy (workers.delivery) before any work; the
+# task fails naming what was wrong.
+HEADER_KINDS = {"signature-header-an-object": "header 'rq_signature' is",
+                "timelimit-not-numbers": "header 'timelimit' is",
+                "callbacks-to-an-unknown-task": "carries callbacks"}
+CALLBACK_QUEUE = "poison-callbacks"  # where a followed callback would have gone
 
 
 def dead_letters(server: RedisServer, queue: str) -> list[DeadLetter]:
@@ -208,12 +227,12 @@ def test_a_worker_restarted_over_a_poisoned_processing_list_comes_up_and_serves(
     figures["restart_over_poison"] = {"poison_items": len(seeded["items"]), "valid_task_restored": True}
 
 
-@pytest.mark.parametrize("kind", ENVELOPE_KINDS + TASK_KINDS)
+@pytest.mark.parametrize("kind", ENVELOPE_KINDS + TASK_KINDS + list(HEADER_KINDS))
 def test_a_poison_item_is_dead_lettered_and_the_valid_task_behind_it_completes(
     worker: Proc, producer: Any, server: RedisServer, metrics_port: int, kind: str,
     figures: dict[str, Any],
 ) -> None:
-    _, task = producer
+    app, task = producer
     raw, reason = poison(kind, task)
     queue = QUEUE
     seen = {e.id for e in dead_letters(server, queue)}
@@ -231,8 +250,13 @@ def test_a_poison_item_is_dead_lettered_and_the_valid_task_behind_it_completes(
             json.loads(raw)["properties"]["delivery_tag"]
     client = server.client()
     assert client.llen(keys.processing_key(NODE)) == 0
-    if kind in TASK_KINDS:  # it was delivered, then taken out of unacked with its ack
+    if kind in TASK_KINDS or kind in HEADER_KINDS:  # delivered, then taken out of unacked with its ack
         assert not client.hexists(keys.KOMBU_UNACKED, json.loads(raw)["properties"]["delivery_tag"])
+    if kind in HEADER_KINDS:  # refused before generating: the task fails saying why, nothing followed
+        with pytest.raises(InvalidRequest, match=HEADER_KINDS[kind]):
+            app.AsyncResult(json.loads(raw)["headers"]["id"]).get(timeout=TASK_TIMEOUT)
+        assert HEADER_KINDS[kind] in new[0].detail
+        assert client.llen(CALLBACK_QUEUE) == 0
     assert dead_letter_metric(metrics_port, queue, reason) == counted + 1
     assert worker.log_path.read_text(errors="replace").count(new[0].id) == 1  # logged once
     figures.setdefault("poison_kinds_survived", []).append(kind)

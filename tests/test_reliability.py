@@ -27,6 +27,7 @@ from typing import Any
 
 import pydantic
 import pytest
+import redis as redis_lib
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Queue
@@ -34,6 +35,7 @@ from kombu import Connection, Queue
 from cli.localstack import LocalStackError
 from tasks import keys
 from tasks.errors import (
+    BrokerFull,
     BrokerUnavailable,
     GenerationTimeout,
     InvalidRequest,
@@ -849,6 +851,54 @@ def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
     assert rel_worker.alive()
     # Back to normal afterwards.
     assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
+
+
+def fill_to_maxmemory(client: Any, headroom: int = 8 << 20) -> list[str]:
+    """Set maxmemory a little above what is used (noeviction), write until Redis refuses,
+    then lower maxmemory by half the fill (what other clients free meanwhile must not
+    give it room); the keys written, whose deletion gives it room again."""
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", used + headroom)
+    written: list[str] = []
+    with pytest.raises(redis_lib.exceptions.OutOfMemoryError):
+        for index in range(4 * headroom // (256 << 10)):
+            written.append(f"rq-test:fill:{index}")
+            client.set(written[-1], b"x" * (256 << 10))
+    client.config_set("maxmemory", used + headroom // 2)
+    return written
+
+
+def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_serves_once_redis_has_room(
+    rel_worker: Proc, producer: Any, server: RedisServer, figures: dict[str, Any]
+) -> None:
+    client = server.client()
+    log = rel_worker.log_path
+    fenced = log.read_text(errors="replace").count("fenced: Redis is full")
+    was = {key: client.config_get(key)[key] for key in ("maxmemory", "maxmemory-policy")}
+    busy = send(producer, [f"busy p{p}" for p in range(4)], {"max_tokens": 384, "ignore_eos": True})
+    wait_for(lambda: bool(held_tags(server, "rel-a@tests")), 60, "rel-a to hold the busy task")
+    filled = fill_to_maxmemory(client)
+    try:
+        with pytest.raises(BrokerFull, match="is full .*maxmemory.*nothing was enqueued"):
+            send(producer, ["refused"], {"max_tokens": 2})
+        rel_worker.wait_until(
+            lambda: log.read_text(errors="replace").count("fenced: Redis is full") > fenced, 60,
+            "rel-a to fence itself")
+        # Full for longer than the registry's TTL (6 s): the busy task's result
+        # write is refused meanwhile, the entry kept alive by EXPIRE.
+        time.sleep(float(WORKER_ENV["RQ_REGISTRY_TTL_S"]) + 2)
+        assert rel_worker.alive(), "the worker exited when Redis was full"
+        assert registry(server, "rel-a@tests") is not None, "rel-a's registry entry expired"
+    finally:
+        client.delete(*filled)
+        client.config_set("maxmemory", was["maxmemory"])
+        client.config_set("maxmemory-policy", was["maxmemory-policy"])
+    wait_for(lambda: (info := registry(server, "rel-a@tests")) is not None and info.state == "serving", 60,
+             "rel-a to serve again")
+    check_all_done(producer, [busy.id], 4, 120, figures)
+    assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
+    assert rel_worker.alive()
 
 
 def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_event_loop() -> None:

@@ -217,6 +217,17 @@ def test_producers_send_json_only_and_refuse_pickle_payloads() -> None:
     assert generate.app.conf.result_accept_content == ["json"]
 
 
+def test_a_generate_call_asking_for_callbacks_errbacks_or_a_chain_is_refused_before_sending() -> None:
+    from celery import signature
+
+    from tasks import generate
+
+    follow_up = signature("nonexistent.task")
+    for option in ("link", "link_error", "chain"):
+        with pytest.raises(InvalidRequest, match=f"{option} refused: generate tasks run no follow-up"):
+            generate.apply_async((["x"], {}), **{option: [follow_up]})
+
+
 # ---------------------------------------------------------------------------
 # The signed control plane
 # ---------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def run_worker(settings: WorkerSettings) -> int:
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake,
                      die_before_ack=settings.fault_die_before_ack)
+    reliable_redis.on_redis_full(keys.processing_key(settings.name), runtime.redis_full)
     if settings.intake_sequences is not None:
         # Opt-in for now: a worker gated by its engine's room can have no
         # fetch in flight when Redis goes down, and then noticed the outage

@@ -148,13 +148,34 @@ class WorkerRuntime:
         )
 
     def publish(self) -> None:
+        ttl_ms = int(self.settings.registry_ttl_s * 1000)
         try:
-            self.client.set(
-                keys.worker_key(self.node), self.info().model_dump_json(),
-                px=int(self.settings.registry_ttl_s * 1000),
-            )
+            self.client.set(keys.worker_key(self.node), self.info().model_dump_json(), px=ttl_ms)
+        except redis.exceptions.OutOfMemoryError as exc:
+            self.redis_full(str(exc))
+            try:  # EXPIRE is allowed when full: the last entry lives on (other reapers spare us)
+                self.client.pexpire(keys.worker_key(self.node), ttl_ms)
+            except redis.RedisError:
+                pass
         except redis.RedisError as exc:
             log.warning("registry heartbeat failed: %s", exc)
+        else:
+            if self.state.fence_reason is FenceReason.REDIS_FULL:
+                log.warning("Redis has room again: %s takes tasks again", self.node)
+                self.state.lift(FenceReason.REDIS_FULL)
+
+    # ------------------------------------------------------------ Redis full
+
+    def redis_full(self, detail: str) -> None:
+        """Redis refused a write for memory (a fetch, the registry): fence until the
+        heartbeat's registry write goes through again. Tasks held run on."""
+        if self.state.fence_reason is None and self.state.current != "stopping":
+            self.state.fence(
+                FenceReason.REDIS_FULL,
+                f"Redis is full ({detail.strip()}); taking no task until it has room: free memory "
+                "or raise its maxmemory",
+            )
+            log.warning("fenced: Redis is full (%s); %s takes no task until it has room", detail, self.node)
 
     # ------------------------------------------------------------- heartbeat
 

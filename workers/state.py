@@ -9,8 +9,8 @@ only by its own transition:
     sleeping   the engine's KV cache is asleep      sleep() / wake()
     paused     by an operator                       pause() / resume()
     fence      weights behind the fleet's, or       fence(reason) / lift(*reasons),
-               half-loaded (a ``FenceReason``)      finish_update() lifts any (and only it
-                                                   a half-loaded one)
+               half-loaded, or Redis full           finish_update() lifts any (and only it
+               (a ``FenceReason``)                  a half-loaded one)
 
 Every transition goes through :meth:`NodeState._change`, the only writer.
 Everything else asks: ``current`` (the ``WorkerState`` the registry, the
@@ -46,6 +46,9 @@ class FenceReason(enum.Enum):
     FLEET_AHEAD = "fleet ahead"  # the pool's fleet version is above this worker's (heartbeat)
     MISSED_SYNC = "missed sync"  # a sync to a newer version failed before changing any weight
     HALF_LOADED = "half-loaded"  # a failed sync left weights it could not roll back
+    # Redis refuses writes (used memory past maxmemory, noeviction): the worker takes
+    # no task until Redis has room; the tasks it holds run on (their results retry).
+    REDIS_FULL = "redis full"
 
 
 # Lifted when the heartbeat sees the worker at the fleet's version again; a
@@ -120,9 +123,12 @@ class NodeState:
         return self._now.sleeping
 
     def refusal(self) -> str | None:
-        """Why a task must go back to the queue; None: this worker may run it."""
+        """Why a task must go back to the queue; None: this worker may run it.
+
+        Not for Redis being full: a requeue is a write Redis would refuse (Celery
+        then drops the message), and the tasks held run on, their results retried."""
         now = self._now
-        if now.fence is not None:
+        if now.fence is not None and now.fence.reason is not FenceReason.REDIS_FULL:
             return now.fence.detail
         if now.paused:
             return OPERATOR_PAUSE
