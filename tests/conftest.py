@@ -18,6 +18,7 @@ import pytest
 import redis as redis_lib
 
 from cli.localstack import LocalProcess, RedisServer, redis_reachable
+from tasks.settings import environment_redis_url, redis_url_env
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
@@ -45,14 +46,14 @@ def private_redis_server(name: str) -> RedisServer:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    base = environment_redis_url()
     url = base.rsplit("/", 1)[0] + f"/{TEST_DB}"
     server = None
     if not redis_reachable(url):
         server = private_redis_server("valkey-session")
         url = server.url.rsplit("/", 1)[0] + f"/{TEST_DB}"
     redis_lib.Redis.from_url(url).flushdb()
-    os.environ["REDIS_URL"] = url
+    os.environ.update(redis_url_env(url))  # both names: a developer's RQ_REDIS_URL would win
     from tasks.app import configure
     from tasks.settings import ClientSettings
 
@@ -148,7 +149,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--queues", queue, "--pool", pool, *ENGINE_FLAGS,
         ] + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
-                    env={"REDIS_URL": url or redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
+                    env={**redis_url_env(url or redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)
         _STARTED.append((proc, for_session))
         if wait:

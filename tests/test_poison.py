@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import re
 import time
 import urllib.request
 import uuid
@@ -31,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli.command import main as cli_main
 from tasks import keys
-from tasks.errors import InvalidRequest
+from tasks.errors import InvalidRequest, PoisonMessage
 from tasks.schemas import GenerationResult
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
@@ -305,8 +306,6 @@ def test_dead_letters_cli_lists_refuses_to_requeue_poison_requeues_what_decodes_
     good_raw = json.dumps(good).encode()
     processing = keys.processing_key("old-version@tests")
     client.lpush(processing, good_raw)
-    from tasks.errors import PoisonMessage
-
     assert dead_letter_fetched(client, processing, good_raw, queue=QUEUE, node="old-version@tests",
                                poison=PoisonMessage("unknown-task", "no such task on this worker"))
     entry = next(e for e in dead_letters(server, QUEUE) if e.item() == good_raw)
@@ -494,3 +493,31 @@ def test_the_dead_letter_list_is_bounded(quiet: Any) -> None:
     finally:
         poison_module.DEAD_LETTERS_MAX = bound
     assert [e.raw for e in dead_letters(srv, queue)] == [f"junk {i}" for i in (7, 6, 5, 4, 3)]
+
+
+def test_dead_letters_cli_lists_malformed_entries_by_index_and_drops_them(
+    quiet: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    srv, _, task = quiet
+    client = srv.client()
+    url = ["--redis-url", srv.url]
+    queue = "malformed"
+    key = keys.dead_letters(queue)
+    good = DeadLetter.of(json.dumps(envelope(task, queue=queue)).encode(), queue, "n@tests",
+                         PoisonMessage("unknown-task", "no such task on this worker"))
+    client.lpush(key, good.model_dump_json())
+    for bad in (b'{"id": "hand-made"}', b"\xff not even utf-8"):
+        client.lpush(key, bad)  # newest first: index 0 is the last pushed
+    assert cli_main(["dead-letters", "--queue", queue, *url]) == 0
+    out = capsys.readouterr().out
+    assert good.id in out and "1 dead letter(s) in queue malformed, and 2 malformed entries" in out
+    malformed = re.findall(r"(malformed-[0-9a-f]{12})  malformed entry #(\d) of", out)
+    assert sorted(index for _, index in malformed) == ["0", "1"]
+    first = malformed[0][0]
+    assert cli_main(["dead-letters", "--requeue", first, *url]) == 2
+    assert "not a dead letter" in capsys.readouterr().err
+    for entry_id, _ in malformed:
+        assert cli_main(["dead-letters", "--drop", entry_id, *url]) == 0
+    assert [DeadLetter.model_validate_json(e).id for e in client.lrange(key, 0, -1)] == [good.id]
+    assert cli_main(["dead-letters", "--drop", good.id, *url]) == 0
+    assert client.llen(key) == 0
