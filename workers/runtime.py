@@ -66,7 +66,8 @@ class WorkerRuntime:
             held=held_delivery_tags,
         )
         # Checks the signature of every state-changing control command (workers/control.py).
-        self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s)
+        self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s,
+                                        client=self.client)
         self.sync = SyncParticipant(host, self.node, self.client, self.state)
         self.consumer: Any = None
         self._consuming = True
