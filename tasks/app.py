@@ -159,16 +159,12 @@ def worker_config(settings: ClientSettings) -> dict[str, Any]:
     """What a worker changes: ride out a Redis outage instead of failing fast.
 
     A finished task's result is retried for ``result_store_timeout`` seconds
-    (a Redis restart, or a Redis full to its maxmemory, must not turn a good
-    result into a failure); the broker
+    (a Redis restart must not turn a good result into a failure); the broker
     connection is retried for ever (``broker_connection_max_retries``).
     """
     store = retry_policy(settings.result_store_timeout)
     return {
-        # Redis full (maxmemory, noeviction) refuses a result for a while, as a
-        # restart would: retried alike, with backoff, not lost.
-        "result_backend_transport_options": {"retry_policy": store, "additional_connection_errors": (
-            "redis.exceptions.OutOfMemoryError",)},
+        "result_backend_transport_options": {"retry_policy": store},
         "result_backend_always_retry": True,
         "result_backend_max_retries": store["max_retries"],
     }

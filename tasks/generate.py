@@ -17,6 +17,7 @@ On a worker, :attr:`GenerateTask.executor` is installed at boot
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -38,10 +39,13 @@ from tasks.errors import (
     Requeue,
     RolloutError,
 )
+from tasks.registry import eviction_warning
 from tasks.schemas import GenerateRequest, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
 from tasks.split import SplitResult, plan_parts
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
@@ -56,6 +60,8 @@ FIRST_PROMPT_HEADER = "rq_first_prompt"
 # them on the new weights, "restart" generates them again from scratch.
 ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
+# Whether this process has looked at Redis's eviction policy (a one-item list once it has).
+_EVICTION_CHECKED: list[bool] = []
 # Follow-up tasks Celery would send from the worker: refused (workers.delivery).
 LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
@@ -166,7 +172,9 @@ class GenerateTask(Task):
         options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))
         wire = request.model_dump(mode="json")
         try:
-            return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
+            sent = super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
+            self._check_eviction_once()
+            return sent
         except (OperationalError, RedisError, RuntimeError) as exc:
             # OperationalError: kombu gave up publishing. RuntimeError: Celery's
             # result consumer gave up subscribing to the result (it wraps the
@@ -224,6 +232,19 @@ class GenerateTask(Task):
             f"could not enqueue the task: Redis at {url} did not answer for about {waited} s "
             f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
         )
+
+    def _check_eviction_once(self) -> None:
+        """After this process's first task: warn if Redis may evict keys (tasks would be lost)."""
+        if _EVICTION_CHECKED:
+            return
+        _EVICTION_CHECKED.append(True)
+        try:
+            with self._get_app().connection_for_write() as conn:
+                warning = eviction_warning(conn.default_channel.client)
+        except Exception:  # noqa: BLE001  a warning only: never the caller's failure
+            return
+        if warning is not None:
+            log.warning("%s", warning)
 
     def _memory_figures(self) -> str:
         """``used_memory 9.9M of maxmemory 10.0M, maxmemory-policy noeviction`` (INFO is

@@ -42,6 +42,7 @@ from tasks.errors import (
     PromptTooLong,
     RedeliveryLimitReached,
 )
+from tasks.registry import eviction_warning
 from tasks.schemas import GenerationResult, WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
@@ -874,31 +875,58 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
 ) -> None:
     client = server.client()
     log = rel_worker.log_path
-    fenced = log.read_text(errors="replace").count("fenced: Redis is full")
+
+    def count(text: str) -> int:
+        return log.read_text(errors="replace").count(text)
+
+    fenced, refused = count("fenced: Redis is full"), count("a result write was refused")
     was = {key: client.config_get(key)[key] for key in ("maxmemory", "maxmemory-policy")}
-    busy = send(producer, [f"busy p{p}" for p in range(4)], {"max_tokens": 384, "ignore_eos": True})
+    busy = send(producer, [f"busy p{p}" for p in range(4)], {"max_tokens": 128, "ignore_eos": True})
     wait_for(lambda: bool(held_tags(server, "rel-a@tests")), 60, "rel-a to hold the busy task")
     filled = fill_to_maxmemory(client)
+    full_since = time.monotonic()
     try:
         with pytest.raises(BrokerFull, match="is full .*maxmemory.*nothing was enqueued"):
             send(producer, ["refused"], {"max_tokens": 2})
-        rel_worker.wait_until(
-            lambda: log.read_text(errors="replace").count("fenced: Redis is full") > fenced, 60,
-            "rel-a to fence itself")
-        # Full for longer than the registry's TTL (6 s): the busy task's result
-        # write is refused meanwhile, the entry kept alive by EXPIRE.
-        time.sleep(float(WORKER_ENV["RQ_REGISTRY_TTL_S"]) + 2)
+        rel_worker.wait_until(lambda: count("fenced: Redis is full") > fenced, 60, "rel-a to fence itself")
+        rel_worker.wait_until(lambda: count("a result write was refused") > refused, 120,
+                              "the busy task's result write to be refused")
+        # Full for longer than the registry's TTL (6 s): the entry is kept alive by EXPIRE.
+        time.sleep(max(0.0, float(WORKER_ENV["RQ_REGISTRY_TTL_S"]) + 2 - (time.monotonic() - full_since)))
         assert rel_worker.alive(), "the worker exited when Redis was full"
         assert registry(server, "rel-a@tests") is not None, "rel-a's registry entry expired"
     finally:
+        full_for = time.monotonic() - full_since
         client.delete(*filled)
         client.config_set("maxmemory", was["maxmemory"])
         client.config_set("maxmemory-policy", was["maxmemory-policy"])
     wait_for(lambda: (info := registry(server, "rel-a@tests")) is not None and info.state == "serving", 60,
              "rel-a to serve again")
-    check_all_done(producer, [busy.id], 4, 120, figures)
+    check_all_done(producer, [busy.id], 4, 120, figures)  # its refused result was retried, not lost
     assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
     assert rel_worker.alive()
+    figures["redis_full_survived"] = {"full_for_s": round(full_for, 1)}
+
+
+def test_a_redis_that_may_evict_keys_is_named_in_a_warning_at_a_producers_first_task(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import tasks.generate
+
+    srv = RedisServer("rel-evict").start()
+    try:
+        client = srv.client()
+        assert eviction_warning(client) is None  # no maxmemory: nothing to evict for
+        client.config_set("maxmemory", "64mb")
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        assert "maxmemory-policy allkeys-lru" in (eviction_warning(client) or "")
+        monkeypatch.setattr(tasks.generate, "_EVICTION_CHECKED", [])
+        _, task = client_app(srv.url)
+        with caplog.at_level("WARNING", logger="tasks.generate"):
+            task.apply_async((["x"], {"max_tokens": 1}), queue="nobody")
+        assert "Redis may evict keys when full" in caplog.text and "noeviction" in caplog.text
+    finally:
+        srv.stop()
 
 
 def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_event_loop() -> None:

@@ -72,6 +72,18 @@ def test_the_heartbeat_lifts_only_the_fences_it_set_or_a_missed_sync() -> None:
     assert state.current == "fenced" and state.fence_reason is FenceReason.HALF_LOADED
 
 
+def test_a_full_redis_fence_stops_consuming_but_lets_held_tasks_run_until_redis_has_room() -> None:
+    state = serving()
+    state.fence(FenceReason.REDIS_FULL, "Redis is full")
+    assert state.current == "fenced" and not state.consuming
+    # A requeue is a write Redis would refuse: the tasks it holds run on.
+    assert state.refusal() is None
+    state.lift(*CAUGHT_UP)  # the heartbeat's fleet check does not lift it
+    assert state.fence_reason is FenceReason.REDIS_FULL
+    state.lift(FenceReason.REDIS_FULL)
+    assert state.current == "serving" and state.consuming
+
+
 def test_lifting_a_reason_the_worker_is_not_fenced_for_changes_nothing() -> None:
     state = serving()
     state.fence(FenceReason.FLEET_AHEAD, "behind")
