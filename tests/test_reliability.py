@@ -15,6 +15,7 @@ docs/RELIABILITY.md quotes them.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -911,8 +912,7 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
 def test_a_redis_that_may_evict_keys_is_named_in_a_warning_at_a_producers_first_task(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    import tasks.generate
-
+    generate_module = importlib.import_module("tasks.generate")  # tasks.generate is also the task
     srv = RedisServer("rel-evict").start()
     try:
         client = srv.client()
@@ -920,7 +920,7 @@ def test_a_redis_that_may_evict_keys_is_named_in_a_warning_at_a_producers_first_
         client.config_set("maxmemory", "64mb")
         client.config_set("maxmemory-policy", "allkeys-lru")
         assert "maxmemory-policy allkeys-lru" in (eviction_warning(client) or "")
-        monkeypatch.setattr(tasks.generate, "_EVICTION_CHECKED", [])
+        monkeypatch.setattr(generate_module, "_EVICTION_CHECKED", [])
         _, task = client_app(srv.url)
         with caplog.at_level("WARNING", logger="tasks.generate"):
             task.apply_async((["x"], {"max_tokens": 1}), queue="nobody")
