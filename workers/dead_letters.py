@@ -91,7 +91,7 @@ def requeue(client: redis.Redis, entry_id: str, accept: list[str]) -> str:
 
 def drop(client: redis.Redis, entry_id: str) -> Entry:
     key, stored, entry = _find(client, entry_id)
-    if not client.lrem(key, 1, stored):
+    if not client.lrem(key, 1, stored):  # type: ignore[arg-type]  # bytes: redis-py sends them as they are
         raise DeadLetterNotFound(f"dead letter {entry_id} went while it was being dropped")
     return entry
 

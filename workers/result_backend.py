@@ -28,7 +28,8 @@ def backend_url(redis_url: str) -> str:
 class ResultBackend(RedisBackend):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.connection_errors = (*self.connection_errors, OutOfMemoryError)
+        errors: tuple[type[BaseException], ...] = tuple(getattr(self, "connection_errors", ()))
+        self.connection_errors = (*errors, OutOfMemoryError)
 
     def on_connection_error(self, max_retries: int | None, exc: Exception, intervals: Any,
                             retries: int) -> float:
