@@ -188,7 +188,7 @@ class GenerateTask(Task):
     ) -> SplitResult:
         """One task per part of ``plan_parts``, same params, headers and options (time
         limits, queue, expiry apply to each part); ``tasks.split`` joins them."""
-        refused = sorted({"link", "link_error", "chain", "chord", "group_id"} & set(options))
+        refused = sorted({"group_id"} & set(options))  # links are refused for every call (apply_async)
         if refused:
             raise InvalidRequest(
                 f"{', '.join(refused)} cannot be used with a split generate call "

@@ -4,7 +4,9 @@ Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
 through, the ``SyncParticipant``, the ``CommandVerifier`` of signed control
 commands, the registry heartbeat (a thread writing ``WorkerInfo`` with a TTL)
 and fencing: a worker whose weights are older than the fleet's stops
-consuming the generate queue until a sync catches it up.
+consuming the generate queue until a sync catches it up; one whose writes
+Redis refuses for memory (a fetch, the registry) stops until its registry
+write goes through again (:meth:`WorkerRuntime.redis_full`).
 Its state (``workers.state.NodeState``, the engine host's) is written only
 through its transitions; the runtime follows each change, consuming its queues
 or not and publishing the registry entry.
