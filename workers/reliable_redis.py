@@ -54,7 +54,8 @@ writes (``OutOfMemoryError``: Celery took it for an unrecoverable error and
 the worker exited). Here a refused fetch is an empty one: the transport
 fetches nothing for a while (0.5 s, doubling to 5 s), a message taken
 whose record was refused goes back to the head of its queue, and the node's
-handler (:func:`on_redis_full`, the runtime's fence) is told.
+handler (:func:`on_redis_full`, the runtime's fence) is told. Any other
+write refused for memory on the consumer's path counts as a lost connection.
 """
 
 from __future__ import annotations
@@ -293,12 +294,12 @@ class Channel(kombu_redis.Channel):
         try:
             try:
                 reply = self.client.parse_response(self.client.connection, command, **options)
+            except redis.exceptions.OutOfMemoryError as exc:  # before: it is a connection error too
+                self._rq_redis_full(exc)
+                raise virtual.Empty() from exc
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
-            except redis.exceptions.OutOfMemoryError as exc:
-                self._rq_redis_full(exc)
-                raise virtual.Empty() from exc
             if command == "BLMOVE":
                 source, item = key, reply
             else:
@@ -389,6 +390,11 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    # A write refused for memory outside the fetch (declaring the queues as the
+    # consumer starts, or as the Redis-full fence lifts, on a Redis full again) is
+    # a lost connection to Celery: it reconnects, with its backoff, instead of
+    # exiting on an "unrecoverable" error. The fetch handles its own (above).
+    connection_errors = (*kombu_redis.Transport.connection_errors, redis.exceptions.OutOfMemoryError)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
