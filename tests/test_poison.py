@@ -525,3 +525,23 @@ def test_dead_letters_cli_lists_malformed_entries_by_index_and_drops_them(
     assert [DeadLetter.model_validate_json(e).id for e in client.lrange(key, 0, -1)] == [good.id]
     assert cli_main(["dead-letters", "--drop", good.id, *url]) == 0
     assert client.llen(key) == 0
+
+
+def test_every_generate_header_a_worker_reads_is_checked_and_the_refusal_names_it() -> None:
+    from workers.delivery import check_headers, check_no_links
+
+    good = {"rq_signature": "abc", "rq_sent_at": 1.5, "rq_min_weight_version": 0, "rq_sequences": 4,
+            "rq_first_prompt": 0, "rq_on_new_weights": "restart", "rq_stream": True,
+            "timelimit": [60, None], "unrelated": {"any": "thing"}}
+    check_headers(good)
+    check_headers({})  # every one may be absent
+    bad = {"rq_signature": {"an": "object"}, "rq_sent_at": "yesterday", "rq_min_weight_version": -1,
+           "rq_sequences": True, "rq_first_prompt": 1.5, "rq_on_new_weights": "keep",
+           "rq_stream": [1], "timelimit": ["abc"]}
+    for name, value in bad.items():
+        with pytest.raises(PoisonMessage, match=f"header '{name}' is") as refused:
+            check_headers({**good, name: value})
+        assert refused.value.kind == "bad-headers"
+    check_no_links({"callbacks": None, "errbacks": None, "chain": None, "chord": None})  # Celery's defaults
+    with pytest.raises(PoisonMessage, match="carries errbacks, chain"):
+        check_no_links({"errbacks": [{"task": "x"}], "chain": [{"task": "y"}]})
