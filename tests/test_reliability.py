@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ import redis as redis_lib
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Queue
+from prometheus_client.parser import text_string_to_metric_families
 
 from cli.localstack import LocalStackError
 from tasks import keys
@@ -53,7 +55,7 @@ from tests.private_redis import (
     server_fixture,
     wait_results,
 )
-from tests.procs import ARTIFACTS, Proc
+from tests.procs import ARTIFACTS, Proc, free_port
 from workers.reaper import InflightLedger, Reaper
 from workers.reliable_redis import FETCH_SCRIPT
 from workers.reliable_redis import Transport as ReliableTransport
@@ -103,9 +105,16 @@ def own_queue(node: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def rel_worker(start_worker: WorkerStarter, model_a: Path, server: RedisServer) -> Iterator[Proc]:
+def rel_metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def rel_worker(start_worker: WorkerStarter, model_a: Path, server: RedisServer,
+               rel_metrics_port: int) -> Iterator[Proc]:
     proc = start_worker(model_a, "rel-a@tests", queue=",".join([QUEUE, *map(own_queue, VICTIMS)]), pool=POOL,
-                        url=server.url, max_inflight=8, extra=WORKER_ARGS, env=WORKER_ENV, wait=False)
+                        url=server.url, max_inflight=8, env=WORKER_ENV, wait=False,
+                        extra=[*WORKER_ARGS, "--metrics-port", str(rel_metrics_port)])
     victims = {node: start_worker(model_a, node, queue=own_queue(node), pool=str(spec.get("pool", POOL)),
                                   url=server.url, max_inflight=spec["max_inflight"], extra=WORKER_ARGS,
                                   env=spec["env"], wait=False)
@@ -871,8 +880,16 @@ def fill_to_maxmemory(client: Any, headroom: int = 8 << 20) -> list[str]:
     return written
 
 
+def fenced_for(port: int) -> set[str]:
+    """The reasons the worker's /metrics say it is fenced for."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {sample.labels["reason"] for family in text_string_to_metric_families(text)
+            if family.name == "rollout_queue_fenced" for sample in family.samples if sample.value == 1}
+
+
 def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_serves_once_redis_has_room(
-    rel_worker: Proc, producer: Any, server: RedisServer, figures: dict[str, Any]
+    rel_worker: Proc, producer: Any, server: RedisServer, rel_metrics_port: int, figures: dict[str, Any]
 ) -> None:
     client = server.client()
     log = rel_worker.log_path
@@ -890,6 +907,7 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
         with pytest.raises(BrokerFull, match="is full .*maxmemory.*nothing was enqueued"):
             send(producer, ["refused"], {"max_tokens": 2})
         rel_worker.wait_until(lambda: count("fenced: Redis is full") > fenced, 60, "rel-a to fence itself")
+        assert fenced_for(rel_metrics_port) == {"redis full"}  # the registry cannot be written: /metrics says so
         rel_worker.wait_until(lambda: count("a result write was refused") > refused, 120,
                               "the busy task's result write to be refused")
         # Full for longer than the registry's TTL (6 s): the entry is kept alive by EXPIRE.
@@ -901,6 +919,8 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
         client.delete(*filled)
         client.config_set("maxmemory", was["maxmemory"])
         client.config_set("maxmemory-policy", was["maxmemory-policy"])
+    # (The registry kept its entry from before the fill, which says serving: the fence is in /metrics.)
+    wait_for(lambda: fenced_for(rel_metrics_port) == set(), 60, "rel-a's fence to lift")
     wait_for(lambda: (info := registry(server, "rel-a@tests")) is not None and info.state == "serving", 60,
              "rel-a to serve again")
     check_all_done(producer, [busy.id], 4, 120, figures)  # its refused result was retried, not lost
