@@ -910,16 +910,17 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
         assert fenced_for(rel_metrics_port) == {"redis full"}  # the registry cannot be written: /metrics says so
         rel_worker.wait_until(lambda: count("a result write was refused") > refused, 120,
                               "the busy task's result write to be refused")
-        # Full for longer than the registry's TTL (6 s): the entry is kept alive by EXPIRE.
+        # Full for longer than the registry's TTL (6 s): the entry is rewritten all the same.
         time.sleep(max(0.0, float(WORKER_ENV["RQ_REGISTRY_TTL_S"]) + 2 - (time.monotonic() - full_since)))
         assert rel_worker.alive(), "the worker exited when Redis was full"
-        assert registry(server, "rel-a@tests") is not None, "rel-a's registry entry expired"
+        info = registry(server, "rel-a@tests")
+        assert info is not None, "rel-a's registry entry expired"
+        assert info.state == "fenced", "the registry does not say rel-a is fenced"
     finally:
         full_for = time.monotonic() - full_since
         client.delete(*filled)
         client.config_set("maxmemory", was["maxmemory"])
         client.config_set("maxmemory-policy", was["maxmemory-policy"])
-    # (The registry kept its entry from before the fill, which says serving: the fence is in /metrics.)
     wait_for(lambda: fenced_for(rel_metrics_port) == set(), 60, "rel-a's fence to lift")
     wait_for(lambda: (info := registry(server, "rel-a@tests")) is not None and info.state == "serving", 60,
              "rel-a to serve again")

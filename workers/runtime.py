@@ -40,6 +40,15 @@ from workers.sync import SyncParticipant
 
 log = logging.getLogger(__name__)
 
+# KEYS[1]: the registry key; ARGV: the entry, its TTL (ms). Goes through when Redis is
+# full (its first write, the DEL, frees what the SET takes again; a script that has
+# written is not stopped midway): the registry says the worker is fenced meanwhile.
+REPLACE_ENTRY_SCRIPT = """
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 
 class WorkerRuntime:
     def __init__(self, settings: WorkerSettings, host: EngineHost) -> None:
@@ -152,14 +161,18 @@ class WorkerRuntime:
 
     def publish(self) -> None:
         ttl_ms = int(self.settings.registry_ttl_s * 1000)
+        key = keys.worker_key(self.node)
         try:
-            self.client.set(keys.worker_key(self.node), self.info().model_dump_json(), px=ttl_ms)
+            self.client.set(key, self.info().model_dump_json(), px=ttl_ms)
         except redis.exceptions.OutOfMemoryError as exc:
             self.redis_full(str(exc))
-            try:  # EXPIRE is allowed when full: the last entry lives on (other reapers spare us)
-                self.client.pexpire(keys.worker_key(self.node), ttl_ms)
+            try:  # the entry says fenced, and lives on (other workers' reapers spare us)
+                self.client.eval(REPLACE_ENTRY_SCRIPT, 1, key, self.info().model_dump_json(), ttl_ms)
             except redis.RedisError:
-                pass
+                try:  # EXPIRE is allowed when full: the last entry at least
+                    self.client.pexpire(key, ttl_ms)
+                except redis.RedisError:
+                    pass
         except redis.RedisError as exc:
             log.warning("registry heartbeat failed: %s", exc)
         else:
