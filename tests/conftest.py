@@ -53,7 +53,10 @@ def redis_url() -> Iterator[str]:
         server = private_redis_server("valkey-session")
         url = server.url.rsplit("/", 1)[0] + f"/{TEST_DB}"
     redis_lib.Redis.from_url(url).flushdb()
-    os.environ.update(redis_url_env(url))  # both names: a developer's RQ_REDIS_URL would win
+    # A developer's RQ_REDIS_URL would win over the REDIS_URL of every process a test
+    # starts (tests that start them on a private server hand them REDIS_URL).
+    os.environ.pop("RQ_REDIS_URL", None)
+    os.environ["REDIS_URL"] = url
     from tasks.app import configure
     from tasks.settings import ClientSettings
 

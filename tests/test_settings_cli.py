@@ -42,6 +42,7 @@ def test_settings_read_rq_prefixed_variables(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_redis_url_is_a_documented_alias_and_the_prefixed_name_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RQ_REDIS_URL", raising=False)  # the caller's own
     monkeypatch.setenv("REDIS_URL", "redis://from-alias:6379/1")
     assert ClientSettings().redacted_url == "redis://from-alias:6379/1"
     monkeypatch.setenv("RQ_REDIS_URL", "redis://from-prefixed:6379/2")
