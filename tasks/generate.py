@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from celery import Task
+from celery.exceptions import Reject
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import OutOfMemoryError, RedisError
@@ -274,9 +275,23 @@ class GenerateTask(Task):
         except Requeue as exc:
             # Not this worker's to serve now (weights too old, sync abort):
             # back to the queue for any worker, without using up retries.
-            raise self.retry(exc=exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
+            raise self._retry(exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
         except EngineError as exc:
-            raise self.retry(exc=exc, countdown=1) from exc
+            raise self._retry(exc, countdown=1) from exc
+
+    def _retry(self, exc: Exception, **options: Any) -> BaseException:
+        """Celery's ``retry``; when Redis refuses the new message (full, or away), the
+        task's own message is rejected *with* requeue instead of Celery's dropping it:
+        it goes back to its queue, or, Redis refusing that too, stays in ``unacked``,
+        where the reaper finds it once no task of this worker holds it."""
+        try:
+            return self.retry(exc=exc, **options)
+        except Reject as rejected:
+            if isinstance(rejected.reason, BrokerUnavailable) and not rejected.requeue:
+                log.warning("could not requeue task %s (%s); its message goes back to its queue as it is",
+                            self.request.id, rejected.reason)
+                return Reject(rejected.reason, requeue=True)
+            raise
 
 
 def _out_of_memory(exc: BaseException | None) -> OutOfMemoryError | None:

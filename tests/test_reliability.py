@@ -30,6 +30,7 @@ from typing import Any
 import pydantic
 import pytest
 import redis as redis_lib
+from celery.exceptions import Reject
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Queue
@@ -44,6 +45,7 @@ from tasks.errors import (
     InvalidRequest,
     PromptTooLong,
     RedeliveryLimitReached,
+    Requeue,
 )
 from tasks.registry import eviction_warning
 from tasks.schemas import GenerationResult, WorkerInfo
@@ -928,6 +930,33 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
     assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
     assert rel_worker.alive()
     figures["redis_full_survived"] = {"full_for_s": round(full_for, 1)}
+
+
+def test_a_task_whose_requeue_a_full_redis_refuses_goes_back_with_its_own_message_not_dropped() -> None:
+    # Celery rejects a task whose retry it could not publish *without* requeue: the
+    # message was deleted. A requeue (weights too old, fenced) on a full Redis was lost.
+    srv = RedisServer("rel-full-requeue").start()
+    _, task = client_app(srv.url)
+
+    class RequeueAlways:
+        def execute(self, task: Any, prompts: Any, params: Any) -> dict[str, Any]:
+            raise Requeue("task needs weight_version >= 1; this worker has 0", countdown=0.5)
+
+    task.executor = RequeueAlways()
+    try:
+        fill_to_maxmemory(srv.client(), headroom=2 << 20)
+        task.push_request(id=str(uuid.uuid4()), args=[["x"], {}], kwargs={}, retries=0, headers={},
+                          delivery_info={"exchange": "", "routing_key": "nobody"}, called_directly=False,
+                          is_eager=False, hostname="w@tests")
+        try:
+            with pytest.raises(Reject) as rejected:
+                task.run(["x"], {})
+        finally:
+            task.pop_request()
+        assert rejected.value.requeue, "the task's message would be dropped"
+        assert isinstance(rejected.value.reason, BrokerFull)
+    finally:
+        srv.stop()
 
 
 def test_a_redis_that_may_evict_keys_is_named_in_a_warning_at_a_producers_first_task(
