@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.settings import environment_redis_url, redis_url_env  # after the path
+from tasks.settings import environment_redis_url, redact_url, redis_url_env  # after the path
 
 
 def state_dict(shape: str, dtype: str, device: str) -> dict:
@@ -114,6 +114,9 @@ def main() -> int:
                    *(["--cpu-weights", args.cpu_weights] if not cuda else [])],
             env=worker_env,
         )
+        # stderr: stdout carries the JSON line. A silent wait was 15 minutes of nothing once.
+        print(f"waiting for {stack.worker_name(0)} to serve on {redact_url(url)} "
+              f"(log {run_dir / 'worker-0.log'})", file=sys.stderr, flush=True)
         stack.start_worker(spec, timeout=900)
         worker = stack.worker_name(0)
 
