@@ -7,6 +7,7 @@
     ├── GenerationTimeout         a task ran past its time limit; its requests were aborted
     ├── Requeue                   not this worker's to serve now; back to the queue
     ├── BrokerUnavailable         Redis could not be reached before the deadline
+    │   └── BrokerFull            Redis refused the task: used memory is past its maxmemory
     ├── RedeliveryLimitReached    the task's worker died too often while holding it
     ├── PoisonMessage             a queue item no worker can decode; dead-lettered
     ├── DeadLetterNotFound        no dead letter with that id (``rollout-queue dead-letters``)
@@ -86,6 +87,11 @@ class Requeue(RolloutError):
 
 class BrokerUnavailable(RolloutError, ConnectionError):
     """Redis did not answer before the deadline."""
+
+
+class BrokerFull(BrokerUnavailable):
+    """Redis refused to enqueue: its used memory is past ``maxmemory`` (policy
+    ``noeviction``). Nothing was enqueued; it passes once Redis has room."""
 
 
 class ControlError(RolloutError):

@@ -19,19 +19,22 @@ On a worker, :attr:`GenerateTask.executor` is installed at boot
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from celery import Task
+from celery.exceptions import Reject
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from tasks import keys
 from tasks.app import app, settings
 from tasks.errors import (
+    BrokerFull,
     BrokerUnavailable,
     EngineError,
     InvalidRequest,
@@ -39,10 +42,13 @@ from tasks.errors import (
     Requeue,
     RolloutError,
 )
+from tasks.registry import eviction_warning
 from tasks.schemas import GenerateRequest, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
 from tasks.split import SplitResult, plan_parts, prompts_per_task
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
@@ -57,6 +63,10 @@ FIRST_PROMPT_HEADER = "rq_first_prompt"
 # them on the new weights, "restart" generates them again from scratch.
 ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
+# Whether this process has looked at Redis's eviction policy (a one-item list once it has).
+_EVICTION_CHECKED: list[bool] = []
+# Follow-up tasks Celery would send from the worker: refused (workers.delivery).
+LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
 
@@ -136,6 +146,13 @@ class GenerateTask(Task):
                 f"serializer {serializer!r} refused: tasks travel as JSON only "
                 "(workers accept nothing else; pickle would let a message run code)"
             )
+        links = sorted(name for name in LINK_OPTIONS if options.get(name))
+        if links:
+            raise InvalidRequest(
+                f"{', '.join(links)} refused: generate tasks run no follow-up task (workers "
+                "dead-letter messages that carry one); wait for the result and send the next "
+                "task from the caller"
+            )
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
         on_new_weights = options.pop("on_new_weights", None)
@@ -171,7 +188,9 @@ class GenerateTask(Task):
         options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))
         wire = request.model_dump(mode="json")
         try:
-            return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
+            sent = super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
+            self._check_eviction_once()
+            return sent
         except (OperationalError, RedisError, RuntimeError) as exc:
             # OperationalError: kombu gave up publishing. RuntimeError: Celery's
             # result consumer gave up subscribing to the result (it wraps the
@@ -185,7 +204,7 @@ class GenerateTask(Task):
     ) -> SplitResult:
         """One task per part of ``plan_parts``, same params, headers and options (time
         limits, queue, expiry apply to each part); ``tasks.split`` joins them."""
-        refused = sorted({"link", "link_error", "chain", "chord", "group_id"} & set(options))
+        refused = sorted({"group_id"} & set(options))  # links are refused for every call (apply_async)
         if refused:
             raise InvalidRequest(
                 f"{', '.join(refused)} cannot be used with a split generate call "
@@ -214,6 +233,14 @@ class GenerateTask(Task):
     def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
         conf = self._get_app().conf
         url = redact_url(str(conf.broker_url or ""))
+        full = _out_of_memory(exc)
+        if full is not None:
+            return BrokerFull(
+                f"could not enqueue the task: Redis at {url} is full ({self._memory_figures()}) and "
+                f"refuses writes ({full}); nothing was enqueued. Free memory (results are kept for "
+                "RQ_RESULT_EXPIRES seconds; old dead letters: `rollout-queue dead-letters`) or raise "
+                "Redis's maxmemory, then send again"
+            )
         # retry_policy(): about one retry per second of broker_connect_timeout.
         waited = conf.task_publish_retry_policy.get("max_retries", "?")
         if isinstance(exc, RuntimeError) and exc.__cause__ is not None:
@@ -222,6 +249,30 @@ class GenerateTask(Task):
             f"could not enqueue the task: Redis at {url} did not answer for about {waited} s "
             f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
         )
+
+    def _check_eviction_once(self) -> None:
+        """After this process's first task: warn if Redis may evict keys (tasks would be lost)."""
+        if _EVICTION_CHECKED:
+            return
+        _EVICTION_CHECKED.append(True)
+        try:
+            with self._get_app().connection_for_write() as conn:
+                warning = eviction_warning(conn.default_channel.client)
+        except Exception:  # noqa: BLE001  a warning only: never the caller's failure
+            return
+        if warning is not None:
+            log.warning("%s", warning)
+
+    def _memory_figures(self) -> str:
+        """``used_memory 9.9M of maxmemory 10.0M, maxmemory-policy noeviction`` (INFO is
+        allowed when Redis is full), or what kept us from reading them."""
+        try:
+            with self._get_app().connection_for_write() as conn:
+                memory = conn.default_channel.client.info("memory")
+        except Exception as exc:  # noqa: BLE001  only for the message
+            return f"memory figures unavailable: {type(exc).__name__}"
+        return (f"used_memory {memory.get('used_memory_human', '?')} of maxmemory "
+                f"{memory.get('maxmemory_human', '?')}, maxmemory-policy {memory.get('maxmemory_policy', '?')}")
 
     def stream(self, prompts: Any, params: Any = None, **options: Any) -> Iterator[Any]:
         """Send one task and yield its tokens as they are generated (``SampleDelta``),
@@ -240,9 +291,33 @@ class GenerateTask(Task):
         except Requeue as exc:
             # Not this worker's to serve now (weights too old, sync abort):
             # back to the queue for any worker, without using up retries.
-            raise self.retry(exc=exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
+            raise self._retry(exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
         except EngineError as exc:
-            raise self.retry(exc=exc, countdown=1) from exc
+            raise self._retry(exc, countdown=1) from exc
+
+    def _retry(self, exc: Exception, **options: Any) -> BaseException:
+        """Celery's ``retry``; when Redis refuses the new message (full, or away), the
+        task's own message is rejected *with* requeue instead of Celery's dropping it:
+        it goes back to its queue, or, Redis refusing that too, stays in ``unacked``,
+        where the reaper finds it once no task of this worker holds it."""
+        try:
+            return self.retry(exc=exc, **options)
+        except Reject as rejected:
+            if isinstance(rejected.reason, BrokerUnavailable) and not rejected.requeue:
+                log.warning("could not requeue task %s (%s); its message goes back to its queue as it is",
+                            self.request.id, rejected.reason)
+                return Reject(rejected.reason, requeue=True)
+            raise
+
+
+def _out_of_memory(exc: BaseException | None) -> OutOfMemoryError | None:
+    """The ``OutOfMemoryError`` (Redis full) ``exc`` is or was caused by, if any."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OutOfMemoryError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 generate: GenerateTask = app.register_task(GenerateTask())  # type: ignore[assignment]

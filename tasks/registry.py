@@ -63,5 +63,21 @@ def fleet_version(client: redis.Redis, pool: str = keys.DEFAULT_POOL) -> int:
     return int(value) if value else 0
 
 
+def eviction_warning(client: redis.Redis) -> str | None:
+    """What is wrong if Redis may evict keys (a ``maxmemory-policy`` other than
+    ``noeviction`` with a ``maxmemory`` set): an evicted queue, ``unacked`` entry or
+    result is a lost task. None when it cannot (or INFO cannot be read)."""
+    try:
+        memory = client.info("memory")
+    except redis.RedisError:
+        return None
+    policy, limit = memory.get("maxmemory_policy", "noeviction"), int(memory.get("maxmemory") or 0)
+    if policy == "noeviction" or limit == 0:
+        return None
+    return (f"Redis may evict keys when full (maxmemory {memory.get('maxmemory_human', limit)}, "
+            f"maxmemory-policy {policy}): an evicted queue, unacked entry or result is a lost task; "
+            "run it with maxmemory-policy noeviction (docs/RELIABILITY.md, \"Running Redis for this\")")
+
+
 def queue_depths(client: redis.Redis, queues: list[str]) -> dict[str, int]:
     return {queue: int(client.llen(queue)) for queue in queues}

@@ -43,6 +43,20 @@ def env_name(field: str) -> str:
     return f"{ENV_PREFIX}{field.upper()}"
 
 
+def redis_url_env(url: str) -> dict[str, str]:
+    """The environment that makes a child process use ``url``: both names, since
+    ``RQ_REDIS_URL`` wins over ``REDIS_URL`` and the caller's may be set to another."""
+    return {env_name("redis_url"): url, ENV_ALIASES["redis_url"]: url}
+
+
+def environment_redis_url(default: str = "redis://127.0.0.1:6379/0") -> str:
+    """The Redis URL the environment names, as ``ClientSettings`` reads it (for scripts'
+    ``--redis-url`` defaults): ``RQ_REDIS_URL``, else ``REDIS_URL``, else ``default``."""
+    import os
+
+    return os.environ.get(env_name("redis_url")) or os.environ.get(ENV_ALIASES["redis_url"]) or default
+
+
 class ClientSettings(BaseSettings):
     """What every process that talks to the queue needs (producer, worker, api)."""
 

@@ -24,6 +24,7 @@ from pydantic import SecretStr
 
 from cli.localstack import RedisServer as LocalRedisServer
 from cli.localstack import free_port
+from tasks.settings import redis_url_env
 from tests.procs import ARTIFACTS, LOGS
 
 
@@ -68,7 +69,7 @@ class RedisServer(LocalRedisServer):
 
     def settings_env(self) -> dict[str, str]:
         """Environment a worker needs to reach this server."""
-        env = {"REDIS_URL": self.url}
+        env = redis_url_env(self.url)
         if self.ca_file is not None:
             env["RQ_REDIS_TLS_CA_FILE"] = str(self.ca_file)
         return env

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
+from pathlib import Path
 
 import pytest
 
 from api.settings import ApiSettings
 from cli import command
-from tasks.settings import ClientSettings
+from cli.localstack import LocalStack, WorkerSpec, free_port
+from tasks.errors import LocalStackError
+from tasks.settings import ClientSettings, redact_url
 from workers.settings import WorkerSettings
 
 
@@ -38,6 +42,7 @@ def test_settings_read_rq_prefixed_variables(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_redis_url_is_a_documented_alias_and_the_prefixed_name_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RQ_REDIS_URL", raising=False)  # the caller's own
     monkeypatch.setenv("REDIS_URL", "redis://from-alias:6379/1")
     assert ClientSettings().redacted_url == "redis://from-alias:6379/1"
     monkeypatch.setenv("RQ_REDIS_URL", "redis://from-prefixed:6379/2")
@@ -124,3 +129,25 @@ def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
                          text=True, timeout=120, env={**os.environ, "RQ_TASK_MAX_PROMPTS": "0"}, check=False)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == "rollout-queue worker: RQ_TASK_MAX_PROMPTS = '0': allowed: an integer >= 1"
+
+
+def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_and_a_wait_names_both(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path,
+) -> None:
+    # Another Redis named in the caller's environment: nothing listens there.
+    elsewhere = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.setenv("RQ_REDIS_URL", elsewhere)
+    not_a_model = tmp_path / "not-a-model"  # the worker exits at its engine's start, after naming its broker
+    not_a_model.mkdir()
+    with LocalStack(tmp_path, prefix="url-test") as stack:
+        stack.ensure_redis(redis_url)
+        with pytest.raises(LocalStackError) as exited:
+            stack.start_worker(WorkerSpec(not_a_model), timeout=120)
+        log = (tmp_path / "worker-0.log").read_text(errors="replace")
+        assert f"(broker {redact_url(redis_url)})" in log, "the exported RQ_REDIS_URL won in the worker"
+        assert "exited with code" in str(exited.value) and "connected to Redis at" not in str(exited.value)
+        # A worker told to use another Redis: the wait says where it is and where it was awaited.
+        with pytest.raises(LocalStackError, match=(
+                f"connected to Redis at {re.escape(elsewhere)}, but this stack waits for it on "
+                f"{re.escape(redact_url(redis_url))}")):
+            stack.start_worker(WorkerSpec(not_a_model, env={"RQ_REDIS_URL": elsewhere}), index=1, timeout=120)

@@ -21,7 +21,7 @@ from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
 from weight_sync import cpu_weights
-from workers import control, delivery, reliable_redis
+from workers import control, delivery, reliable_redis, result_backend
 from workers.engine import EngineHost
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -76,6 +76,8 @@ def run_worker(settings: WorkerSettings) -> int:
         format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
     )
     configure(settings, worker=True)
+    # Results refused by a full Redis are retried, not lost (workers.result_backend).
+    app.conf.result_backend = result_backend.backend_url(settings.redis_url.get_secret_value())
     if settings.control_secret() is None:
         log.warning("worker %s: --insecure-control: control commands are NOT signed; any client of "
                     "this Redis can pause, sleep or sync weights into this worker", settings.name)
@@ -105,6 +107,7 @@ def run_worker(settings: WorkerSettings) -> int:
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake,
                      die_before_ack=settings.fault_die_before_ack)
+    reliable_redis.on_redis_full(keys.processing_key(settings.name), runtime.redis_full)
     if settings.intake_sequences is not None:
         # Opt-in for now: a worker gated by its engine's room can have no
         # fetch in flight when Redis goes down, and then noticed the outage
