@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import statistics
@@ -115,6 +116,7 @@ class GrpoConfig:
     rollout_timeout_s: float = 600.0
     sync_timeout_s: float = 300.0
     log_dir: Path | None = None
+    log_name: str = "steps.jsonl"
     reward: Reward = field(default=sum_reward)
 
 
@@ -131,6 +133,7 @@ class Sample:
     version: int  # the weights that generated it (the oldest span's, to be strict)
     reward: float
     group: int
+    text: str = ""
 
 
 @dataclass
@@ -184,6 +187,7 @@ def collect_rollouts(
                 prompt_ids=output["prompt_token_ids"], token_ids=sample["token_ids"],
                 logprobs=sample["logprobs"], version=min(versions),
                 reward=reward(problem, sample["text"], sample["finish_reason"]), group=group,
+                text=sample["text"],
             ))
     return samples, sum(len(s.token_ids) for s in samples)
 
@@ -224,7 +228,9 @@ class Policy:
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         self.model.eval()  # no dropout: the recomputed logprobs must match the workers'
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0)
+        # foreach=False: one parameter's temporaries at a time, not the whole model's at once.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0,
+                                           foreach=False)
         self.version = 0
 
     def sampled_logprobs(self, samples: Sequence[Sample]) -> tuple[Any, Any]:
@@ -258,31 +264,43 @@ class Policy:
         logprobs = logprobs.index_put((torch.tensor(rows), torch.tensor(columns)), picked)
         return logprobs, mask
 
-    def train_step(self, samples: Sequence[Sample], advantages: Sequence[float], clip_epsilon: float) -> TrainStats:
-        """One clipped-surrogate (PPO/GRPO) optimizer step on every sampled token."""
-        torch = self.torch
-        logprobs, mask = self.sampled_logprobs(samples)
-        behaviour = torch.zeros_like(logprobs)
-        for row, sample in enumerate(samples):
-            behaviour[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
-        advantage = torch.tensor(advantages, dtype=torch.float32)[:, None]
-        log_ratio = torch.where(mask, logprobs - behaviour, torch.zeros_like(logprobs))
-        ratio = torch.exp(log_ratio)
-        surrogate = torch.minimum(ratio * advantage,
-                                  torch.clamp(ratio, 1 - clip_epsilon, 1 + clip_epsilon) * advantage)
-        tokens = mask.sum()
-        loss = -(surrogate * mask).sum() / tokens
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+    def train_step(
+        self, samples: Sequence[Sample], advantages: Sequence[float], clip_epsilon: float, micro_batch: int = 8
+    ) -> TrainStats:
+        """One clipped-surrogate (PPO/GRPO) optimizer step on every sampled token.
 
-        with torch.no_grad():
-            clipped = ((ratio - 1).abs() > clip_epsilon) & mask
-            kl = ((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum() / tokens
-            current = torch.tensor([s.version == self.version for s in samples])[:, None] & mask
-            gap = (logprobs - behaviour).abs()[current]
+        The loss is the mean over all the step's tokens; its gradient is summed
+        over micro-batches of ``micro_batch`` samples, so activations stay small
+        (a 135M model with 49k-token logits on a shared 2-core machine).
+        """
+        torch = self.torch
+        tokens = sum(len(s.token_ids) for s in samples)
+        loss = clipped = kl = 0.0
+        gaps: list[Any] = []
+        self.optimizer.zero_grad(set_to_none=True)
+        for first in range(0, len(samples), micro_batch):
+            chunk = samples[first : first + micro_batch]
+            logprobs, mask = self.sampled_logprobs(chunk)
+            behaviour = torch.zeros_like(logprobs)
+            for row, sample in enumerate(chunk):
+                behaviour[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
+            advantage = torch.tensor(advantages[first : first + micro_batch], dtype=torch.float32)[:, None]
+            log_ratio = torch.where(mask, logprobs - behaviour, torch.zeros_like(logprobs))
+            ratio = torch.exp(log_ratio)
+            surrogate = torch.minimum(ratio * advantage,
+                                      torch.clamp(ratio, 1 - clip_epsilon, 1 + clip_epsilon) * advantage)
+            chunk_loss = -(surrogate * mask).sum() / tokens
+            chunk_loss.backward()
+            with torch.no_grad():
+                loss += float(chunk_loss)
+                clipped += float((((ratio - 1).abs() > clip_epsilon) & mask).sum())
+                kl += float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum())
+                current = torch.tensor([s.version == self.version for s in chunk])[:, None] & mask
+                gaps.append((logprobs - behaviour).abs()[current])
+        self.optimizer.step()
+        gap = torch.cat(gaps)
         return TrainStats(
-            loss=float(loss.detach()), clip_fraction=float(clipped.sum() / tokens), kl=float(kl),
+            loss=loss, clip_fraction=clipped / tokens, kl=kl / tokens,
             logprob_gap=float(gap.max()) if gap.numel() else None,
             logprob_gap_mean=float(gap.mean()) if gap.numel() else None,
             checked_tokens=int(gap.numel()),
@@ -316,6 +334,7 @@ class StepRecord:
     sync_s: float
     step_s: float
     sync_workers: list[str] = field(default_factory=list)
+    example: str = ""  # the step's first prompt and answer, as the model wrote it
 
     def line(self) -> str:
         gap = "-" if self.logprob_gap is None else f"{self.logprob_gap:.1e}"
@@ -323,7 +342,7 @@ class StepRecord:
             f"step {self.step:3d}  reward {self.reward_mean:.3f} ± {self.reward_std:.3f}  "
             f"clip {self.clip_fraction:.3f}  kl {self.kl:.2e}  lp-gap {gap}  tokens {self.tokens:5d}  "
             f"generate {self.generate_s:6.2f} s  train {self.train_s:6.2f} s  sync {self.sync_s:5.2f} s  "
-            f"v{self.weight_version} (samples on {','.join(map(str, self.sample_versions))})"
+            f"v{self.weight_version} (samples on {','.join(map(str, self.sample_versions))})  {self.example[:40]}"
         )
 
 
@@ -351,12 +370,13 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
     log = None
     if config.log_dir is not None:
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (config.log_dir / "steps.jsonl").open("w")
+        log = (config.log_dir / config.log_name).open("w")
     records: list[StepRecord] = []
     pending = {0: send_rollouts(config, 0, base)}
     try:
         for step in range(config.steps):
             began = time.monotonic()
+            problems = pending[step].problems
             samples, tokens = collect_rollouts(pending.pop(step), base + step, config.reward,
                                               config.rollout_timeout_s)
             generated = time.monotonic()
@@ -383,6 +403,7 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
                 logprob_gap=stats.logprob_gap, logprob_gap_mean=stats.logprob_gap_mean,
                 generate_s=generated - began, train_s=trained - generated, sync_s=synced - trained,
                 step_s=synced - began, sync_workers=report.workers,
+                example=f"{problems[0].a}+{problems[0].b}: {samples[0].text!r}",
             )
             if not math.isfinite(record.loss):
                 raise RolloutError(f"step {step}: the loss is {record.loss}; lower --learning-rate")
@@ -429,8 +450,11 @@ def phase_means(records: Sequence[StepRecord]) -> dict[str, float]:
             for phase in ("generate_s", "train_s", "sync_s", "step_s")}
 
 
-def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
-    """Reward per step (mean, ± std band) above the step time split by phase; a PNG (Pillow)."""
+def plot(records: Sequence[StepRecord], path: Path, title: str, async_from: int | None = None) -> Path:
+    """Reward per step (mean, ± std band) above the step time split by phase; a PNG (Pillow).
+
+    ``async_from``: the index of the first record of a ``--max-staleness 1`` leg, marked.
+    """
     from PIL import Image, ImageDraw
 
     width, height, margin = 900, 620, 60
@@ -447,7 +471,6 @@ def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
         y = bottom - tick * (bottom - top)
         draw.line((margin - 4, y, margin, y), fill="gray")
         draw.text((10, y - 6), f"{tick:.2f}", fill="black")
-    draw.text((margin + 4, top + 4), "reward (mean ± std over the step's samples)", fill="black")
     y_of = lambda v: bottom - max(0.0, min(1.0, v)) * (bottom - top)
     band = [(x_of(i), y_of(r.reward_mean + r.reward_std)) for i, r in enumerate(records)]
     band += [(x_of(i), y_of(r.reward_mean - r.reward_std)) for i, r in reversed(list(enumerate(records)))]
@@ -456,28 +479,38 @@ def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
         draw.line([(x_of(i), y_of(r.reward_mean)) for i, r in enumerate(records)], fill=(30, 80, 180), width=3)
     for i, r in enumerate(records):
         draw.ellipse((x_of(i) - 3, y_of(r.reward_mean) - 3, x_of(i) + 3, y_of(r.reward_mean) + 3), fill=(30, 80, 180))
+    draw.text((margin, top - 14), "reward: mean of the step's samples (band: ± std)", fill="black")
+    if async_from:
+        x = (x_of(async_from - 1) + x_of(async_from)) / 2
+        draw.line((x, top, x, height - 50), fill="red", width=1)
+        draw.text((x + 4, top + 4), "max-staleness 1", fill="red")
     # Step-time panel: stacked bars.
     top, bottom = 340, height - 50
     draw.rectangle((margin, top, width - margin, bottom), outline="gray")
-    longest = max((r.step_s for r in records), default=1.0) or 1.0
+    # Scaled to the steps after the first: the first step's one-time costs (the
+    # optimizer's state, first touches of memory) would flatten every other bar;
+    # a taller bar is cut at the top, its seconds written over it.
+    longest = max((r.step_s for r in records[1:] or records), default=1.0) or 1.0
     scale = (bottom - top - 20) / longest
     colors = {"generate_s": (240, 150, 40), "train_s": (60, 160, 90), "sync_s": (150, 80, 190)}
     bar = 0.6 * panel_w / max(steps, 1)
     for i, r in enumerate(records):
         y = bottom
         for phase, color in colors.items():
-            seconds = getattr(r, phase)
-            draw.rectangle((x_of(i) - bar / 2, y - seconds * scale, x_of(i) + bar / 2, y), fill=color)
-            y -= seconds * scale
+            height_px = min(getattr(r, phase) * scale, y - top)
+            draw.rectangle((x_of(i) - bar / 2, y - height_px, x_of(i) + bar / 2, y), fill=color)
+            y -= height_px
+        if r.step_s > longest:
+            draw.text((x_of(i) - bar / 2, top + 2), f"{r.step_s:.0f} s", fill="black")
         if steps <= 40 or i % 5 == 0:
             draw.text((x_of(i) - 4, bottom + 6), str(r.step), fill="black")
     draw.text((10, top - 2), f"{longest:.0f} s", fill="black")
-    legend = margin + 4
+    legend = width - margin - 300
     for phase, color in colors.items():
-        draw.rectangle((legend, top + 6, legend + 12, top + 18), fill=color)
-        draw.text((legend + 16, top + 6), phase.removesuffix("_s"), fill="black")
+        draw.rectangle((legend, height - 24, legend + 12, height - 12), fill=color)
+        draw.text((legend + 16, height - 24), phase.removesuffix("_s"), fill="black")
         legend += 100
-    draw.text((width // 2 - 30, height - 24), "step", fill="black")
+    draw.text((margin, height - 24), "step; seconds a step by phase", fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, optimize=True)
     return path
@@ -538,13 +571,14 @@ def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextI
         "max_tokens": config.max_tokens, "learning_rate": config.learning_rate,
         "reward": reward_rise(records), "phases_s": phase_means(records),
         "max_logprob_gap": max((r.logprob_gap for r in records if r.logprob_gap is not None), default=None),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
     }
     every = list(records)
     if args.bench:
         async_config = config_from(args, model, queue, pool)
         async_config.steps, async_config.max_staleness = args.bench_async_steps, 1
         async_config.seed = args.seed + 1  # other problems than the first run's
-        async_config.log_dir = None
+        async_config.log_name = "steps-async.jsonl"
         print(f"async leg: {async_config.steps} steps with --max-staleness 1, continuing from the trained policy",
               file=out, flush=True)
         async_records = run_loop(async_config, out, policy)
@@ -555,8 +589,9 @@ def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextI
         every += async_records
     if config.log_dir is not None:
         (config.log_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        summary["plot"] = str(plot(every, config.log_dir / "grpo.png", f"GRPO on {model.name} through rollout-queue: "
-                                   f"{config.prompts_per_step} prompts x {config.group_size} samples a step"))
+        title = (f"GRPO on {model.name} through rollout-queue: {config.prompts_per_step} prompts x "
+                 f"{config.group_size} samples a step, lr {config.learning_rate:g}")
+        summary["plot"] = str(plot(every, config.log_dir / "grpo.png", title, len(records) if args.bench else None))
     return summary
 
 
@@ -586,6 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sync_weights.close()
     if args.bench:
+        summary["load_1m"] = round(os.getloadavg()[0], 1)  # other work on the machine skews every figure
         print(json.dumps(summary), flush=True)
     else:
         print(f"reward {summary['reward']}; mean seconds a step {summary['phases_s']}; "
@@ -600,6 +636,7 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
     from cli.localstack import LocalStack, WorkerSpec
     from cli.quickstart_model import ensure_quickstart_model
     from tasks.app import configure
+    from tasks.settings import SyncSettings
 
     with LocalStack(ROOT / ".run" / "grpo", prefix="grpo") as stack:
         url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
@@ -613,6 +650,9 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
                                           extra=["--enforce-eager", "--cpu-weights", "plain"]), index=index)
         print(f"workers serving after {time.monotonic() - started:.0f} s", flush=True)
         configure(client.model_copy(update={"redis_url": SecretStr(url)}))
+        # 64 MiB buckets: the trainer keeps two packing buffers of a bucket each
+        # between syncs (1 GiB buckets: ~1 GB for this model), next to its optimizer.
+        sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=64 << 20))
         try:
             return run(args, model, stack.queue, stack.tag)
         finally:

@@ -154,6 +154,7 @@ def test_the_bench_mode_prints_one_json_line_with_reward_rise_and_both_modes_ste
     assert summary["async"]["steps"] == 2 and summary["async"]["step_ratio"] > 0
     assert set(summary["phases_s"]) == {"generate_s", "train_s", "sync_s", "step_s"}
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "steps-async.jsonl").read_text().splitlines()) == 2
     assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
