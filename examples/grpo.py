@@ -103,11 +103,11 @@ class GrpoConfig:
 
     model: Path
     steps: int = 20
-    prompts_per_step: int = 4
-    group_size: int = 8
-    max_tokens: int = 16
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_tokens: int = 12
     temperature: float = 1.0
-    learning_rate: float = 1e-5
+    learning_rate: float = 2e-5
     clip_epsilon: float = 0.2
     max_staleness: int = 0
     seed: int = 0
@@ -529,10 +529,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(default: SmolLM2-135M-Instruct, converted into .models/ once)")
     p.add_argument("--models-dir", type=Path, default=ROOT / ".models")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=8, help="samples per prompt (n)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--learning-rate", type=float, default=1e-5)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt (n)")
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--learning-rate", type=float, default=2e-5)
     p.add_argument("--clip-epsilon", type=float, default=0.2)
     p.add_argument("--max-staleness", type=int, default=0,
                    help="steps the rollouts may lag the trainer (0: on-policy; 1: step k+1 generates while k trains)")
