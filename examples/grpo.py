@@ -144,7 +144,6 @@ class PendingStep:
     min_version: int
     problems: list[Problem]
     handles: list[AsyncResult]
-    sent_at: float
 
 
 def send_rollouts(config: GrpoConfig, step: int, min_version: int) -> PendingStep:
@@ -155,7 +154,7 @@ def send_rollouts(config: GrpoConfig, step: int, min_version: int) -> PendingSte
     }
     problems = problems_for(step, config.prompts_per_step, config.seed)
     handles = [generate.apply_async(([problem.prompt()], params), queue=config.queue) for problem in problems]
-    return PendingStep(step, min_version, problems, handles, time.monotonic())
+    return PendingStep(step, min_version, problems, handles)
 
 
 def collect_rollouts(
@@ -297,6 +296,8 @@ class Policy:
                 kl += float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum())
                 current = torch.tensor([s.version == self.version for s in chunk])[:, None] & mask
                 gaps.append((logprobs - behaviour).abs()[current])
+        if not math.isfinite(loss):  # before the step: the weights stay as they were, nothing is synced
+            raise RolloutError(f"the loss is {loss}; lower --learning-rate")
         self.optimizer.step()
         gap = torch.cat(gaps)
         return TrainStats(
@@ -405,8 +406,6 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
                 step_s=synced - began, sync_workers=report.workers,
                 example=f"{problems[0].a}+{problems[0].b}: {samples[0].text!r}",
             )
-            if not math.isfinite(record.loss):
-                raise RolloutError(f"step {step}: the loss is {record.loss}; lower --learning-rate")
             records.append(record)
             print(record.line(), file=out, flush=True)
             if log is not None:

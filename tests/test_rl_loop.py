@@ -33,6 +33,7 @@ from examples.grpo import (
     sum_reward,
 )
 from tasks import generate, sync_weights
+from tasks.errors import RolloutError
 from tasks.settings import SyncSettings, SyncTimeouts
 from tests.conftest import CONTROL_SECRET, WorkerStarter
 from tests.procs import ROOT
@@ -58,6 +59,19 @@ def test_advantages_are_normalised_within_each_group_and_zero_for_a_uniform_grou
 
     advantages = group_advantages([sample(1, 0), sample(0, 0), sample(1, 1), sample(1, 1)])
     assert advantages == [1.0, -1.0, 0.0, 0.0]
+
+
+def test_a_non_finite_loss_stops_the_step_before_the_weights_change(model_a: Path) -> None:
+    import torch
+
+    policy = Policy(model_a, 1e-3, seed=0)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    good = Sample(prompt_ids=[65, 66], token_ids=[67, 68], logprobs=[-5.0, -5.0], version=0, reward=1.0, group=0)
+    broken = Sample(prompt_ids=[65, 66], token_ids=[69, 70], logprobs=[float("nan"), -5.0], version=0, reward=0.0,
+                    group=0)
+    with pytest.raises(RolloutError, match="loss is nan"):
+        policy.train_step([good, broken], [1.0, -1.0], clip_epsilon=0.2)
+    assert all(torch.equal(before[name], p) for name, p in policy.model.named_parameters())
 
 
 @pytest.fixture(scope="module")
