@@ -41,6 +41,7 @@ import math
 import os
 import random
 import re
+import signal
 import statistics
 import sys
 import time
@@ -594,9 +595,17 @@ def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextI
     return summary
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through the local stack's exit, which stops the workers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pydantic import SecretStr
+
+    # SIGTERM (a scheduler, `kill`) stops what the example started, as Ctrl-C does;
+    # the default would end the process at once and leave its workers running.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
     from tasks.app import configure
     from tasks.settings import ClientSettings
