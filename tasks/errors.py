@@ -17,6 +17,7 @@
     │   └── ControlRefused        (worker side) unsigned, wrongly signed, expired or replayed command
     ├── StreamInterrupted         a streamed task's tokens stopped: its worker died or the stream broke
     ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
+    ├── StaleRollouts             a trainer got samples from weights outside its step's versions
     ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
     ├── GatewayError              the HTTP gateway refused or gave up on a request
     │   ├── BadRequest            an OpenAI request it cannot serve; names the param (400)
@@ -193,6 +194,11 @@ class BatchIncomplete(RolloutError):
             f"{'; '.join(parts)}; {len(self.indices)} prompt(s) have no result "
             "(their indices are in .indices; resubmit those)"
         )
+
+
+class StaleRollouts(RolloutError):
+    """A trainer's step got samples generated on weights outside the versions it accepts
+    (``min_weight_version`` fencing failed, or another trainer synced the pool)."""
 
 
 class LocalStackError(RolloutError):
