@@ -13,6 +13,10 @@ whose ``.get()`` joins them into one result; smaller calls (and calls that
 name their ``task_id``) are one task, as always. A call asking for more than
 ``RQ_CALL_MAX_SEQUENCES`` sequences is refused (``InvalidRequest``).
 
+Results are ``GenerationResult`` dicts (``.get()``); ``.result_model()`` returns
+the ``GenerationResult`` itself. ``await generate.async_(prompts, params)`` is
+the asyncio form (``tasks.aio``).
+
 On a worker, :attr:`GenerateTask.executor` is installed at boot
 (``workers.service.GenerationService``); the task body only hands over.
 """
@@ -39,7 +43,7 @@ from tasks.errors import (
     Requeue,
     RolloutError,
 )
-from tasks.schemas import GenerateRequest, SamplingParams
+from tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
 from tasks.split import SplitResult, plan_parts, prompts_per_task
@@ -59,6 +63,15 @@ ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
+
+
+class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
+    """A ``generate`` task's ``AsyncResult``: ``.get()`` returns the result as a dict
+    (as always), :meth:`result_model` as a ``GenerationResult``."""
+
+    def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
+        """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""
+        return GenerationResult.model_validate(self.get(timeout=timeout, **options))
 
 
 class Executor(Protocol):
@@ -122,7 +135,7 @@ class GenerateTask(Task):
 
     def apply_async(
         self, args: Any = None, kwargs: Any = None, **options: Any
-    ) -> AsyncResult | SplitResult:
+    ) -> GenerationAsyncResult | SplitResult:
         arguments = dict(kwargs or {})
         positional = list(args or ())
         prompts = positional[0] if positional else arguments.pop("prompts", None)
@@ -156,7 +169,13 @@ class GenerateTask(Task):
             return self.send(request, headers, options)
         return self._send_split(request, headers, options, limit)
 
-    def send(self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]) -> AsyncResult:
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> GenerationAsyncResult:
+        """The result handle ``apply_async`` returns (and ``generate.AsyncResult(id)``)."""
+        return GenerationAsyncResult(task_id, backend=self.backend, task_name=self.name, app=self._get_app(), **kwargs)
+
+    def send(
+        self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]
+    ) -> GenerationAsyncResult:
         """Enqueue ``request`` as one task, whatever its size (``generate_many``'s chunks)."""
         headers = dict(headers)
         headers.setdefault(SENT_AT_HEADER, time.time())
@@ -229,6 +248,13 @@ class GenerateTask(Task):
         from tasks.streaming import stream
 
         return stream(self, prompts, params, **options)
+
+    async def async_(self, prompts: Any, params: Any = None, **options: Any) -> Any:
+        """Send one call and await its result on the running event loop: see
+        ``tasks.aio.generate`` (``timeout``, ``typed``, ``queue``)."""
+        from tasks import aio
+
+        return await aio.generate(prompts, params, **options)
 
     def run(self, prompts: Any, params: Any) -> dict[str, Any]:
         if self.executor is None:
