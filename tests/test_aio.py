@@ -93,7 +93,7 @@ def test_py_typed_ships_in_the_built_wheel_of_every_installed_package(tmp_path: 
 
 
 def test_an_awaited_call_returns_the_result_dict_the_sync_get_returns(gen_worker: Proc) -> None:
-    prompts = ["2+2=", [5, 17, 99, 3]]
+    prompts = ["2+2=", "The capital of France is"]
 
     async def scenario() -> dict[str, Any]:
         try:
