@@ -133,6 +133,10 @@ class GenerateTask(Task):
     track_started = True
     throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
 
+    def delay(self, *args: Any, **kwargs: Any) -> GenerationAsyncResult | SplitResult:
+        """``apply_async(args, kwargs)``, as Celery's, with its return type."""
+        return self.apply_async(args, kwargs)
+
     def apply_async(
         self, args: Any = None, kwargs: Any = None, **options: Any
     ) -> GenerationAsyncResult | SplitResult:

@@ -7,6 +7,8 @@ real Redis; each test runs its own event loop (``asyncio.run``).
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +26,7 @@ from tasks.errors import BrokerUnavailable, InvalidRequest, PromptTooLong, Resul
 from tasks.results import ResultWatcher
 from tasks.schemas import GenerationResult
 from tests.conftest import MAX_MODEL_LEN
-from tests.procs import ROOT, Proc
+from tests.procs import ARTIFACTS, ROOT, Proc
 
 TIMEOUT = 180.0
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -87,6 +89,34 @@ def test_py_typed_ships_in_the_built_wheel_of_every_installed_package(tmp_path: 
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"{package}/py.typed" for package in PACKAGES} <= names
     assert "tasks/aio.py" in names and "tasks/results.py" in names
+
+
+TRAINER = """
+from tasks import aio, generate
+
+
+async def main() -> None:
+    reveal_type(await aio.generate(["x"], {"max_tokens": 2}, typed=True))
+    reveal_type(await aio.generate(["x"]))
+    async for index, result in aio.as_completed([["a"]], typed=True):
+        reveal_type(result)
+    reveal_type(generate.delay(["x"]).result_model(timeout=1))
+"""
+
+
+def test_a_trainers_mypy_sees_the_typed_and_the_plain_results(tmp_path: Path) -> None:
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    # Checking celery and pydantic takes a minute cold: the cache outlives the run.
+    ARTIFACTS.mkdir(exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--cache-dir", str(ARTIFACTS / "mypy-trainer"),
+         "trainer.py"],
+        cwd=tmp_path, env={**os.environ, "MYPYPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=300, check=False,
+    )
+    revealed = re.findall(r'Revealed type is "([^"]+)"', done.stdout)
+    assert revealed == ["tasks.schemas.GenerationResult", "dict[str, Any]",
+                        "tasks.schemas.GenerationResult", "tasks.schemas.GenerationResult"], done.stdout
 
 
 # ------------------------------------------------------------- on a worker
