@@ -16,8 +16,11 @@ event loop, through one ``tasks.results.ResultWatcher`` per client (one
 pattern subscription for all its tasks). A failed task raises the error its
 ``.get()`` raises (``PromptTooLong``, ``EngineError``, ``GenerationTimeout``
 ... from ``tasks.errors``); Redis unreachable raises ``BrokerUnavailable``; no
-result within ``timeout`` seconds raises ``ResultTimeout`` (a ``TimeoutError``)
-and the task expires: a worker that has not started it by then drops it.
+result within ``timeout`` seconds raises ``ResultTimeout`` (a ``TimeoutError``).
+A call given up (timed out, or its awaiting task cancelled) costs the workers
+no more: its task expires (a worker that has not started it drops it) and a
+running one's prompts are aborted in the engine (``keys.abort_key``, as the
+gateway does for a client that went away); its result is deleted when it comes.
 
 :class:`AsyncClient` is the client with an explicit life (``async with``);
 the module's functions use one default client per event loop, started on
@@ -32,7 +35,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Self, overload
 
 from tasks.app import app, settings
-from tasks.errors import InvalidRequest
+from tasks.errors import InvalidRequest, ResultTimeout
 from tasks.generate import FIRST_PROMPT_HEADER, build_request, check_sequences
 from tasks.generate import generate as generate_task
 from tasks.results import ResultWatcher
@@ -62,6 +65,7 @@ class AsyncClient:
             namespace="aio", timeout_hint="the task expires unserved if no worker started it; check that "
             "workers consume its queue (`rollout-queue status`) or pass a longer timeout",
         )
+        self._abandoned_ttl_s = abandoned_ttl_s
         self._started: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -78,6 +82,11 @@ class AsyncClient:
     async def close(self) -> None:
         await self._watcher.close()
         self._started = None
+
+    @property
+    def abandoned(self) -> int:
+        """Calls given up whose results are still to come (to be deleted when they do)."""
+        return self._watcher.abandoned
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -220,7 +229,14 @@ class AsyncClient:
         except BaseException:
             self._watcher.forget(task_id)
             raise
-        return GenerationResult.model_validate(await self._watcher.result(task_id, timeout))
+        try:
+            result = await self._watcher.result(task_id, timeout)
+        except (ResultTimeout, asyncio.CancelledError):
+            # Given up (timed out, or the caller cancelled): its worker stops
+            # generating it; its result is deleted when it comes.
+            self._watcher.abort(task_id, len(request.prompts), self._abandoned_ttl_s)
+            raise
+        return GenerationResult.model_validate(result)
 
 
 # One default client per event loop: a watcher's connections and tasks belong to one loop.

@@ -147,6 +147,23 @@ class ResultWatcher:
             raise error
         raise RuntimeError(f"task {task_id} ended in state {status}: {error!r}")
 
+    def abort(self, task_id: str, prompts: int, ttl_s: float) -> None:
+        """Ask the task's worker to stop generating its ``prompts`` prompts (nobody will
+        read them): their indices go to the task's abort set (``keys.abort_key``),
+        which the running task reads; in the background, failures only logged."""
+        self._spawn(self._abort(task_id, prompts, ttl_s))
+
+    async def _abort(self, task_id: str, prompts: int, ttl_s: float) -> None:
+        assert self._redis is not None
+        key = keys.abort_key(task_id)
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.sadd(key, *range(prompts))
+                pipe.expire(key, max(1, int(ttl_s)))
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("could not abort the %d prompt(s) of %s: %s", prompts, task_id, exc)
+
     @property
     def abandoned(self) -> int:
         """Results watched for only to be deleted."""

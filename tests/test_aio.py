@@ -240,3 +240,41 @@ def test_a_big_awaited_call_is_split_and_joined_as_the_sync_call_is(gen_worker: 
     assert [output.prompt_token_ids for output in result.outputs] == PROMPTS
     assert [o.samples[0].token_ids for o in result.outputs] == [o.samples[0].token_ids for o in reference.outputs]
     assert result.usage == reference.usage
+
+
+def _engine_stats() -> dict[str, Any]:
+    from tasks import control
+
+    return control.engine_stats(["gen@tests"], timeout=10)["gen@tests"]
+
+
+def test_a_cancelled_call_has_its_prompts_aborted_in_the_engine_and_its_result_deleted(gen_worker: Proc) -> None:
+    # As the gateway's dropped request (tests/test_api.py): 64 x 480 tokens make
+    # each engine step slow enough that the abort lands well before the end.
+    max_tokens, prompts = MAX_MODEL_LEN - 32, 64
+    params = {"max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
+    before = _engine_stats()
+    assert before["inflight_requests"] == 0, before
+
+    async def scenario() -> None:
+        async with aio.AsyncClient() as client:
+            call = asyncio.ensure_future(client.generate([f"story {i}" for i in range(prompts)], params))
+            deadline = asyncio.get_running_loop().time() + 120
+            while min((stats := await asyncio.to_thread(_engine_stats))["inflight_requests"],
+                      stats["running_requests"]) < prompts:
+                assert asyncio.get_running_loop().time() < deadline and not call.done(), "the call never ran"
+                await asyncio.sleep(0.1)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert client.abandoned == 1
+            while client.abandoned:  # its result comes, and is deleted with the abort set
+                assert asyncio.get_running_loop().time() < deadline + 60, "the aborted task never ended"
+                await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    stats = _engine_stats()
+    assert stats["inflight_requests"] == 0, stats
+    generated = stats["generated_tokens"] - before["generated_tokens"]
+    print(f"\ncancelled call: {generated} of {prompts * max_tokens} tokens generated")
+    assert 0 < generated < prompts * max_tokens * 0.9, generated
