@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 from celery import Task
 from celery.result import AsyncResult
@@ -253,12 +253,33 @@ class GenerateTask(Task):
 
         return stream(self, prompts, params, **options)
 
-    async def async_(self, prompts: Any, params: Any = None, **options: Any) -> Any:
-        """Send one call and await its result on the running event loop: see
-        ``tasks.aio.generate`` (``timeout``, ``typed``, ``queue``)."""
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: Literal[False] = False, queue: str | None = None,
+    ) -> dict[str, Any]: ...
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: Literal[True], queue: str | None = None,
+    ) -> GenerationResult: ...
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: bool, queue: str | None = None,
+    ) -> dict[str, Any] | GenerationResult: ...
+
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: bool = False, queue: str | None = None,
+    ) -> dict[str, Any] | GenerationResult:
+        """Send one call and await its result on the running event loop:
+        ``tasks.aio.generate`` on the loop's default client."""
         from tasks import aio
 
-        return await aio.generate(prompts, params, **options)
+        return await aio.generate(prompts, params, timeout=timeout, typed=typed, queue=queue)
 
     def run(self, prompts: Any, params: Any) -> dict[str, Any]:
         if self.executor is None:

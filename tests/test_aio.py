@@ -101,6 +101,7 @@ async def main() -> None:
     async for index, result in aio.as_completed([["a"]], typed=True):
         reveal_type(result)
     reveal_type(generate.delay(["x"]).result_model(timeout=1))
+    reveal_type(await generate.async_(["x"], typed=True))
 """
 
 
@@ -116,7 +117,8 @@ def test_a_trainers_mypy_sees_the_typed_and_the_plain_results(tmp_path: Path) ->
     )
     revealed = re.findall(r'Revealed type is "([^"]+)"', done.stdout)
     assert revealed == ["tasks.schemas.GenerationResult", "dict[str, Any]",
-                        "tasks.schemas.GenerationResult", "tasks.schemas.GenerationResult"], done.stdout
+                        "tasks.schemas.GenerationResult", "tasks.schemas.GenerationResult",
+                        "tasks.schemas.GenerationResult"], done.stdout
 
 
 # ------------------------------------------------------------- on a worker
