@@ -25,7 +25,8 @@
     │   ├── Unauthorized          missing or wrong bearer token (401)
     │   ├── ModelNotFound         the request names a model the gateway does not serve (404)
     │   ├── GatewaySaturated      the gateway's bound on in-flight tasks is reached (429)
-    │   ├── ResultTimeout         no result before the gateway's request timeout (504)
+    │   ├── ResultTimeout         no result before the gateway's request timeout (504), or
+    │   │                         before the timeout of a streamed or awaited call (tasks.aio)
     │   └── ClientDisconnected    the client went away first; its prompts were aborted (499)
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
@@ -242,7 +243,8 @@ class GatewaySaturated(GatewayError):
 
 
 class ResultTimeout(GatewayError, TimeoutError):
-    """No result arrived before the gateway's request timeout; the task expires unserved."""
+    """No result arrived before the gateway's request timeout, or the timeout of a call
+    awaited with ``tasks.aio`` or streamed; the task expires unserved."""
 
 
 class WeightSyncError(RolloutError):

@@ -13,6 +13,10 @@ whose ``.get()`` joins them into one result; smaller calls (and calls that
 name their ``task_id``) are one task, as always. A call asking for more than
 ``RQ_CALL_MAX_SEQUENCES`` sequences is refused (``InvalidRequest``).
 
+Results are ``GenerationResult`` dicts (``.get()``); ``.result_model()`` returns
+the ``GenerationResult`` itself. ``await generate.async_(prompts, params)`` is
+the asyncio form (``tasks.aio``).
+
 On a worker, :attr:`GenerateTask.executor` is installed at boot
 (``workers.service.GenerationService``); the task body only hands over.
 """
@@ -23,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 from celery import Task
 from celery.exceptions import Reject
@@ -43,7 +47,7 @@ from tasks.errors import (
     RolloutError,
 )
 from tasks.registry import eviction_warning
-from tasks.schemas import GenerateRequest, SamplingParams
+from tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
 from tasks.split import SplitResult, plan_parts, prompts_per_task
@@ -69,6 +73,15 @@ _EVICTION_CHECKED: list[bool] = []
 LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
+
+
+class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
+    """A ``generate`` task's ``AsyncResult``: ``.get()`` returns the result as a dict
+    (as always), :meth:`result_model` as a ``GenerationResult``."""
+
+    def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
+        """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""
+        return GenerationResult.model_validate(self.get(timeout=timeout, **options))
 
 
 class Executor(Protocol):
@@ -130,9 +143,13 @@ class GenerateTask(Task):
     track_started = True
     throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
 
+    def delay(self, *args: Any, **kwargs: Any) -> GenerationAsyncResult | SplitResult:
+        """``apply_async(args, kwargs)``, as Celery's, with its return type."""
+        return self.apply_async(args, kwargs)
+
     def apply_async(
         self, args: Any = None, kwargs: Any = None, **options: Any
-    ) -> AsyncResult | SplitResult:
+    ) -> GenerationAsyncResult | SplitResult:
         arguments = dict(kwargs or {})
         positional = list(args or ())
         prompts = positional[0] if positional else arguments.pop("prompts", None)
@@ -173,7 +190,13 @@ class GenerateTask(Task):
             return self.send(request, headers, options)
         return self._send_split(request, headers, options, limit)
 
-    def send(self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]) -> AsyncResult:
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> GenerationAsyncResult:
+        """The result handle ``apply_async`` returns (and ``generate.AsyncResult(id)``)."""
+        return GenerationAsyncResult(task_id, backend=self.backend, task_name=self.name, app=self._get_app(), **kwargs)
+
+    def send(
+        self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]
+    ) -> GenerationAsyncResult:
         """Enqueue ``request`` as one task, whatever its size (``generate_many``'s chunks)."""
         headers = dict(headers)
         headers.setdefault(SENT_AT_HEADER, time.time())
@@ -280,6 +303,34 @@ class GenerateTask(Task):
         from tasks.streaming import stream
 
         return stream(self, prompts, params, **options)
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: Literal[False] = False, queue: str | None = None,
+    ) -> dict[str, Any]: ...
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: Literal[True], queue: str | None = None,
+    ) -> GenerationResult: ...
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: bool, queue: str | None = None,
+    ) -> dict[str, Any] | GenerationResult: ...
+
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: bool = False, queue: str | None = None,
+    ) -> dict[str, Any] | GenerationResult:
+        """Send one call and await its result on the running event loop:
+        ``tasks.aio.generate`` on the loop's default client."""
+        from tasks import aio
+
+        return await aio.generate(prompts, params, timeout=timeout, typed=typed, queue=queue)
 
     def run(self, prompts: Any, params: Any) -> dict[str, Any]:
         if self.executor is None:
