@@ -45,7 +45,6 @@ from tasks.errors import (
     PromptTooLong,
     RedeliveryLimitReached,
 )
-from tasks.registry import eviction_warning
 from tasks.schemas import GenerationResult, WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
@@ -928,26 +927,6 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
     assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
     assert rel_worker.alive()
     figures["redis_full_survived"] = {"full_for_s": round(full_for, 1)}
-
-
-def test_a_redis_that_may_evict_keys_is_named_in_a_warning_at_a_producers_first_task(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-) -> None:
-    generate_module = importlib.import_module("tasks.generate")  # tasks.generate is also the task
-    srv = RedisServer("rel-evict").start()
-    try:
-        client = srv.client()
-        assert eviction_warning(client) is None  # no maxmemory: nothing to evict for
-        client.config_set("maxmemory", "64mb")
-        client.config_set("maxmemory-policy", "allkeys-lru")
-        assert "maxmemory-policy allkeys-lru" in (eviction_warning(client) or "")
-        monkeypatch.setattr(generate_module, "_EVICTION_CHECKED", [])
-        _, task = client_app(srv.url)
-        with caplog.at_level("WARNING", logger="tasks.generate"):
-            task.apply_async((["x"], {"max_tokens": 1}), queue="nobody")
-        assert "Redis may evict keys when full" in caplog.text and "noeviction" in caplog.text
-    finally:
-        srv.stop()
 
 
 def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_event_loop() -> None:
