@@ -13,8 +13,8 @@ are set).
 A secret setting (``SecretStr``: ``RQ_WEIGHT_SYNC_SECRET``, ``RQ_REDIS_URL``,
 ``RQ_API_TOKEN``) can instead be read from a file named by the same variable
 with ``_FILE`` appended (``RQ_WEIGHT_SYNC_SECRET_FILE=/run/secrets/...``,
-compose ``secrets:``); the file wins over the plain variable, and one trailing
-newline is dropped.
+compose ``secrets:``); the file wins over the plain variable unless it is
+empty, and one trailing newline is dropped.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ class SecretFiles(PydanticBaseSettingsSource):
                     f"{variable}={path}: cannot read it ({getattr(exc, 'strerror', None) or exc}); "
                     f"point it at a readable file, or unset it and set {prefix}{name.upper()}"
                 ) from exc
-            values[name] = text.removesuffix("\n").removesuffix("\r")
+            value = text.removesuffix("\n").removesuffix("\r")
+            if value:  # empty (compose's /dev/null default): as if unset
+                values[name] = value
         return values
 
 

@@ -184,6 +184,29 @@ def test_secrets_are_read_from_the_files_their_file_variables_name(
     assert ApiSettings().bearer_token() == "token-from-a-file"
 
 
+def test_an_empty_secret_file_leaves_the_variable_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    # compose mounts /dev/null when no file is given: the plain variable must still count.
+    monkeypatch.setenv("RQ_API_TOKEN", "from-the-environment")
+    monkeypatch.setenv("RQ_API_TOKEN_FILE", os.devnull)
+    assert ApiSettings().bearer_token() == "from-the-environment"
+
+
+def test_compose_runs_valkey_without_eviction_and_mounts_the_secrets_as_files() -> None:
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    redis = compose["services"]["redis"]
+    assert redis["image"].startswith("valkey/valkey:8.1")
+    assert redis["command"][redis["command"].index("--maxmemory-policy") + 1] == "noeviction"
+    assert "--appendonly" in redis["command"]
+    for service, secret, variable in [("worker", "weight_sync_secret", "RQ_WEIGHT_SYNC_SECRET_FILE"),
+                                      ("worker-cpu", "weight_sync_secret", "RQ_WEIGHT_SYNC_SECRET_FILE"),
+                                      ("api", "api_token", "RQ_API_TOKEN_FILE")]:
+        spec = compose["services"][service]
+        assert secret in spec["secrets"] and spec["environment"][variable] == f"/run/secrets/{secret}"
+        assert secret in compose["secrets"]
+
+
 def test_an_unreadable_secret_file_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RQ_WEIGHT_SYNC_SECRET_FILE", str(tmp_path / "missing"))
     with pytest.raises(SettingsFileError, match="RQ_WEIGHT_SYNC_SECRET_FILE=.*missing: cannot read it"):

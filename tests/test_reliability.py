@@ -15,7 +15,6 @@ docs/RELIABILITY.md quotes them.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
