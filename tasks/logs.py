@@ -3,6 +3,8 @@
 ``--log-format json`` (``RQ_LOG_FORMAT`` / ``RQ_API_LOG_FORMAT``) writes every
 record as ``{"time", "level", "logger", "message", "node"}`` (and
 ``"exception"`` when one is attached), for log collectors that parse lines.
+vLLM configures its own ``vllm`` loggers (also in its engine processes): their
+lines keep vLLM's format (``VLLM_LOGGING_CONFIG_PATH`` changes it).
 """
 
 from __future__ import annotations
