@@ -302,7 +302,10 @@ CONNECTION_FIELDS = ["redis_url", "redis_tls_cert_reqs", "redis_tls_ca_file", "r
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    root = argparse.ArgumentParser(
+        prog=PROG, description="rollout-queue: vLLM generation workers fed by a Redis queue, their "
+        "OpenAI-compatible gateway, and the tools around them. `rollout-queue COMMAND --help` lists "
+        "every setting of a command, with its environment variable and default.")
     root.add_argument("--version", action="version", version=version_line())
     sub = root.add_subparsers(dest="command", required=True)
     _worker_parser(sub)

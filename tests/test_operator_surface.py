@@ -137,6 +137,11 @@ def test_the_gateways_help_shows_each_flags_default_and_the_tokens_file_variable
     assert re.search(r"--token\b", text) is None  # a flag would show the token in the process list
 
 
+def test_the_top_level_help_is_for_operators_and_points_at_each_commands_help() -> None:
+    text = " ".join(command.parser().format_help().split())
+    assert "`rollout-queue COMMAND --help` lists every setting" in text and "run(settings)" not in text
+
+
 @pytest.mark.parametrize("name", ["status", "dead-letters", "quickstart"])
 def test_the_redis_commands_list_the_connection_variables(name: str) -> None:
     text = _subparser(name).format_help()
