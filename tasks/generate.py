@@ -241,6 +241,9 @@ class GenerateTask(Task):
         if url in _EVICTION_CHECKED:
             return
         with self._get_app().connection_for_write() as conn:
+            # Retried as a publish is (about RQ_BROKER_CONNECT_TIMEOUT): a restarting
+            # Redis is ridden out here too.
+            conn.ensure_connection(**conf.task_publish_retry_policy)
             note = check_eviction_policy(conn.default_channel.client,
                                          allow=bool(conf.get("rq_allow_evicting_redis", False)))
         _EVICTION_CHECKED.add(url)

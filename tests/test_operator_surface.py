@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings
 from api.settings import ApiSettings
 from cli import command
 from cli.localstack import free_port
-from tasks.errors import RedisMayEvict, SettingsFileError
+from tasks.errors import BrokerUnavailable, RedisMayEvict, SettingsFileError
 from tasks.registry import check_eviction_policy, preflight
 from tasks.settings import ClientSettings, redis_url_env
 from tests.private_redis import RedisServer, client_app
@@ -83,6 +83,15 @@ def test_a_producer_refuses_an_evicting_redis_and_enqueues_nothing_unless_allowe
     _, allowed = client_app(evicting_redis.url, allow_evicting_redis=True)
     allowed.apply_async((["x"], {"max_tokens": 1}), queue="nobody")
     assert client.llen("nobody") == 1
+
+
+def test_a_producers_first_task_with_redis_down_still_gets_broker_unavailable_after_the_retries() -> None:
+    # The eviction check comes first and connects first: retried as the publish would be.
+    _, task = client_app(f"redis://127.0.0.1:{free_port()}/0", broker_connect_timeout=3)
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable, match="did not answer for about 3 s"):
+        task.apply_async((["x"], {"max_tokens": 1}), queue="nobody")
+    assert 1.0 < time.monotonic() - started < 3 + 10  # retried (not at once), within the deadline's margin
 
 
 def test_the_start_check_goes_on_with_the_override_and_says_why(evicting_redis: RedisServer) -> None:
