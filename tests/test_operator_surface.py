@@ -233,15 +233,16 @@ def test_an_unreadable_secret_file_is_one_clear_error(monkeypatch: pytest.Monkey
 # ------------------------------------------------------------- JSON logs
 
 
-def test_the_gateway_logs_one_json_object_per_line_and_reads_its_token_from_a_file(
-    redis_url: str, tmp_path: Path,
+def test_the_gateway_logs_one_json_object_per_line_reads_its_token_from_a_file_and_starts_when_allowed(
+    evicting_redis: RedisServer, tmp_path: Path,
 ) -> None:
+    # Also the override: on an evicting Redis, --allow-evicting-redis starts it with a warning.
     (tmp_path / "token").write_text("t0ken\n")
     log = tmp_path / "api.log"
-    env = {**os.environ, **redis_url_env(redis_url), "RQ_API_TOKEN_FILE": str(tmp_path / "token")}
+    env = {**os.environ, **evicting_redis.settings_env(), "RQ_API_TOKEN_FILE": str(tmp_path / "token")}
     with log.open("w") as sink:
         proc = subprocess.Popen([python(), "-m", "cli", "api", "--host", "127.0.0.1", "--port",
-                                 str(free_port()), "--log-format", "json"],
+                                 str(free_port()), "--log-format", "json", "--allow-evicting-redis"],
                                 cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
@@ -255,5 +256,6 @@ def test_the_gateway_logs_one_json_object_per_line_and_reads_its_token_from_a_fi
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     assert all(set(r) >= {"time", "level", "logger", "message", "node"} for r in records)
     assert any(r["logger"] == "uvicorn.error" for r in records)
-    started = next(r for r in records if r["logger"] == "rollout_queue.api")
+    started = next(r for r in records if r["message"].startswith("gateway on "))
     assert "auth on (bearer token)" in started["message"] and "t0ken" not in log.read_text()
+    assert any(r["level"] == "WARNING" and "maxmemory-policy is allkeys-lru" in r["message"] for r in records)
