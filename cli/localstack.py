@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -214,7 +214,8 @@ class RedisServer:
     so a restart (even after SIGKILL) loses nothing acknowledged; otherwise
     nothing is written to disk. ``data_dir`` (where valkey keeps its files) is
     emptied when the server is made, not when it restarts. Logs to
-    ``log_dir/<name>.log``, one ``===`` header per start.
+    ``log_dir/<name>.log``, one ``===`` header per start. ``options``: more
+    server arguments (``["--maxmemory-policy", "allkeys-lru"]``).
     """
 
     def __init__(
@@ -227,6 +228,7 @@ class RedisServer:
         persistent: bool = False,
         databases: int = 16,
         data_dir: Path | None = None,
+        options: Sequence[str] = (),
     ) -> None:
         if persistent and data_dir is None:
             raise LocalStackError(f"{name}: a persistent server needs a data_dir for its append-only file")
@@ -237,6 +239,7 @@ class RedisServer:
         self.persistent = persistent
         self.databases = databases
         self.data_dir = data_dir
+        self.options = list(options)
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
             data_dir.mkdir(parents=True)
@@ -263,7 +266,7 @@ class RedisServer:
             argv += ["--appendonly", "no"]
         if self.password:
             argv += ["--requirepass", self.password]
-        return argv
+        return argv + self.options
 
     def start(self, timeout: float = 20.0) -> Self:
         """Start the server, or restart it (stopping what is left of the last run); wait

@@ -8,6 +8,8 @@
     ├── Requeue                   not this worker's to serve now; back to the queue
     ├── BrokerUnavailable         Redis could not be reached before the deadline
     │   └── BrokerFull            Redis refused the task: used memory is past its maxmemory
+    ├── RedisMayEvict             Redis's maxmemory-policy is not noeviction: it may drop queued tasks
+    ├── SettingsFileError         a ``RQ_*_FILE`` secret file cannot be read
     ├── RedeliveryLimitReached    the task's worker died too often while holding it
     ├── PoisonMessage             a queue item no worker can decode; dead-lettered
     ├── DeadLetterNotFound        no dead letter with that id (``rollout-queue dead-letters``)
@@ -94,6 +96,17 @@ class BrokerUnavailable(RolloutError, ConnectionError):
 class BrokerFull(BrokerUnavailable):
     """Redis refused to enqueue: its used memory is past ``maxmemory`` (policy
     ``noeviction``). Nothing was enqueued; it passes once Redis has room."""
+
+
+class RedisMayEvict(RolloutError):
+    """Redis's ``maxmemory-policy`` is not ``noeviction``: when full it would drop
+    queued tasks, ``unacked`` entries or results. Refused unless
+    ``RQ_ALLOW_EVICTING_REDIS=1`` (``--allow-evicting-redis``); nothing was enqueued."""
+
+
+class SettingsFileError(RolloutError):
+    """A secret named by ``RQ_<SETTING>_FILE`` (``RQ_WEIGHT_SYNC_SECRET_FILE``,
+    ``RQ_API_TOKEN_FILE``...) could not be read."""
 
 
 class ControlError(RolloutError):

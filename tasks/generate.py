@@ -46,7 +46,7 @@ from tasks.errors import (
     Requeue,
     RolloutError,
 )
-from tasks.registry import eviction_warning
+from tasks.registry import check_eviction_policy
 from tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
 from tasks.settings import redact_url
 from tasks.signature import signature
@@ -67,8 +67,8 @@ FIRST_PROMPT_HEADER = "rq_first_prompt"
 # them on the new weights, "restart" generates them again from scratch.
 ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
-# Whether this process has looked at Redis's eviction policy (a one-item list once it has).
-_EVICTION_CHECKED: list[bool] = []
+# The brokers (URLs) whose eviction policy this process has checked and accepted.
+_EVICTION_CHECKED: set[str] = set()
 # Follow-up tasks Celery would send from the worker: refused (workers.delivery).
 LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
@@ -211,9 +211,8 @@ class GenerateTask(Task):
         options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))
         wire = request.model_dump(mode="json")
         try:
-            sent = super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
             self._check_eviction_once()
-            return sent
+            return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
         except (OperationalError, RedisError, RuntimeError) as exc:
             # OperationalError: kombu gave up publishing. RuntimeError: Celery's
             # result consumer gave up subscribing to the result (it wraps the
@@ -274,17 +273,22 @@ class GenerateTask(Task):
         )
 
     def _check_eviction_once(self) -> None:
-        """After this process's first task: warn if Redis may evict keys (tasks would be lost)."""
-        if _EVICTION_CHECKED:
+        """Before this process's first task to a broker: refuse (``RedisMayEvict``) a
+        Redis that may evict keys, unless ``RQ_ALLOW_EVICTING_REDIS``; an unreachable
+        Redis raises the RedisError or OperationalError the caller maps."""
+        conf = self._get_app().conf
+        url = str(conf.broker_url or "")
+        if url in _EVICTION_CHECKED:
             return
-        _EVICTION_CHECKED.append(True)
-        try:
-            with self._get_app().connection_for_write() as conn:
-                warning = eviction_warning(conn.default_channel.client)
-        except Exception:  # noqa: BLE001  a warning only: never the caller's failure
-            return
-        if warning is not None:
-            log.warning("%s", warning)
+        with self._get_app().connection_for_write() as conn:
+            # Retried as a publish is (about RQ_BROKER_CONNECT_TIMEOUT): a restarting
+            # Redis is ridden out here too.
+            conn.ensure_connection(**conf.task_publish_retry_policy)
+            note = check_eviction_policy(conn.default_channel.client,
+                                         allow=bool(conf.get("rq_allow_evicting_redis", False)))
+        _EVICTION_CHECKED.add(url)
+        if note is not None:
+            log.warning("%s", note)
 
     def _memory_figures(self) -> str:
         """``used_memory 9.9M of maxmemory 10.0M, maxmemory-policy noeviction`` (INFO is

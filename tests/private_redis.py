@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,11 @@ class RedisServer(LocalRedisServer):
         persistent: bool = False,
         password: str | None = None,
         tls: bool = False,
+        options: Sequence[str] = (),
     ) -> None:
         port = free_port()
         super().__init__(name, LOGS, port=port, password=password, persistent=persistent,
-                         data_dir=ARTIFACTS / "redis" / f"{name}-{port}")
+                         data_dir=ARTIFACTS / "redis" / f"{name}-{port}", options=options)
         self.tls = tls
         self.ca_file: Path | None = None
         if tls:

@@ -15,7 +15,6 @@ docs/RELIABILITY.md quotes them.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -47,7 +46,6 @@ from tasks.errors import (
     RedeliveryLimitReached,
     Requeue,
 )
-from tasks.registry import eviction_warning
 from tasks.schemas import GenerationResult, WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
@@ -954,26 +952,6 @@ def test_a_task_whose_requeue_a_full_redis_refuses_goes_back_with_its_own_messag
             task.pop_request()
         assert rejected.value.requeue, "the task's message would be dropped"
         assert isinstance(rejected.value.reason, BrokerFull)
-    finally:
-        srv.stop()
-
-
-def test_a_redis_that_may_evict_keys_is_named_in_a_warning_at_a_producers_first_task(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-) -> None:
-    generate_module = importlib.import_module("tasks.generate")  # tasks.generate is also the task
-    srv = RedisServer("rel-evict").start()
-    try:
-        client = srv.client()
-        assert eviction_warning(client) is None  # no maxmemory: nothing to evict for
-        client.config_set("maxmemory", "64mb")
-        client.config_set("maxmemory-policy", "allkeys-lru")
-        assert "maxmemory-policy allkeys-lru" in (eviction_warning(client) or "")
-        monkeypatch.setattr(generate_module, "_EVICTION_CHECKED", [])
-        _, task = client_app(srv.url)
-        with caplog.at_level("WARNING", logger="tasks.generate"):
-            task.apply_async((["x"], {"max_tokens": 1}), queue="nobody")
-        assert "Redis may evict keys when full" in caplog.text and "noeviction" in caplog.text
     finally:
         srv.stop()
 

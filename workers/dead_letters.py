@@ -153,7 +153,7 @@ def run_dead_letters(
     settings: ClientSettings, queue: str | None = None, requeue_id: str | None = None,
     drop_id: str | None = None,
 ) -> int:
-    """The CLI: 0 done, 1 no such entry or Redis unreachable, 2 requeue refused."""
+    """The CLI: 0 done, 1 no such entry, 2 requeue refused or Redis unreachable."""
     from tasks.app import celery_config
 
     client = connect(settings)
@@ -186,5 +186,5 @@ def run_dead_letters(
     except redis.RedisError as exc:
         print(f"rollout-queue dead-letters: {BrokerUnavailable(f'{settings.redacted_url}: {exc}')}",
               file=sys.stderr)
-        return 1
+        return 2
     return 0

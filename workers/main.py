@@ -20,6 +20,7 @@ from tasks import keys
 from tasks.app import app, configure
 from tasks.errors import EngineError
 from tasks.generate import generate
+from tasks.logs import configure_logging
 from weight_sync import cpu_weights
 from workers import control, delivery, reliable_redis, result_backend
 from workers.engine import EngineHost
@@ -66,15 +67,17 @@ def use_reliable_fetch(node: str) -> None:
     }
 
 
-def run_worker(settings: WorkerSettings) -> int:
+def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
+    """Load the engine, then consume until shut down. ``redis_note``: what the CLI's
+    Redis check (``tasks.registry.preflight``, run before vLLM is imported) has to say."""
     refusal = settings.insecure_start_refusal()
     if refusal is not None:  # before anything loads: the operator sees it at once
         print(refusal, file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
-    )
+    configure_logging(settings.log_level, settings.log_format, settings.name,
+                      "%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s")
+    if redis_note is not None:
+        log.warning("%s", redis_note)
     configure(settings, worker=True)
     # Results refused by a full Redis are retried, not lost (workers.result_backend).
     app.conf.result_backend = result_backend.backend_url(settings.redis_url.get_secret_value())

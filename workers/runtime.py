@@ -28,7 +28,7 @@ import redis
 from tasks import keys
 from tasks.app import app
 from tasks.auth import CommandVerifier
-from tasks.registry import connect, eviction_warning, fleet_version
+from tasks.registry import connect, fleet_version
 from tasks.schemas import WorkerInfo
 from workers.dedup import DuplicateGuard, quick_client
 from workers.engine import EngineHost, per_request_stream_interval
@@ -212,9 +212,6 @@ class WorkerRuntime:
 
     def start(self) -> None:
         """Before consuming: reclaim a previous incarnation's tasks, then beat and reap."""
-        warning = eviction_warning(self.client)
-        if warning is not None:
-            log.warning("%s", warning)
         try:
             self.reaper.reclaim_own()
         except redis.RedisError as exc:
