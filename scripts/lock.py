@@ -4,7 +4,7 @@
 and runs ``lock.py write`` with that virtualenv's Python; it writes, from
 what is installed there:
 
-- ``constraints/cpu.txt``: everything (``make setup``, ``make test``, CI);
+- ``constraints/cpu.txt``: all of it (``make setup``, ``make test``, CI);
 - ``constraints/quickstart.txt``: what ``rollout-queue[cpu]`` needs, no more
   (``make quickstart``, and with light.txt the ``cpu`` image);
 - ``constraints/light.txt``: what ``rollout-queue[api,monitor]`` needs (the
@@ -101,8 +101,9 @@ def write(out: Path) -> None:
     dists = installed()
     out.mkdir(parents=True, exist_ok=True)
     for filename, extras in TARGETS.items():
-        # The whole set pins everything installed, so nothing of the resolve is lost.
-        names = set(dists) if filename == "cpu.txt" else closure(project_requirements(extras), dists)
+        # What the target needs, not all that is installed: what only the
+        # left-out packages pulled in stays out too.
+        names = closure(project_requirements(extras), dists)
         (out / filename).write_text(render(filename, extras, names, dists))
         print(f"wrote {out / filename}: {len(names)} pins", file=sys.stderr)
 
