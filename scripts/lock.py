@@ -68,7 +68,7 @@ def project_requirements(extras: tuple[str, ...]) -> list[Requirement]:
 def closure(roots: list[Requirement], dists: dict[str, importlib.metadata.Distribution]) -> set[str]:
     """The installed distributions ``roots`` need here, transitively (markers evaluated for this machine)."""
     needed: set[str] = set()
-    todo = [(req, ()) for req in roots]
+    todo: list[tuple[Requirement, tuple[str, ...]]] = [(req, ()) for req in roots]
     while todo:
         req, extras = todo.pop()
         name = canonicalize_name(req.name)
