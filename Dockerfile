@@ -29,10 +29,12 @@ RUN useradd --create-home --uid 1000 rq \
  && mkdir -p /app /cache/huggingface /models /data \
  && chown rq:rq /app /cache/huggingface /models /data
 WORKDIR /app
-# Only what pip needs to resolve the dependencies: pyproject and empty packages.
+# Only what pip needs to resolve the dependencies: pyproject and empty packages
+# (rollout_queue/, the one installed package, links the top-level folders).
 COPY pyproject.toml README.md ./
 COPY constraints ./constraints
 COPY scripts/lock.py ./scripts/
+COPY rollout_queue ./rollout_queue
 RUN mkdir tasks weight_sync workers api cli \
  && touch tasks/__init__.py weight_sync/__init__.py workers/__init__.py api/__init__.py cli/__init__.py
 

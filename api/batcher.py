@@ -48,9 +48,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.metrics import GatewayMetrics
-from api.results import ResultWatcher
-from tasks.errors import (
+from rollout_queue.api.metrics import GatewayMetrics
+from rollout_queue.api.results import ResultWatcher
+from rollout_queue.tasks.errors import (
     BadRequest,
     BrokerUnavailable,
     GatewaySaturated,
@@ -59,9 +59,9 @@ from tasks.errors import (
     PromptTooLong,
     ResultTimeout,
 )
-from tasks.schemas import GenerationResult, PromptKind, PromptOutput, SamplingParams
-from tasks.signature import signature
-from tasks.split import plan_parts, prompts_per_task
+from rollout_queue.tasks.schemas import GenerationResult, PromptKind, PromptOutput, SamplingParams
+from rollout_queue.tasks.signature import signature
+from rollout_queue.tasks.split import plan_parts, prompts_per_task
 
 log = logging.getLogger("rollout_queue.api")
 

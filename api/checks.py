@@ -37,9 +37,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tasks.errors import BadRequest, BrokerUnavailable, RequestTooLarge
-from tasks.generate import build_request
-from tasks.schemas import PromptKind, SamplingParams, WorkerInfo
+from rollout_queue.tasks.errors import BadRequest, BrokerUnavailable, RequestTooLarge
+from rollout_queue.tasks.generate import build_request
+from rollout_queue.tasks.schemas import PromptKind, SamplingParams, WorkerInfo
 
 try:  # the regex parser of ``re`` itself: private, there since 3.11
     sre_parse: Any = importlib.import_module("re._parser")

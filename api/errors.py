@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from api.schemas import ErrorDetail, ErrorResponse
-from tasks.errors import (
+from rollout_queue.api.schemas import ErrorDetail, ErrorResponse
+from rollout_queue.tasks.errors import (
     BadRequest,
     BrokerUnavailable,
     ClientDisconnected,

@@ -22,9 +22,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api import errors
-from api.metrics import GatewayMetrics
-from tasks.errors import RequestTooLarge
+from rollout_queue.api import errors
+from rollout_queue.api.metrics import GatewayMetrics
+from rollout_queue.tasks.errors import RequestTooLarge
 
 log = logging.getLogger("rollout_queue.api")
 

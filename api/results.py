@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks import results
-from tasks.schemas import GenerationResult
+from rollout_queue.tasks import results
+from rollout_queue.tasks.schemas import GenerationResult
 
 __all__ = ["ResultWatcher"]
 

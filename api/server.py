@@ -9,12 +9,12 @@ from typing import Any
 
 from pydantic import SecretStr
 
-from api.settings import ApiSettings
-from tasks.app import configure
-from tasks.errors import BrokerUnavailable, RedisMayEvict
-from tasks.logs import configure_logging
-from tasks.registry import preflight
-from tasks.settings import ClientSettings
+from rollout_queue.api.settings import ApiSettings
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict
+from rollout_queue.tasks.logs import configure_logging
+from rollout_queue.tasks.registry import preflight
+from rollout_queue.tasks.settings import ClientSettings
 
 
 def run_api(
@@ -31,7 +31,7 @@ def run_api(
     keys: one line on stderr, exit code 2, before uvicorn starts."""
     import uvicorn
 
-    from api.app import create_app
+    from rollout_queue.api.app import create_app
 
     given = {"host": host, "port": port, **overrides}
     settings = ApiSettings(**{k: v for k, v in given.items() if v is not None})

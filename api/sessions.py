@@ -25,8 +25,8 @@ from typing import Literal
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from tasks import keys
-from tasks.schemas import WorkerInfo
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.schemas import WorkerInfo
 
 log = logging.getLogger("rollout_queue.api")
 

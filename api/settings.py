@@ -15,9 +15,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from tasks import keys
-from tasks.logs import LogFormat
-from tasks.settings import Settings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.logs import LogFormat
+from rollout_queue.tasks.settings import Settings
 
 
 class ApiSettings(Settings):

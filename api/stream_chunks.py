@@ -17,9 +17,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api import errors, tools, translate
-from api.batcher import Share
-from api.schemas import (
+from rollout_queue.api import errors, tools, translate
+from rollout_queue.api.batcher import Share
+from rollout_queue.api.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -28,8 +28,8 @@ from api.schemas import (
     CompletionChoice,
     CompletionRequest,
 )
-from api.tokens import TokenNamer
-from tasks.schemas import SampleDelta
+from rollout_queue.api.tokens import TokenNamer
+from rollout_queue.tasks.schemas import SampleDelta
 
 log = logging.getLogger("rollout_queue.api")
 

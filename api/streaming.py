@@ -24,12 +24,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from api.batcher import Share
-from api.results import ResultWatcher
-from tasks import keys
-from tasks.errors import BrokerUnavailable, GatewaySaturated
-from tasks.schemas import PromptKind, SampleDelta, SamplingParams
-from tasks.streaming import IDLE_CHECK_S, StreamFollower
+from rollout_queue.api.batcher import Share
+from rollout_queue.api.results import ResultWatcher
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import BrokerUnavailable, GatewaySaturated
+from rollout_queue.tasks.schemas import PromptKind, SampleDelta, SamplingParams
+from rollout_queue.tasks.streaming import IDLE_CHECK_S, StreamFollower
 
 log = logging.getLogger("rollout_queue.api")
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.schemas import ChatMessageIn, TokenId
-from tasks.errors import BadRequest
+from rollout_queue.api.schemas import ChatMessageIn, TokenId
+from rollout_queue.tasks.errors import BadRequest
 
 
 class TokenizeRequest(BaseModel):

@@ -22,7 +22,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from api.schemas import (
+from rollout_queue.api.schemas import (
     ChatCompletionRequest,
     FunctionCallDelta,
     FunctionCallOut,
@@ -30,8 +30,8 @@ from api.schemas import (
     ToolCallDeltaOut,
     ToolCallOut,
 )
-from tasks.errors import BadRequest
-from tasks.schemas import Sample, SampleDelta
+from rollout_queue.tasks.errors import BadRequest
+from rollout_queue.tasks.schemas import Sample, SampleDelta
 
 Mode = Literal["off", "none", "auto", "named", "required"]
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api import tools
-from api.batcher import Share
-from api.schemas import (
+from rollout_queue.api import tools
+from rollout_queue.api.batcher import Share
+from rollout_queue.api.schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,9 +37,9 @@ from api.schemas import (
     UsageOut,
     _Sampling,
 )
-from api.tokens import TokenNamer
-from tasks.errors import BadRequest
-from tasks.schemas import Conversation, PromptKind, PromptOutput, Sample, SamplingParams
+from rollout_queue.api.tokens import TokenNamer
+from rollout_queue.tasks.errors import BadRequest
+from rollout_queue.tasks.schemas import Conversation, PromptKind, PromptOutput, Sample, SamplingParams
 
 # Request fields copied as they are when given (None: the SamplingParams default).
 _PASSTHROUGH = (

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from weight_sync import wire
+from rollout_queue.weight_sync import wire
 
 
 def main() -> int:

@@ -29,8 +29,8 @@ import benchlib
 import httpx
 import openai
 
-from tasks.generate import generate
-from tasks.schemas import SamplingParams
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.schemas import SamplingParams
 
 MODEL_NAME = "bench"
 DEFAULTS = {

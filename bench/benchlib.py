@@ -36,10 +36,10 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 from pydantic import SecretStr
 
-from cli.localstack import TINY_MODEL_SEED, LocalStack, WorkerSpec
-from tasks.app import configure
-from tasks.settings import ClientSettings, redis_url_env
-from workers.settings import EngineSettings
+from rollout_queue.cli.localstack import TINY_MODEL_SEED, LocalStack, WorkerSpec
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.settings import ClientSettings, redis_url_env
+from rollout_queue.workers.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def run_tasks(queue: str, chunks: list[list[list[int]]], params: Any, timeout: float) -> tuple[float, int, set[str]]:
     """Enqueue every chunk as one task at once; seconds until the last result,
     generated tokens, and the workers that served them."""
-    from tasks.generate import generate
+    from rollout_queue.tasks.generate import generate
 
     started = time.perf_counter()
     handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
@@ -111,7 +111,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def build_model(models_dir: Path, kind: str, seed: int) -> Path:
     """The tiny model ``kind``/``seed`` in ``models_dir``, built once, in a child process.
 
-    The child (``python -m cli make-tiny-model``) does the torch CPU work
+    The child (``python -m rollout_queue.cli make-tiny-model``) does the torch CPU work
     (random init, safetensors) and takes its OpenMP threads with it when it
     exits: this process stays safe for vLLM to fork from. Built in a scratch
     folder and renamed into place, so a concurrent reader never sees half a model.
@@ -123,7 +123,8 @@ def build_model(models_dir: Path, kind: str, seed: int) -> Path:
     scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
     log(f"building {kind} (seed {seed}) into {path} in a child process")
     subprocess.run(
-        [sys.executable, "-m", "cli", "make-tiny-model", str(scratch), "--kind", kind, "--seed", str(seed)],
+        [sys.executable, "-m", "rollout_queue.cli", "make-tiny-model", str(scratch), "--kind", kind,
+         "--seed", str(seed)],
         cwd=ROOT, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr,  # stdout: the JSON line only
     )
     try:
@@ -213,7 +214,7 @@ def start_gateway(stack: Any, model_name: str, queue: str | None = None,
     """A ``rollout-queue api`` subprocess in front of ``stack``'s queue; (process, base URL)."""
     import httpx
 
-    from cli.localstack import LocalProcess, free_port
+    from rollout_queue.cli.localstack import LocalProcess, free_port
 
     port = free_port()
     full_env = {
@@ -221,8 +222,8 @@ def start_gateway(stack: Any, model_name: str, queue: str | None = None,
         "RQ_API_PORT": str(port), "RQ_API_MODEL_NAME": model_name, "RQ_API_LOG_LEVEL": "warning",
         **(env or {}),
     }
-    proc = LocalProcess("gateway", [sys.executable, "-m", "cli", "api"], ROOT / ".run" / "bench" / "gateway.log",
-                        full_env)
+    proc = LocalProcess("gateway", [sys.executable, "-m", "rollout_queue.cli", "api"],
+                        ROOT / ".run" / "bench" / "gateway.log", full_env)
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:

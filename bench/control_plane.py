@@ -65,9 +65,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tasks import keys
-from tasks.app import app, configure
-from tasks.settings import ClientSettings, redis_url_env
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app, configure
+from rollout_queue.tasks.settings import ClientSettings, redis_url_env
 
 # The fake checkpoint every simulated worker checks sync manifests against.
 TENSORS = {"model.embed_tokens.weight": [64, 16], "model.norm.weight": [16]}
@@ -101,7 +101,7 @@ class FakeEngineHost:
     """What ``SyncParticipant`` and ``engine_op`` use of ``EngineHost``; no engine."""
 
     def __init__(self, model: str) -> None:
-        from workers.state import NodeState
+        from rollout_queue.workers.state import NodeState
 
         self.settings = SimpleNamespace(model=model)
         self.state = NodeState()
@@ -155,10 +155,10 @@ class SimNode:
         import redis as redis_lib
         from celery.utils.collections import AttributeDict
 
-        from tasks.auth import CommandVerifier
-        from tasks.registry import connect
-        from workers.reaper import InflightLedger, Reaper
-        from workers.sync import SyncParticipant
+        from rollout_queue.tasks.auth import CommandVerifier
+        from rollout_queue.tasks.registry import connect
+        from rollout_queue.workers.reaper import InflightLedger, Reaper
+        from rollout_queue.workers.sync import SyncParticipant
 
         self.node = node
         self.settings = SimpleNamespace(pool=pool, queues=[queue], tensor_parallel_size=1, model=model)
@@ -215,7 +215,7 @@ class SimNode:
 
     # What workers.control's handlers call on a runtime.
     def info(self) -> Any:
-        from tasks.schemas import WorkerInfo
+        from rollout_queue.tasks.schemas import WorkerInfo
 
         return WorkerInfo(
             node=self.node, pool=self.settings.pool, queues=self.settings.queues, model=self.settings.model,
@@ -229,8 +229,8 @@ class SimNode:
 
     def beat(self) -> None:
         """One heartbeat of ``WorkerRuntime._beat``: the fleet-version check, then the registry."""
-        from tasks.registry import fleet_version
-        from workers.state import CAUGHT_UP, FenceReason
+        from rollout_queue.tasks.registry import fleet_version
+        from rollout_queue.workers.state import CAUGHT_UP, FenceReason
 
         if not self.sync.busy() and self.state.current not in ("sleeping", "stopping", "starting"):
             fleet = fleet_version(self.client, self.settings.pool)
@@ -259,7 +259,7 @@ def handlers_for(node: SimNode) -> dict[str, Any]:
     """
     from celery.worker.control import Panel
 
-    from workers import control
+    from rollout_queue.workers import control
 
     def bound(handler: Any) -> Any:
         def call(state: Any, **arguments: Any) -> Any:
@@ -282,7 +282,7 @@ def run_sim_process(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     import torch.distributed  # noqa: F401  the sync threads' TCPStore client, imported once here
 
-    from workers import control
+    from rollout_queue.workers import control
 
     configure(ClientSettings(), worker=True)
     control.restrict_celery_control(False)
@@ -338,7 +338,7 @@ def delta(after: dict[str, tuple[int, int]], before: dict[str, tuple[int, int]])
 
 
 def wait_for_fleet(client: Any, pool: str, count: int, timeout: float) -> None:
-    from tasks.registry import live_workers
+    from rollout_queue.tasks.registry import live_workers
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -353,13 +353,13 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
     import torch
     from rich.console import Console
 
-    from tasks import control
-    from tasks.generate import generate
-    from tasks.registry import connect
-    from tasks.schemas import SamplingParams
-    from tasks.settings import SyncSettings
-    from weight_sync.sender import WeightSender, named_tensors
-    from workers.status import read_fleet, render
+    from rollout_queue.tasks import control
+    from rollout_queue.tasks.generate import generate
+    from rollout_queue.tasks.registry import connect
+    from rollout_queue.tasks.schemas import SamplingParams
+    from rollout_queue.tasks.settings import SyncSettings
+    from rollout_queue.weight_sync.sender import WeightSender, named_tensors
+    from rollout_queue.workers.status import read_fleet, render
 
     run_id = secrets.token_hex(3)
     pool, queue = f"ctlsim-{run_id}", f"ctlsim-{run_id}"

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 from pydantic import SecretStr
 
-from tasks.app import app, configure
-from tasks.settings import ClientSettings
-from workers.dedup import DuplicateGuard, quick_client
+from rollout_queue.tasks.app import app, configure
+from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.workers.dedup import DuplicateGuard, quick_client
 
 
 def result_of(prompts: int, tokens: int) -> dict[str, object]:

@@ -15,7 +15,7 @@ fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
 steps=${*:-tests sync pattern throughput latency scaling resume}
-cleanup() { pkill -f -- "-m cli worker" 2>/dev/null; sleep 3; pkill -9 -f -- "-m cli worker" 2>/dev/null; pkill -9 -f "VLLM::" 2>/dev/null; true; }
+cleanup() { pkill -f -- "-m rollout_queue.cli worker" 2>/dev/null; sleep 3; pkill -9 -f -- "-m rollout_queue.cli worker" 2>/dev/null; pkill -9 -f "VLLM::" 2>/dev/null; true; }
 for step in $steps; do
   cleanup
   start=$(date +%s)

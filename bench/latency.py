@@ -21,8 +21,8 @@ from typing import Any
 
 import benchlib
 
-from tasks.generate import generate
-from tasks.schemas import SamplingParams
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.schemas import SamplingParams
 
 DEFAULTS = {"cpu": {"iterations": 100, "input_len": 16, "max_tokens": 8},
             "cuda": {"iterations": 300, "input_len": 128, "max_tokens": 16}}
@@ -52,8 +52,8 @@ def main() -> None:
 
     from vllm.inputs import TokensPrompt
 
-    from cli.offline import offline_llm, shutdown
-    from workers.engine import to_vllm_params
+    from rollout_queue.cli.offline import offline_llm, shutdown
+    from rollout_queue.workers.engine import to_vllm_params
 
     direct_params = to_vllm_params(params)
     times: dict[str, list[float]] = {"queue": [], "direct": []}

@@ -31,10 +31,10 @@ from typing import Any
 import benchlib
 from celery import states
 
-from tasks import keys
-from tasks.app import app
-from tasks.generate import generate
-from tasks.producer import generate_many
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.producer import generate_many
 
 
 def key_bytes(client: Any, task_ids: list[str]) -> tuple[int, int, list[int]]:

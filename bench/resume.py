@@ -40,13 +40,13 @@ from typing import Any
 import benchlib
 from pydantic import SecretStr
 
-from cli.localstack import LocalStack, WorkerSpec
-from tasks import keys
-from tasks.app import configure
-from tasks.control import engine_command
-from tasks.schemas import SamplingParams
-from tasks.settings import ClientSettings
-from workers.progress import read_progress
+from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.control import engine_command
+from rollout_queue.tasks.schemas import SamplingParams
+from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.workers.progress import read_progress
 
 CPU_DEFAULTS = {"prompts": 64, "output_len": 128, "prompts_per_task": 32, "rounds": 3}
 
@@ -122,7 +122,7 @@ def main() -> None:
         round_ratios = [round(w / o, 3) for w, o in zip(rates[interval], rates[0], strict=True)]
 
         # ---- kill -9 of worker 1 mid-task, restart under the same name
-        from tasks.generate import generate
+        from rollout_queue.tasks.generate import generate
 
         # The last round ends on its leg without checkpoints when the rounds are even.
         engine_command("checkpoint_tokens", {"tokens": interval}, workers=[node])

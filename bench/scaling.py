@@ -27,10 +27,10 @@ from typing import Any
 import benchlib
 from pydantic import SecretStr
 
-from cli.localstack import LocalStack, WorkerSpec
-from tasks.app import configure
-from tasks.schemas import SamplingParams
-from tasks.settings import ClientSettings
+from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.schemas import SamplingParams
+from rollout_queue.tasks.settings import ClientSettings
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
 
     def run_round(chunks: list[list[list[int]]], queue: str) -> tuple[float, dict[str, list[int]]]:
         """Seconds for every chunk; per worker, the tokens of each task it served."""
-        from tasks.generate import generate
+        from rollout_queue.tasks.generate import generate
 
         started = time.perf_counter()
         handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
@@ -64,7 +64,7 @@ def main() -> None:
 
     def warm(workers: int) -> None:
         """A task through each worker's own queue (``<queue>-w<i>``): every engine warm."""
-        from tasks.generate import generate
+        from rollout_queue.tasks.generate import generate
 
         chunks = workload(99)[:workers]
         handles = [generate.apply_async((chunk, params), queue=f"{stack.queue}-w{i}")

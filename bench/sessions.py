@@ -30,10 +30,10 @@ import benchlib
 import httpx
 from pydantic import SecretStr
 
-from cli.localstack import LocalStack, WorkerSpec
-from tasks.app import configure
-from tasks.control import engine_command
-from tasks.settings import ClientSettings
+from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.control import engine_command
+from rollout_queue.tasks.settings import ClientSettings
 
 MODEL_NAME = "bench"
 WORDS = ["river", "stone", "light", "cloud", "garden", "letter", "window", "bridge", "market", "forest"]

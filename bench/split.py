@@ -23,10 +23,10 @@ from typing import Any
 
 import benchlib
 
-from tasks.app import configure, settings
-from tasks.generate import generate
-from tasks.schemas import SamplingParams
-from tasks.split import SplitResult
+from rollout_queue.tasks.app import configure, settings
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.schemas import SamplingParams
+from rollout_queue.tasks.split import SplitResult
 
 DEFAULTS = {"cpu": {"prompts": 256, "input_len": 32, "max_tokens": 32, "rounds": 5},
             "cuda": {"prompts": 1024, "input_len": 128, "max_tokens": 256, "rounds": 5}}

@@ -32,10 +32,10 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     import torch
 
     from bench.weight_transfer import state_dict
-    from tasks.schemas import WorkerInfo
-    from tasks.settings import SyncSettings
-    from weight_sync import wire
-    from weight_sync.sender import WeightSender
+    from rollout_queue.tasks.schemas import WorkerInfo
+    from rollout_queue.tasks.settings import SyncSettings
+    from rollout_queue.weight_sync import wire
+    from rollout_queue.weight_sync.sender import WeightSender
 
     cuda = args.device == "cuda"
     device = f"cuda:{1 - rank}" if cuda else "cpu"  # trainer on GPU 1, receiver on GPU 0

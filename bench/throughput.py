@@ -21,7 +21,7 @@ from typing import Any
 
 import benchlib
 
-from tasks.schemas import SamplingParams
+from rollout_queue.tasks.schemas import SamplingParams
 
 
 def queue_leg(stack: Any, chunks: list[list[list[int]]], params: SamplingParams, timeout: float) -> tuple[float, int]:
@@ -33,7 +33,7 @@ def queue_leg(stack: Any, chunks: list[list[list[int]]], params: SamplingParams,
 def offline_leg(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
     from vllm.inputs import TokensPrompt
 
-    from workers.engine import to_vllm_params
+    from rollout_queue.workers.engine import to_vllm_params
 
     inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     started = time.perf_counter()
@@ -57,7 +57,7 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     expected = args.prompts * args.output_len
 
-    from cli.offline import offline_llm, shutdown
+    from rollout_queue.cli.offline import offline_llm, shutdown
 
     runs: dict[str, list[float]] = {"queue": [], "offline": []}
     tasks = -(-args.prompts // per_task)

@@ -37,14 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tasks.settings import environment_redis_url, redact_url, redis_url_env  # after the path
+from rollout_queue.tasks.settings import environment_redis_url, redact_url, redis_url_env  # after the path
 
 
 def state_dict(shape: str, dtype: str, device: str) -> dict:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from cli.tiny_model import qwen2_config
+    from rollout_queue.cli.tiny_model import qwen2_config
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(qwen2_config(shape, dtype))
@@ -83,8 +83,8 @@ def main() -> int:
 
     import torch
 
-    from cli.localstack import LocalStack, WorkerSpec
-    from cli.tiny_model import make_tiny_model
+    from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+    from rollout_queue.cli.tiny_model import make_tiny_model
 
     run_dir = ROOT / ".artifacts" / "bench-weight-sync"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,13 +97,13 @@ def main() -> int:
     with LocalStack(run_dir, prefix="bench-sync") as stack:
         url = stack.ensure_redis(args.redis_url)
         os.environ.update(redis_url_env(url))  # both names: RQ_REDIS_URL would win
-        from tasks import app, keys, sync_weights
-        from tasks.app import configure
-        from tasks.app import settings as client_settings
-        from tasks.auth import signed_arguments
-        from tasks.settings import ClientSettings, SyncSettings
-        from weight_sync import wire
-        from weight_sync.bench_receiver import BENCH_EXTENSION
+        from rollout_queue.tasks import app, keys, sync_weights
+        from rollout_queue.tasks.app import configure
+        from rollout_queue.tasks.app import settings as client_settings
+        from rollout_queue.tasks.auth import signed_arguments
+        from rollout_queue.tasks.settings import ClientSettings, SyncSettings
+        from rollout_queue.weight_sync import wire
+        from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
 
         configure(ClientSettings())
         worker_env = {"CUDA_VISIBLE_DEVICES": str(args.worker_gpu)} if cuda else {}

@@ -1,6 +1,6 @@
 """Running and developing rollout-queue: the ``rollout-queue`` command and the local tools.
 
-Owns the command line (``cli.command``: ``rollout-queue``, ``python -m cli``),
+Owns the command line (``cli.command``: ``rollout-queue``, ``python -m rollout_queue.cli``),
 the quickstart (``cli.quickstart``) and its real model (``cli.quickstart_model``),
 the local stack of Redis and worker subprocesses that the quickstart, the
 benchmarks and the tests start (``cli.localstack``), the tiny random-weight
@@ -12,6 +12,6 @@ It sits on top of everything else: it imports ``tasks``, ``workers`` and
 the gateway runs without the developer tools.
 """
 
-from cli.command import main
+from rollout_queue.cli.command import main
 
 __all__ = ["main"]

@@ -1,6 +1,6 @@
 import sys
 
-from cli.command import main
+from rollout_queue.cli.command import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -52,7 +52,7 @@ def _default_text(field: str, info: FieldInfo) -> str:
 
 def _variable(model: type[BaseSettings], field: str) -> str:
     """``RQ_X``, ``RQ_API_X``; with its alias, and ``…_FILE`` for a secret."""
-    from tasks.settings import ENV_ALIASES, is_secret
+    from rollout_queue.tasks.settings import ENV_ALIASES, is_secret
 
     prefix = str(model.model_config.get("env_prefix", ""))
     variable = f"{prefix}{field.upper()}"
@@ -65,7 +65,7 @@ def _variable(model: type[BaseSettings], field: str) -> str:
 
 def _setting_help(field: str, text: str, model: type[BaseSettings] | None = None) -> str:
     """``text (default: X; env RQ_X)`` from the field's own default."""
-    from workers.settings import WorkerSettings
+    from rollout_queue.workers.settings import WorkerSettings
 
     model = model or WorkerSettings
     info = model.model_fields[field]
@@ -102,8 +102,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from tasks.registry import preflight
-    from workers.settings import WorkerSettings
+    from rollout_queue.tasks.registry import preflight
+    from rollout_queue.workers.settings import WorkerSettings
 
     overrides: dict[str, Any] = {
         k: v for k, v in vars(args).items()
@@ -116,8 +116,8 @@ def _worker(args: argparse.Namespace) -> int:
     # (BrokerUnavailable, RedisMayEvict: one line, exit 2, in main) costs no engine start.
     redis_note = preflight(settings)
 
-    from workers.engine_cli import parse_engine_args
-    from workers.main import run_worker
+    from rollout_queue.workers.engine_cli import parse_engine_args
+    from rollout_queue.workers.main import run_worker
 
     engine_args = parse_engine_args(args.engine_argv, f"{PROG} worker")
     if engine_args:
@@ -126,7 +126,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
-    from cli.tiny_model import make_tiny_model
+    from rollout_queue.cli.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.path, seed=args.seed, kind=args.kind, weights=not args.no_weights,
                            dtype=args.dtype)
@@ -135,21 +135,21 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from workers.status import run_status
+    from rollout_queue.workers.status import run_status
 
     return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url, node=args.node)
 
 
 def _dead_letters(args: argparse.Namespace) -> int:
-    from tasks.settings import ClientSettings
-    from workers.dead_letters import run_dead_letters
+    from rollout_queue.tasks.settings import ClientSettings
+    from rollout_queue.workers.dead_letters import run_dead_letters
 
     settings = ClientSettings(redis_url=SecretStr(args.redis_url)) if args.redis_url else ClientSettings()
     return run_dead_letters(settings, queue=args.queue, requeue_id=args.requeue, drop_id=args.drop)
 
 
 def _api(args: argparse.Namespace) -> int:
-    from api.server import run_api
+    from rollout_queue.api.server import run_api
 
     overrides = {field: getattr(args, field) for field in API_FLAGS if field not in ("host", "port")}
     client = {"allow_evicting_redis": args.allow_evicting_redis}
@@ -159,14 +159,14 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _quickstart_model(args: argparse.Namespace) -> int:
-    from cli.quickstart_model import ensure_quickstart_model
+    from rollout_queue.cli.quickstart_model import ensure_quickstart_model
 
     print(ensure_quickstart_model(args.models_dir))
     return 0
 
 
 def _quickstart(args: argparse.Namespace) -> int:
-    from cli.quickstart import run_quickstart
+    from rollout_queue.cli.quickstart import run_quickstart
 
     return run_quickstart()
 
@@ -235,7 +235,7 @@ def _worker_parser(sub: Any) -> None:
     _switch(w, "--allow-celery-control", "accept Celery's unsigned state-changing control commands "
             "(shutdown, pool_restart, add_consumer...)")
     w.set_defaults(func=_worker)
-    from workers.settings import WorkerSettings
+    from rollout_queue.workers.settings import WorkerSettings
 
     flagged = {a.dest for a in w._actions if a.option_strings} | {"engine_args"}
     w.epilog = _environment_only(WorkerSettings, flagged) + (
@@ -269,8 +269,8 @@ API_FLAGS = {
 
 
 def _api_parser(sub: Any) -> None:
-    from api.settings import ApiSettings
-    from tasks.settings import ClientSettings
+    from rollout_queue.api.settings import ApiSettings
+    from rollout_queue.tasks.settings import ClientSettings
 
     a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway", formatter_class=_HelpFormatter,
                        description="Run the OpenAI-compatible HTTP gateway. Every flag also reads "
@@ -294,7 +294,7 @@ def _api_parser(sub: Any) -> None:
 
 
 def _client_epilog(fields: list[str]) -> str:
-    from tasks.settings import ClientSettings
+    from rollout_queue.tasks.settings import ClientSettings
 
     return _environment_only(ClientSettings, set(), fields)
 
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # Not imported at the top: importing tasks/ reads the environment (above);
         # tasks.errors itself is loaded by then, whatever failed after it.
-        from tasks.errors import BrokerUnavailable, RedisMayEvict, SettingsFileError
+        from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict, SettingsFileError
 
         if not isinstance(exc, (BrokerUnavailable, RedisMayEvict, SettingsFileError, redis.ConnectionError)):
             raise
@@ -411,9 +411,9 @@ def missing_extra(command: str, exc: ModuleNotFoundError) -> str:
 
 
 def _print_invalid(exc: ValidationError, command: str) -> None:
-    from api.settings import ApiSettings
-    from tasks.settings import ClientSettings, describe_invalid
-    from workers.settings import WorkerSettings
+    from rollout_queue.api.settings import ApiSettings
+    from rollout_queue.tasks.settings import ClientSettings, describe_invalid
+    from rollout_queue.workers.settings import WorkerSettings
 
     model, prefix = {"ApiSettings": (ApiSettings, "RQ_API_"),
                      "ClientSettings": (ClientSettings, "RQ_")}.get(exc.title, (WorkerSettings, "RQ_"))

@@ -35,9 +35,9 @@ from typing import Any, ClassVar, Self
 
 import redis
 
-from tasks.errors import BrokerUnavailable, LocalStackError
-from tasks.registry import live_workers
-from tasks.settings import redact_url, redis_url_env
+from rollout_queue.tasks.errors import BrokerUnavailable, LocalStackError
+from rollout_queue.tasks.registry import live_workers
+from rollout_queue.tasks.settings import redact_url, redis_url_env
 
 TINY_MODEL_SEED = 1
 
@@ -82,7 +82,7 @@ def default_tiny_model(models_dir: Path, seed: int = TINY_MODEL_SEED) -> Path:
     path = models_dir / f"tiny-llama-seed{seed}"
     if (path / "model.safetensors").exists():
         return path
-    from cli.tiny_model import make_tiny_model
+    from rollout_queue.cli.tiny_model import make_tiny_model
 
     models_dir.mkdir(parents=True, exist_ok=True)
     scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
@@ -367,7 +367,7 @@ class LocalStack:
             raise LocalStackError("call ensure_redis() before starting workers")
         name = self.worker_name(index)
         argv = [
-            sys.executable, "-m", "cli", "worker",
+            sys.executable, "-m", "rollout_queue.cli", "worker",
             "--model", str(spec.model), "--device", spec.device, "--dtype", spec.dtype,
             "--max-model-len", str(spec.max_model_len),
             "--gpu-memory-utilization", str(spec.gpu_memory_utilization),

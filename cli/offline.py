@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.engine import engine_kwargs
-from workers.main import cpu_environment
-from workers.settings import EngineSettings
+from rollout_queue.workers.engine import engine_kwargs
+from rollout_queue.workers.main import cpu_environment
+from rollout_queue.workers.settings import EngineSettings
 
 
 def offline_llm(settings: EngineSettings) -> Any:

@@ -18,12 +18,12 @@ from typing import Any, TextIO
 from celery.exceptions import TimeoutError as ResultTimeout
 from pydantic import SecretStr
 
-from cli.localstack import LocalStack, WorkerSpec
-from cli.quickstart_model import ensure_quickstart_model
-from tasks.app import configure
-from tasks.errors import LocalStackError, RolloutError
-from tasks.generate import generate
-from tasks.settings import ClientSettings, redact_url
+from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+from rollout_queue.cli.quickstart_model import ensure_quickstart_model
+from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.errors import LocalStackError, RolloutError
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.settings import ClientSettings, redact_url
 
 TASK_TIMEOUT_S = 180.0
 

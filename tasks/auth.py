@@ -34,9 +34,9 @@ from typing import Any
 import redis
 from pydantic import SecretStr, ValidationError
 
-from tasks import keys
-from tasks.errors import ControlRefused
-from tasks.schemas import ControlAuth
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import ControlRefused
+from rollout_queue.tasks.schemas import ControlAuth
 
 log = logging.getLogger(__name__)
 

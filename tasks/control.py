@@ -5,7 +5,7 @@ Each function broadcasts the workers' ``rq_engine`` remote-control command
 given) or to the named ``workers``, waits for one reply per worker until
 ``timeout``, and returns ``{node: result}``.
 
-    from tasks import control
+    from rollout_queue.tasks import control
     control.sleep(level=1)            # colocated training: free GPU memory
     ...                               # optimizer step
     control.wake_up(["weights"]); sync_weights.broadcast(model); control.wake_up(["kv_cache"])
@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tasks import keys, registry
-from tasks.app import app, settings
-from tasks.auth import signed_arguments
-from tasks.errors import ControlError, ControlFailed, ControlTimeout
+from rollout_queue.tasks import keys, registry
+from rollout_queue.tasks.app import app, settings
+from rollout_queue.tasks.auth import signed_arguments
+from rollout_queue.tasks.errors import ControlError, ControlFailed, ControlTimeout
 
 DEFAULT_TIMEOUT = 10.0
 # Sleep and wake move the whole model between devices: give them longer.

@@ -35,9 +35,9 @@ from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import OutOfMemoryError, RedisError
 
-from tasks import keys
-from tasks.app import app, settings
-from tasks.errors import (
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app, settings
+from rollout_queue.tasks.errors import (
     BrokerFull,
     BrokerUnavailable,
     EngineError,
@@ -46,11 +46,11 @@ from tasks.errors import (
     Requeue,
     RolloutError,
 )
-from tasks.registry import check_eviction_policy
-from tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
-from tasks.settings import redact_url
-from tasks.signature import signature
-from tasks.split import SplitResult, plan_parts, prompts_per_task
+from rollout_queue.tasks.registry import check_eviction_policy
+from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
+from rollout_queue.tasks.settings import redact_url
+from rollout_queue.tasks.signature import signature
+from rollout_queue.tasks.split import SplitResult, plan_parts, prompts_per_task
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class GenerateTask(Task):
     def stream(self, prompts: Any, params: Any = None, **options: Any) -> Iterator[Any]:
         """Send one task and yield its tokens as they are generated (``SampleDelta``),
         then its ``GenerationResult``: see ``tasks.streaming.stream``."""
-        from tasks.streaming import stream
+        from rollout_queue.tasks.streaming import stream
 
         return stream(self, prompts, params, **options)
 
@@ -332,7 +332,7 @@ class GenerateTask(Task):
     ) -> dict[str, Any] | GenerationResult:
         """Send one call and await its result on the running event loop:
         ``tasks.aio.generate`` on the loop's default client."""
-        from tasks import aio
+        from rollout_queue.tasks import aio
 
         return await aio.generate(prompts, params, timeout=timeout, typed=typed, queue=queue)
 

@@ -1,6 +1,6 @@
 """``generate_many``: one big job as many ``generate`` tasks, results as they come.
 
-    from tasks.producer import generate_many
+    from rollout_queue.tasks.producer import generate_many
     for index, result in generate_many(prompts, {"temperature": 0.7, "max_tokens": 256}):
         rollouts[index] = result["outputs"][0]["samples"]
 
@@ -23,9 +23,9 @@ from typing import Any
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, ResultSet
 
-from tasks.errors import BatchIncomplete
-from tasks.generate import build_request, generate
-from tasks.schemas import SamplingParams
+from rollout_queue.tasks.errors import BatchIncomplete
+from rollout_queue.tasks.generate import build_request, generate
+from rollout_queue.tasks.schemas import SamplingParams
 
 __all__ = ["generate_many"]
 

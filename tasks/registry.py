@@ -13,10 +13,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tasks import keys
-from tasks.errors import BrokerUnavailable, RedisMayEvict
-from tasks.schemas import WorkerInfo
-from tasks.settings import ClientSettings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict
+from rollout_queue.tasks.schemas import WorkerInfo
+from rollout_queue.tasks.settings import ClientSettings
 
 
 def connect(
@@ -30,7 +30,7 @@ def connect(
     """A client for ``settings.redis_url``. ``give_up_at_once`` turns off
     redis-py's retries, for callers that must not block: the duplicate check
     runs in a worker's consumer loop (``workers.dedup``)."""
-    from tasks.app import redis_tls_options
+    from rollout_queue.tasks.app import redis_tls_options
 
     retry = {"retry": Retry(NoBackoff(), 0)} if give_up_at_once else {}
     return redis.Redis.from_url(

@@ -33,9 +33,9 @@ import redis.asyncio as aioredis
 from celery import states
 from redis.exceptions import RedisError
 
-from tasks import keys
-from tasks.errors import BrokerUnavailable, ResultTimeout
-from tasks.settings import redact_url
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import BrokerUnavailable, ResultTimeout
+from rollout_queue.tasks.settings import redact_url
 
 __all__ = ["ResultWatcher"]
 

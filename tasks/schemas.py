@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from tasks import keys
+from rollout_queue.tasks import keys
 
 # What the engine can carry. vLLM holds token ids, top-k and token counts in
 # int32 tensors, and msgspec (its engine-core IPC) refuses ints beyond 64 bits

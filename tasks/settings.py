@@ -28,8 +28,8 @@ from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError,
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from tasks.errors import SettingsFileError
-from weight_sync.protocol import WorkerTimeouts
+from rollout_queue.tasks.errors import SettingsFileError
+from rollout_queue.weight_sync.protocol import WorkerTimeouts
 
 
 def redact_url(url: str) -> str:

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from tasks.schemas import SamplingParams
+from rollout_queue.tasks.schemas import SamplingParams
 
 
 def signature(params: SamplingParams | Mapping[str, Any]) -> str:

@@ -45,7 +45,7 @@ from celery import states
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult, GroupResult
 
-from tasks.schemas import GenerationResult, Timing, Usage
+from rollout_queue.tasks.schemas import GenerationResult, Timing, Usage
 
 __all__ = ["SplitResult", "join_results", "plan_parts", "prompts_per_task"]
 
@@ -121,7 +121,7 @@ class SplitResult(GroupResult):  # type: ignore[misc]
         # This project's app by default, not Celery's "current" one (a process
         # may have made others since, e.g. for another Redis).
         if app is None and backend is None:
-            from tasks.app import app as project_app
+            from rollout_queue.tasks.app import app as project_app
 
             app = project_app
         group = super().restore(id, backend=backend, app=app)

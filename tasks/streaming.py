@@ -27,9 +27,9 @@ import redis
 from celery import states
 from celery.result import AsyncResult
 
-from tasks import keys
-from tasks.errors import BrokerUnavailable, ResultTimeout, StreamInterrupted
-from tasks.schemas import GenerationResult, SampleDelta, SamplingParams, StreamEvent
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import BrokerUnavailable, ResultTimeout, StreamInterrupted
+from rollout_queue.tasks.schemas import GenerationResult, SampleDelta, SamplingParams, StreamEvent
 
 STREAM_HEADER = "rq_stream"
 # How long one XREAD blocks before the reader checks the task and its worker:
@@ -104,8 +104,8 @@ def stream(
     is never split (it has a task id of its own). Raises the task's error if it
     fails, ``StreamInterrupted`` if its worker dies after tokens were delivered.
     """
-    from tasks.app import settings
-    from tasks.registry import connect
+    from rollout_queue.tasks.app import settings
+    from rollout_queue.tasks.registry import connect
 
     task_id = options.pop("task_id", None) or f"stream-{uuid.uuid4().hex}"
     headers = {**(options.pop("headers", None) or {}), STREAM_HEADER: True}

@@ -1,6 +1,6 @@
 """Weight sync, the trainer's face: push new policy weights into every worker.
 
-    from tasks import sync_weights
+    from rollout_queue.tasks import sync_weights
     report = sync_weights.broadcast(model, version=7, pause="wait")   # a SyncReport
     sync_weights.catch_up(model); sync_weights.status(); sync_weights.close()
 
@@ -12,12 +12,12 @@ without torch: the sender imports it when it first syncs.
 
 from __future__ import annotations
 
-from tasks import keys
-from tasks.errors import WeightSyncError
-from tasks.schemas import PauseMode
-from tasks.settings import SyncSettings
-from weight_sync.protocol import SyncReport
-from weight_sync.sender import Weights, WeightSender
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import WeightSyncError
+from rollout_queue.tasks.schemas import PauseMode
+from rollout_queue.tasks.settings import SyncSettings
+from rollout_queue.weight_sync.protocol import SyncReport
+from rollout_queue.weight_sync.sender import Weights, WeightSender
 
 _senders: dict[str, WeightSender] = {}
 

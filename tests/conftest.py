@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from cli.localstack import LocalProcess, RedisServer, redis_reachable
-from tasks.settings import environment_redis_url, redis_url_env
+from rollout_queue.cli.localstack import LocalProcess, RedisServer, redis_reachable
+from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
@@ -57,8 +57,8 @@ def redis_url() -> Iterator[str]:
     # starts (tests that start them on a private server hand them REDIS_URL).
     os.environ.pop("RQ_REDIS_URL", None)
     os.environ["REDIS_URL"] = url
-    from tasks.app import configure
-    from tasks.settings import ClientSettings
+    from rollout_queue.tasks.app import configure
+    from rollout_queue.tasks.settings import ClientSettings
 
     configure(ClientSettings(weight_sync_secret=CONTROL_SECRET))
     yield url
@@ -72,7 +72,7 @@ def redis_client(redis_url: str) -> redis_lib.Redis:
 
 
 def tiny_model(seed: int) -> Path:
-    from cli.tiny_model import CHAT_TEMPLATE, make_tiny_model
+    from rollout_queue.cli.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
     path = MODELS / f"tiny-llama-seed{seed}"
     template = path / "chat_template.jinja"
@@ -97,8 +97,8 @@ WorkerStarter = Callable[..., Proc]
 
 
 def worker_registered(client: redis_lib.Redis, node: str, state: str = "serving") -> bool:
-    from tasks import keys
-    from tasks.schemas import WorkerInfo
+    from rollout_queue.tasks import keys
+    from rollout_queue.tasks.schemas import WorkerInfo
 
     raw = client.get(keys.worker_key(node))
     return raw is not None and WorkerInfo.model_validate_json(raw).state == state
@@ -145,7 +145,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
         for_session: bool = False,
     ) -> Proc:
         argv = [
-            python(), "-m", "cli", "worker",
+            python(), "-m", "rollout_queue.cli", "worker",
             "--model", str(model), "--device", "cpu", "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
             "--name", name, "--max-inflight", str(max_inflight),

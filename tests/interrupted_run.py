@@ -20,7 +20,7 @@ from tests.procs import Proc, python
 def test_starts_processes_then_waits_to_be_interrupted() -> None:
     server = private_redis_server("guard-valkey")
     Proc("guard-worker", [
-        python(), "-m", "cli", "worker", "--model", str(tiny_model(1)), "--device", "cpu",
+        python(), "-m", "rollout_queue.cli", "worker", "--model", str(tiny_model(1)), "--device", "cpu",
         "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
         "--gpu-memory-utilization", "0.1", "--name", "guard@tests", "--queues", "guard",
         "--pool", "guard",

@@ -25,7 +25,7 @@ def _vllm_version(name: str) -> str:
 
 
 if __name__ == "__main__":  # vLLM spawns its engine: only the parent runs the CLI
-    from workers.main import cpu_environment
+    from rollout_queue.workers.main import cpu_environment
 
     cpu_environment(async_engine=False)  # lm-eval builds an offline LLM
     metadata.version = _vllm_version

@@ -33,8 +33,8 @@ class Agent:
         self.configure({})
 
     def configure(self, args: dict[str, Any]) -> None:
-        from tasks.app import configure
-        from tasks.settings import ClientSettings
+        from rollout_queue.tasks.app import configure
+        from rollout_queue.tasks.settings import ClientSettings
 
         configure(ClientSettings(redis_url=SecretStr(self.redis_url),
                                  weight_sync_secret=SecretStr(self.secret), **args))
@@ -54,14 +54,14 @@ class Agent:
                 time.sleep(0.2)
 
     def registry(self) -> dict[str, Any]:
-        from tasks.app import settings
-        from tasks.registry import connect, live_workers
+        from rollout_queue.tasks.app import settings
+        from rollout_queue.tasks.registry import connect, live_workers
 
         return {w.node: w.model_dump(mode="json") for w in live_workers(connect(settings()), None)}
 
     def send(self, tasks: list[dict[str, Any]]) -> list[str]:
         """Enqueue tasks (``{"prompts", "params", "queue"}``); their ids."""
-        from tasks import generate
+        from rollout_queue.tasks import generate
 
         return [generate.apply_async((t["prompts"], t["params"]), queue=t["queue"]).id for t in tasks]
 
@@ -69,7 +69,7 @@ class Agent:
         """Each task's backend meta once all are final; polls through outages."""
         import redis
 
-        from tasks import app
+        from rollout_queue.tasks import app
 
         done: dict[str, Any] = {}
         deadline = time.monotonic() + timeout
@@ -102,7 +102,7 @@ class Agent:
         before the trainer writes its decision to go ahead."""
         from safetensors.torch import load_file
 
-        from tasks.settings import SyncSettings, SyncTimeouts
+        from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
 
         key = f"{pool}/{rendezvous_host}/{sorted(timeouts.items())}"
         if key not in self.senders:
@@ -133,7 +133,7 @@ class Agent:
     def produce(self, prompts: list[str], settings: dict[str, Any]) -> str:
         """Enqueue one task with these client settings (e.g. broker_connect_timeout); its id."""
         self.configure(settings)
-        from tasks import generate
+        from rollout_queue.tasks import generate
 
         return str(generate.delay(prompts, {"max_tokens": 2}).id)
 
@@ -154,7 +154,7 @@ class Agent:
 def _sender_class() -> type:
     import subprocess
 
-    from tasks.sync_weights import WeightSender
+    from rollout_queue.tasks.sync_weights import WeightSender
 
     class CuttingSender(WeightSender):
         """The real sender, with hooks where a fault goes: between ready and the
@@ -187,14 +187,14 @@ def _jsonable(value: Any) -> Any:
 def main(argv: list[str]) -> None:
     agent = Agent(argv[0], argv[1])
     # Imported before any command, so an answer times the work alone.
-    import tasks.generate
+    import rollout_queue.tasks.generate
 
     if len(argv) > 3 and argv[2] == "--once":
         print(json.dumps(agent.answer(argv[3])), flush=True)
         return
     import safetensors.torch  # noqa: F401  imported before any command, so answers time the work alone
 
-    import tasks.sync_weights  # noqa: F401
+    import rollout_queue.tasks.sync_weights  # noqa: F401
     print(json.dumps({"ok": "ready"}), flush=True)
     for line in sys.stdin:
         print(json.dumps(agent.answer(line)), flush=True)

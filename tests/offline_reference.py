@@ -21,8 +21,8 @@ def main(request_path: str, out_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from cli.offline import offline_llm, shutdown
-    from workers.settings import EngineSettings
+    from rollout_queue.cli.offline import offline_llm, shutdown
+    from rollout_queue.workers.settings import EngineSettings
 
     with open(request_path) as handle:
         request = json.load(handle)

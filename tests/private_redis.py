@@ -22,9 +22,9 @@ import redis as redis_lib
 from celery import Celery
 from pydantic import SecretStr
 
-from cli.localstack import RedisServer as LocalRedisServer
-from cli.localstack import free_port
-from tasks.settings import redis_url_env
+from rollout_queue.cli.localstack import RedisServer as LocalRedisServer
+from rollout_queue.cli.localstack import free_port
+from rollout_queue.tasks.settings import redis_url_env
 from tests.procs import ARTIFACTS, LOGS
 
 
@@ -131,9 +131,9 @@ def _supports_tls(binary: str) -> bool:
 def client_app(url: str, **settings: Any) -> tuple[Celery, Any]:
     """A Celery app and its ``generate`` task bound to ``url`` (this process's
     ``tasks.app`` stays on the session Redis)."""
-    from tasks.app import celery_config
-    from tasks.generate import GenerateTask
-    from tasks.settings import ClientSettings
+    from rollout_queue.tasks.app import celery_config
+    from rollout_queue.tasks.generate import GenerateTask
+    from rollout_queue.tasks.settings import ClientSettings
 
     app = Celery(f"rq-client-{free_port()}")
     app.conf.update(celery_config(ClientSettings(redis_url=SecretStr(url), **settings)))

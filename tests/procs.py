@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from cli.localstack import LocalProcess, free_port
+from rollout_queue.cli.localstack import LocalProcess, free_port
 
 __all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "engine_cores", "free_port", "install_guard", "on_exit", "python"]
 

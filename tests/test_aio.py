@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from tasks import aio, generate
-from tasks.app import app as celery_app
-from tasks.errors import BrokerUnavailable, InvalidRequest, PromptTooLong, ResultTimeout
-from tasks.results import ResultWatcher
-from tasks.schemas import GenerationResult
+from rollout_queue.tasks import aio, generate
+from rollout_queue.tasks.app import app as celery_app
+from rollout_queue.tasks.errors import BrokerUnavailable, InvalidRequest, PromptTooLong, ResultTimeout
+from rollout_queue.tasks.results import ResultWatcher
+from rollout_queue.tasks.schemas import GenerationResult
 from tests.conftest import MAX_MODEL_LEN
 from tests.procs import ARTIFACTS, ROOT, Proc
 
@@ -92,7 +92,7 @@ def test_py_typed_ships_in_the_built_wheel_of_every_installed_package(tmp_path: 
 
 
 TRAINER = """
-from tasks import aio, generate
+from rollout_queue.tasks import aio, generate
 
 
 async def main() -> None:
@@ -116,9 +116,9 @@ def test_a_trainers_mypy_sees_the_typed_and_the_plain_results(tmp_path: Path) ->
         timeout=300, check=False,
     )
     revealed = re.findall(r'Revealed type is "([^"]+)"', done.stdout)
-    assert revealed == ["tasks.schemas.GenerationResult", "dict[str, Any]",
-                        "tasks.schemas.GenerationResult", "tasks.schemas.GenerationResult",
-                        "tasks.schemas.GenerationResult"], done.stdout
+    assert revealed == ["rollout_queue.tasks.schemas.GenerationResult", "dict[str, Any]",
+                        "rollout_queue.tasks.schemas.GenerationResult", "rollout_queue.tasks.schemas.GenerationResult",
+                        "rollout_queue.tasks.schemas.GenerationResult"], done.stdout
 
 
 # ------------------------------------------------------------- on a worker
@@ -219,7 +219,7 @@ PROMPTS = [[11 + p, 200 + 3 * p, 7, 5 + p] for p in range(3 * MAX_PROMPTS + 1)]
 @pytest.fixture
 def max_prompts(redis_url: str) -> Iterator[int]:
     """RQ_TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
-    from tasks.app import configure, settings
+    from rollout_queue.tasks.app import configure, settings
 
     before = settings()
     configure(before.model_copy(update={"task_max_prompts": MAX_PROMPTS}))
@@ -245,7 +245,7 @@ def test_a_big_awaited_call_is_split_and_joined_as_the_sync_call_is(gen_worker: 
 
 
 def _engine_stats() -> dict[str, Any]:
-    from tasks import control
+    from rollout_queue.tasks import control
 
     return control.engine_stats(["gen@tests"], timeout=10)["gen@tests"]
 

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks import generate, signature
+from rollout_queue.tasks import generate, signature
 from tests.conftest import MAX_MODEL_LEN
 from tests.procs import Proc, free_port, python
 
@@ -65,7 +65,7 @@ def start_gateway(name: str, redis_url: str, env: dict[str, str]) -> Gateway:
     port = free_port()
     full_env = {"REDIS_URL": redis_url, "RQ_API_PORT": str(port), "RQ_API_HOST": "127.0.0.1",
                 "RQ_API_MODEL_NAME": MODEL, **env}
-    proc = Proc(name, [python(), "-m", "cli", "api"], env=full_env)
+    proc = Proc(name, [python(), "-m", "rollout_queue.cli", "api"], env=full_env)
     gateway = Gateway(proc, port, env.get("RQ_API_TOKEN"))
 
     def healthy() -> bool:
@@ -434,7 +434,7 @@ def test_saturated_gateway_refuses_new_tasks_with_429(stuck_gateway: Gateway) ->
 
 
 def test_token_namer_spells_ids_or_decodes_with_real_bytes(model_a: Path) -> None:
-    from api.tokens import TokenNamer
+    from rollout_queue.api.tokens import TokenNamer
 
     assert TokenNamer(None).name(42) == "token_id:42"
     assert TokenNamer(None).bytes_of(42) is None
@@ -589,7 +589,7 @@ def test_a_regex_the_engine_refuses_is_a_400_without_retries(gateway: Gateway) -
 
 
 def _engine_stats() -> dict[str, Any]:
-    from tasks import control
+    from rollout_queue.tasks import control
 
     return control.engine_stats([WORKER], timeout=10)[WORKER]
 
@@ -691,8 +691,8 @@ def test_concurrent_batches_with_one_bad_member_serve_every_good_one(gateway: Ga
 
 
 def test_an_error_no_handler_takes_is_a_counted_500_in_openai_shape(redis_url: str) -> None:
-    from api import ApiSettings, create_app
-    from tasks.settings import ClientSettings
+    from rollout_queue.api import ApiSettings, create_app
+    from rollout_queue.tasks.settings import ClientSettings
 
     app = create_app(ApiSettings(), ClientSettings(redis_url=redis_url))
 

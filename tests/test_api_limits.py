@@ -21,8 +21,8 @@ import httpx
 import pytest
 import redis as redis_lib
 
-from tasks import keys
-from tasks.schemas import MAX_JSON_DEPTH, MAX_STOP_STRINGS, WorkerInfo
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.schemas import MAX_JSON_DEPTH, MAX_STOP_STRINGS, WorkerInfo
 from tests.conftest import MAX_MODEL_LEN
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
@@ -193,8 +193,8 @@ def test_a_result_whose_reader_went_away_is_deleted_when_it_arrives(
 ) -> None:
     from celery import states
 
-    from api.results import ResultWatcher
-    from tasks.app import app as celery_app
+    from rollout_queue.api.results import ResultWatcher
+    from rollout_queue.tasks.app import app as celery_app
 
     async def scenario() -> tuple[str, int]:
         watcher = ResultWatcher(redis_url, celery_app.backend, poll_s=0.2)
@@ -231,7 +231,7 @@ def test_a_result_whose_reader_went_away_is_deleted_when_it_arrives(
 def test_sessions_write_no_key_unless_the_serving_worker_runs_sticky_sessions(
     redis_url: str, redis_client: redis_lib.Redis
 ) -> None:
-    from api.sessions import Sessions
+    from rollout_queue.api.sessions import Sessions
 
     def register(node: str, sticky: bool) -> None:
         queues = [keys.GENERATE_QUEUE, *([keys.node_queue(node)] if sticky else [])]

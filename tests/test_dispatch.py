@@ -21,13 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tasks.control import engine_command
-from tasks.generate import generate
+from rollout_queue.tasks.control import engine_command
+from rollout_queue.tasks.generate import generate
+from rollout_queue.workers.engine_stats import StatsSnapshot
+from rollout_queue.workers.intake import Intake
 from tests.conftest import WorkerStarter, worker_registered
 from tests.procs import ARTIFACTS, Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
-from workers.engine_stats import StatsSnapshot
-from workers.intake import Intake
 
 QUEUE = POOL = "disp"
 BUDGETS = {"disp-4@tests": 4, "disp-8@tests": 8}
@@ -211,7 +211,7 @@ def test_every_turn_of_a_session_goes_to_the_worker_that_served_its_first(sessio
 def test_a_session_whose_worker_is_gone_or_busy_goes_to_the_shared_queue(
     session_gateway: Gateway, redis_client: Any,
 ) -> None:
-    from tasks import keys
+    from rollout_queue.tasks import keys
 
     before = _session_turns(session_gateway)
     redis_client.set(keys.session_key("orphan"), "gone@tests", ex=60)  # a worker no longer registered
@@ -225,9 +225,9 @@ def test_the_route_skips_a_worker_that_is_busy_fenced_or_not_sticky(redis_client
     import asyncio
     import time
 
-    from api.sessions import Sessions
-    from tasks import keys
-    from tasks.schemas import WorkerInfo
+    from rollout_queue.api.sessions import Sessions
+    from rollout_queue.tasks import keys
+    from rollout_queue.tasks.schemas import WorkerInfo
 
     def registered(node: str, **fields: Any) -> None:
         info = WorkerInfo.model_validate({
@@ -262,7 +262,7 @@ def test_the_route_skips_a_worker_that_is_busy_fenced_or_not_sticky(redis_client
 
 
 def test_a_turn_left_in_a_dead_workers_own_queue_is_moved_to_the_shared_queue(disp_workers: list[Proc]) -> None:
-    from tasks import keys
+    from rollout_queue.tasks import keys
 
     # Sent as the gateway sends a sticky turn, to a worker that died before taking it.
     handle = generate.apply_async((["left behind"], {"max_tokens": 4, "ignore_eos": True}),

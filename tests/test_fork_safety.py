@@ -80,7 +80,7 @@ def probe_worker(report: Path, device: str, model: str, torch_work_first: bool) 
     import torch
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from cli.command import main
+    from rollout_queue.cli.command import main
 
     baseline = native_threads()
 

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from api.tokenize import TokenizeRequest, tokenize
-from tasks import generate
-from tasks.errors import BadRequest
+from rollout_queue.api.tokenize import TokenizeRequest, tokenize
+from rollout_queue.tasks import generate
+from rollout_queue.tasks.errors import BadRequest
 from tests.conftest import MAX_MODEL_LEN
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway

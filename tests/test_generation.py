@@ -20,9 +20,9 @@ import pydantic
 import pytest
 import redis as redis_lib
 
-from tasks import generate
-from tasks.errors import RolloutError
-from tasks.registry import live_workers
+from rollout_queue.tasks import generate
+from rollout_queue.tasks.errors import RolloutError
+from rollout_queue.tasks.registry import live_workers
 from tests.conftest import MAX_MODEL_LEN
 from tests.procs import LOGS, ROOT, Proc
 
@@ -97,8 +97,8 @@ def test_greedy_results_equal_vllm_offline_generate_token_for_token(
 
 
 def test_result_has_every_field_of_the_contract(gen_worker: Proc) -> None:
-    from tasks.schemas import GenerationResult
-    from tasks.signature import signature
+    from rollout_queue.tasks.schemas import GenerationResult
+    from rollout_queue.tasks.signature import signature
 
     result = run(["2+2="], GREEDY)
     parsed = GenerationResult.model_validate(result)
@@ -310,7 +310,7 @@ def test_quickstart_command_runs_end_to_end_and_exits_0(
     LOGS.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "cli", "quickstart"], check=False, cwd=ROOT, stdout=out,
+            [sys.executable, "-m", "rollout_queue.cli", "quickstart"], check=False, cwd=ROOT, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=500,
             env={**os.environ, "REDIS_URL": redis_url},
         )

@@ -30,12 +30,12 @@ pytest.importorskip("vllm")
 
 from safetensors.torch import load_file
 
-from tasks import app, control, generate, keys, sync_weights
-from tasks.schemas import WorkerInfo
-from tasks.settings import SyncSettings
+from rollout_queue.tasks import app, control, generate, keys, sync_weights
+from rollout_queue.tasks.schemas import WorkerInfo
+from rollout_queue.tasks.settings import SyncSettings
+from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
 from tests.conftest import MODELS, WorkerStarter, wait_for
 from tests.procs import Proc, engine_cores
-from weight_sync.bench_receiver import BENCH_EXTENSION
 
 pytestmark = pytest.mark.gpu
 # NCCL refuses two ranks of one communicator on one GPU: each load mode gets
@@ -53,7 +53,7 @@ needs_two_gpus = pytest.mark.skipif(
 
 
 def qwen(seed: int) -> Path:
-    from cli.tiny_model import make_tiny_model
+    from rollout_queue.cli.tiny_model import make_tiny_model
 
     path = MODELS / f"qwen2-0.5b-seed{seed}"
     if not (path / "model.safetensors").exists():

@@ -9,10 +9,12 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
 import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -178,6 +180,13 @@ def test_pyproject_bounds_the_engine_and_queue_packages_it_was_tested_with(proje
     assert project["requires-python"] == ">=3.11"
 
 
+def top_package(module: str) -> str:
+    """The package a module belongs to: ours by their folder name (``rollout_queue.workers.engine``
+    is ``workers``), others by their top-level name."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rollout_queue" and len(parts) > 1 else parts[0]
+
+
 def test_pyproject_declares_every_package_the_code_imports(project: dict) -> None:
     declared = {re.split(r"[<>=\[; ]", s)[0].lower().replace("-", "_")
                 for s in project["dependencies"] + [d for e in project["optional-dependencies"].values() for d in e]}
@@ -188,9 +197,9 @@ def test_pyproject_declares_every_package_the_code_imports(project: dict) -> Non
         for path in (ROOT / folder).glob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
-                    imported |= {alias.name.split(".")[0] for alias in node.names}
+                    imported |= {top_package(alias.name) for alias in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    imported.add(node.module.split(".")[0])
+                    imported.add(top_package(node.module))
     stdlib = set(sys.stdlib_module_names) | local
     missing = {name for name in imported - stdlib if not (aliases.get(name, {name}) & declared)}
     assert not missing, f"imported but not declared in pyproject.toml: {sorted(missing)}"
@@ -211,7 +220,7 @@ def test_packages_import_only_downward_cli_on_top_and_workers_without_the_gatewa
                          else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
                          else [])
                 found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
-                          for name in names if name.split(".")[0] in banned]
+                          for name in names if top_package(name) in banned]
     assert not found, found
 
 
@@ -237,7 +246,7 @@ def test_engine_refusals_work_on_vllm_024_which_has_no_vllm_client_error(monkeyp
     # Stand-in modules: importing vLLM itself would cost this test half a minute.
     import types
 
-    from workers.engine import refusal_types
+    from rollout_queue.workers.engine import refusal_types
 
     newer, older = types.ModuleType("vllm.exceptions"), types.ModuleType("vllm.exceptions")
     newer.VLLMClientError = type("VLLMClientError", (Exception,), {})  # type: ignore[attr-defined]
@@ -248,3 +257,44 @@ def test_engine_refusals_work_on_vllm_024_which_has_no_vllm_client_error(monkeyp
             assert refusal_types() == expected
     finally:
         refusal_types.cache_clear()
+
+
+def test_a_trainer_with_its_own_tasks_api_and_cli_packages_imports_them_and_rollout_queue(tmp_path: Path) -> None:
+    """Installed, rollout-queue owns one top-level name: a trainer's repository
+    with its own ``tasks``, ``api`` and ``cli`` (common names) gets its own."""
+    import subprocess
+
+    from tests.procs import python
+
+    for name in ("tasks", "api", "cli"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"OWNER = 'trainer {name}'\n")
+    check = (
+        "import tasks, api, cli\n"
+        "from rollout_queue import generate, sync_weights, control\n"
+        "from rollout_queue.tasks.schemas import SamplingParams\n"
+        "assert (tasks.OWNER, api.OWNER, cli.OWNER) == ('trainer tasks', 'trainer api', 'trainer cli')\n"
+        "assert generate.name == 'rollout_queue.generate' and callable(sync_weights.broadcast)\n"
+        "print('both')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([python(), "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "both", run.stderr
+
+
+def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
+    import subprocess
+    import zipfile
+
+    from tests.procs import python
+
+    subprocess.run([python(), "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(ROOT)], check=True, timeout=300, capture_output=True)
+    (wheel,) = tmp_path.glob("rollout_queue-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"rollout_queue"}, tops
+    for package in ("tasks", "weight_sync", "workers", "api", "cli"):
+        assert f"rollout_queue/{package}/__init__.py" in names
+    assert "rollout_queue/workers/engine.py" in names

@@ -27,9 +27,9 @@ import pytest
 import redis as redis_lib
 import yaml
 
-from tasks import control, generate, generate_many, keys
-from tasks.errors import BatchIncomplete, ControlFailed, ControlTimeout, InvalidRequest
-from tasks.schemas import WorkerInfo
+from rollout_queue.tasks import control, generate, generate_many, keys
+from rollout_queue.tasks.errors import BatchIncomplete, ControlFailed, ControlTimeout, InvalidRequest
+from rollout_queue.tasks.schemas import WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
 from tests.procs import ROOT, Proc, free_port, python
 
@@ -66,7 +66,7 @@ def flower(redis_url: str) -> Iterator[str]:
     port = free_port()
     proc = Proc(
         "flower",
-        [python(), "-m", "celery", "-A", "tasks.app:app", "flower",
+        [python(), "-m", "celery", "-A", "rollout_queue.tasks.app:app", "flower",
          f"--port={port}", "--address=127.0.0.1", compose_flower_columns()],
         env={"REDIS_URL": redis_url, "FLOWER_UNAUTHENTICATED_API": "true"},
     )
@@ -199,7 +199,7 @@ def test_a_task_refused_on_the_worker_fails_at_once_with_what_was_wrong(gen_work
     """Sent around the producer's checks (``send_task``): once failed after two
     engine retries with ``OverflowError``; then stored pydantic's error, which
     came back as a bare ``Exception`` with an empty ``exc_message``."""
-    from tasks.app import app
+    from rollout_queue.tasks.app import app
 
     sent = app.send_task(keys.GENERATE_TASK, args=(["hi"], {"max_tokens": 2**70}))
     with pytest.raises(InvalidRequest) as caught:
@@ -232,7 +232,7 @@ def test_status_shows_the_live_worker_with_its_weight_version_and_state(
     gen_worker: Proc, redis_url: str, redis_client: redis_lib.Redis
 ) -> None:
     done = subprocess.run(
-        [python(), "-m", "cli", "status", "--redis-url", redis_url],
+        [python(), "-m", "rollout_queue.cli", "status", "--redis-url", redis_url],
         check=False, capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
@@ -250,7 +250,7 @@ def test_status_shows_the_live_worker_with_its_weight_version_and_state(
 def test_status_node_check_exits_0_for_a_live_worker_and_1_for_an_unknown_one(
     gen_worker: Proc, redis_url: str
 ) -> None:
-    argv = [python(), "-m", "cli", "status", "--redis-url", redis_url, "--node"]
+    argv = [python(), "-m", "rollout_queue.cli", "status", "--redis-url", redis_url, "--node"]
     options: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60, "cwd": ROOT}
     live = subprocess.run(argv + ["gen@tests"], check=False, **options)
     gone = subprocess.run(argv + ["nobody@tests"], check=False, **options)
@@ -271,7 +271,7 @@ def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lin
     """What a ``kill -9`` leaves: a registry key still within its TTL whose
     ``heartbeat_at`` stopped moving. Written here, in a pool of its own."""
     node, now = "stale@tests", time.time()
-    argv = [python(), "-m", "cli", "status", "--redis-url", redis_url]
+    argv = [python(), "-m", "rollout_queue.cli", "status", "--redis-url", redis_url]
     options: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60, "cwd": ROOT}
     silent = WorkerInfo(node=node, pool="stale", queues=["stale"], model="m", device="cpu",
                         dtype="float32", state="serving", heartbeat_at=now - 7.0, heartbeat_s=2.0)
@@ -295,7 +295,7 @@ def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lin
 
 def test_status_without_redis_fails_with_exit_2_naming_the_url() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    done = subprocess.run([python(), "-m", "cli", "status", "--redis-url", url],
+    done = subprocess.run([python(), "-m", "rollout_queue.cli", "status", "--redis-url", url],
                           check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2
     assert url in done.stdout and "could not read" in done.stdout
@@ -337,7 +337,7 @@ def test_control_names_the_workers_that_did_not_answer(ops_worker: dict[str, Any
 def test_pause_stops_intake_and_resume_serves_the_waiting_task(
     ops_worker: dict[str, Any], redis_client: redis_lib.Redis
 ) -> None:
-    from tasks.app import app
+    from rollout_queue.tasks.app import app
 
     assert control.pause(workers=[OPS]) == {OPS: "paused"}
     try:
@@ -454,7 +454,7 @@ def listening_addresses(port: int) -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
 def test_metrics_listen_on_loopback_unless_metrics_host_says_otherwise(ops_worker: dict[str, Any]) -> None:
-    from cli.command import parser
+    from rollout_queue.cli.command import parser
 
     port = int(ops_worker["metrics"].rsplit(":", 1)[1].split("/")[0])
     assert listening_addresses(port) == {"127.0.0.1"}
@@ -537,7 +537,7 @@ def resolve(argv: list[str]) -> str:
 
     from celery.bin.celery import celery as celery_cli
 
-    from cli.command import parser
+    from rollout_queue.cli.command import parser
 
     program, args = argv[0], argv[1:]
     if program == "rollout-queue":

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from cli.localstack import valkey_binary
-from tasks import keys
+from rollout_queue.cli.localstack import valkey_binary
+from rollout_queue.tasks import keys
 from tests.conftest import ENGINE_FLAGS, MAX_MODEL_LEN, tiny_model
 from tests.netns import Network, unavailable
 from tests.procs import LOGS, Proc, on_exit, python
@@ -126,7 +126,7 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 
 def start_worker(net: Network, host: str, model: Path) -> Proc:
     argv = [
-        python(), "-m", "cli", "worker",
+        python(), "-m", "rollout_queue.cli", "worker",
         "--model", str(model), "--device", "cpu", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
         "--name", f"{host}@mh", "--max-inflight", "8", "--queues", f"{QUEUE},mh-{host}", "--pool", POOL,
@@ -150,7 +150,8 @@ def hosts() -> Iterator[Hosts]:
             "--requirepass", REDIS_PASSWORD]))
         # Flower next to Redis, from the start: it sees events sent after it subscribed.
         flower_proc = Proc("mh-flower", net.exec_argv("redis", [
-            python(), "-m", "celery", "-A", "tasks.app:app", "flower", "--port=5555", f"--address={REDIS_HOST}",
+            python(), "-m", "celery", "-A", "rollout_queue.tasks.app:app", "flower", "--port=5555",
+            f"--address={REDIS_HOST}",
             compose_flower_columns()]), env={"REDIS_URL": REDIS_URL, "FLOWER_UNAUTHENTICATED_API": "true"})
         procs += [redis_proc, flower_proc]
         # Engines start while the agent imports (both take seconds).
@@ -179,7 +180,7 @@ def test_generation_crosses_hosts_and_status_on_the_trainer_host_shows_both_work
     assert all(len(r["outputs"]) == len(PROMPTS) and r["usage"]["completion_tokens"] > 0 for r in both)
 
     status = subprocess.run(
-        hosts.net.exec_argv("trainer", [python(), "-m", "cli", "status", "--redis-url", REDIS_URL]),
+        hosts.net.exec_argv("trainer", [python(), "-m", "rollout_queue.cli", "status", "--redis-url", REDIS_URL]),
         capture_output=True, text=True, timeout=60, check=True,
     )
     assert "w1@mh" in status.stdout and "w2@mh" in status.stdout, status.stdout

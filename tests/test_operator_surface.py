@@ -17,15 +17,15 @@ import pytest
 import redis as redis_lib
 from pydantic_settings import BaseSettings
 
-from api.settings import ApiSettings
-from cli import command
-from cli.localstack import free_port
-from tasks.errors import BrokerUnavailable, RedisMayEvict, SettingsFileError
-from tasks.registry import check_eviction_policy, preflight
-from tasks.settings import ClientSettings, redis_url_env
+from rollout_queue.api.settings import ApiSettings
+from rollout_queue.cli import command
+from rollout_queue.cli.localstack import free_port
+from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict, SettingsFileError
+from rollout_queue.tasks.registry import check_eviction_policy, preflight
+from rollout_queue.tasks.settings import ClientSettings, redis_url_env
+from rollout_queue.workers.settings import WorkerSettings
 from tests.private_redis import RedisServer, client_app
 from tests.procs import ROOT, python
-from workers.settings import WorkerSettings
 
 EVICTING = ["--maxmemory-policy", "allkeys-lru"]
 
@@ -238,10 +238,10 @@ def test_the_gateway_logs_one_json_object_per_line_reads_its_token_from_a_file_a
 ) -> None:
     # Also the override: on an evicting Redis, --allow-evicting-redis starts it with a warning.
     (tmp_path / "token").write_text("t0ken\n")
-    log = tmp_path / "api.log"
+    log = tmp_path / "rollout_queue.api.log"
     env = {**os.environ, **evicting_redis.settings_env(), "RQ_API_TOKEN_FILE": str(tmp_path / "token")}
     with log.open("w") as sink:
-        proc = subprocess.Popen([python(), "-m", "cli", "api", "--host", "127.0.0.1", "--port",
+        proc = subprocess.Popen([python(), "-m", "rollout_queue.cli", "api", "--host", "127.0.0.1", "--port",
                                  str(free_port()), "--log-format", "json", "--allow-evicting-redis"],
                                 cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:

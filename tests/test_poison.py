@@ -30,15 +30,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.command import main as cli_main
-from tasks import keys
-from tasks.errors import InvalidRequest, PoisonMessage
-from tasks.schemas import GenerationResult
+from rollout_queue.cli.command import main as cli_main
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import InvalidRequest, PoisonMessage
+from rollout_queue.tasks.schemas import GenerationResult
+from rollout_queue.workers.poison import DeadLetter, check_task, dead_letter_fetched
+from rollout_queue.workers.reaper import InflightLedger, Reaper
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
 from tests.procs import ARTIFACTS, Proc, free_port
-from workers.poison import DeadLetter, check_task, dead_letter_fetched
-from workers.reaper import InflightLedger, Reaper
 
 QUEUE = POOL = "poison"
 NODE = "poison-a@tests"
@@ -481,8 +481,8 @@ def test_reclaim_own_and_a_stale_own_fetch_dead_letter_poison_instead_of_raising
 
 
 def test_the_dead_letter_list_is_bounded(quiet: Any) -> None:
-    from tasks.errors import PoisonMessage
-    from workers import poison as poison_module
+    from rollout_queue.tasks.errors import PoisonMessage
+    from rollout_queue.workers import poison as poison_module
 
     srv, _, _ = quiet
     client = srv.client()
@@ -528,7 +528,7 @@ def test_dead_letters_cli_lists_malformed_entries_by_index_and_drops_them(
 
 
 def test_every_generate_header_a_worker_reads_is_checked_and_the_refusal_names_it() -> None:
-    from workers.delivery import check_headers, check_no_links
+    from rollout_queue.workers.delivery import check_headers, check_no_links
 
     good = {"rq_signature": "abc", "rq_sent_at": 1.5, "rq_min_weight_version": 0, "rq_sequences": 4,
             "rq_first_prompt": 0, "rq_on_new_weights": "restart", "rq_stream": True,

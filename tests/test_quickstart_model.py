@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import redis as redis_lib
 
-from cli.quickstart_model import QUICKSTART_MODEL, ensure_quickstart_model
-from tasks import generate, generate_many
-from tasks.app import app
-from tasks.errors import RolloutError
+from rollout_queue.cli.quickstart_model import QUICKSTART_MODEL, ensure_quickstart_model
+from rollout_queue.tasks import generate, generate_many
+from rollout_queue.tasks.app import app
+from rollout_queue.tasks.errors import RolloutError
 from tests.conftest import MODELS, WorkerStarter
 from tests.procs import Proc
 

@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 from kombu import Connection, Queue
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.localstack import LocalStackError
-from tasks import keys
-from tasks.errors import (
+from rollout_queue.cli.localstack import LocalStackError
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import (
     BrokerFull,
     BrokerUnavailable,
     GenerationTimeout,
@@ -46,7 +46,11 @@ from tasks.errors import (
     RedeliveryLimitReached,
     Requeue,
 )
-from tasks.schemas import GenerationResult, WorkerInfo
+from rollout_queue.tasks.schemas import GenerationResult, WorkerInfo
+from rollout_queue.workers.reaper import InflightLedger, Reaper
+from rollout_queue.workers.reliable_redis import FETCH_SCRIPT
+from rollout_queue.workers.reliable_redis import Transport as ReliableTransport
+from rollout_queue.workers.service import time_limit
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
     RedisServer,
@@ -56,10 +60,6 @@ from tests.private_redis import (
     wait_results,
 )
 from tests.procs import ARTIFACTS, Proc, free_port
-from workers.reaper import InflightLedger, Reaper
-from workers.reliable_redis import FETCH_SCRIPT
-from workers.reliable_redis import Transport as ReliableTransport
-from workers.service import time_limit
 
 QUEUE = POOL = "rel"
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
@@ -396,7 +396,7 @@ def test_512_prompts_with_logprobs_come_back_in_one_compressed_result(
     rel_worker: Proc, producer: Any, server: RedisServer, figures: dict[str, Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tasks.app import settings as client_settings
+    from rollout_queue.tasks.app import settings as client_settings
 
     # One task of 512 prompts, not split into parts (RQ_TASK_MAX_PROMPTS, 128 by
     # default): this is about one big result in the backend.
@@ -735,8 +735,8 @@ def test_the_duplicate_check_reads_a_stored_state_from_the_first_bytes_of_any_re
 ) -> None:
     from pydantic import SecretStr
 
-    from tasks.settings import ClientSettings
-    from workers.dedup import DuplicateGuard, quick_client
+    from rollout_queue.tasks.settings import ClientSettings
+    from rollout_queue.workers.dedup import DuplicateGuard, quick_client
 
     app, _ = producer
     guard = DuplicateGuard(app.backend, quick_client(ClientSettings(redis_url=SecretStr(server.url))))

@@ -22,12 +22,10 @@ import redis as redis_lib
 from safetensors.torch import load_file
 from vllm.logprobs import Logprob
 
-from tasks import generate, keys, sync_weights
-from tasks.schemas import Sample, SamplingParams, WorkerInfo
-from tasks.settings import SyncSettings, SyncTimeouts
-from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for, worker_registered
-from tests.procs import Proc, engine_cores
-from workers.progress import (
+from rollout_queue.tasks import generate, keys, sync_weights
+from rollout_queue.tasks.schemas import Sample, SamplingParams, WorkerInfo
+from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
+from rollout_queue.workers.progress import (
     ProgressStore,
     SampleProgress,
     TaskCheckpointer,
@@ -36,6 +34,8 @@ from workers.progress import (
     plan_units,
     read_progress,
 )
+from tests.conftest import CONTROL_SECRET, WorkerStarter, wait_for, worker_registered
+from tests.procs import Proc, engine_cores
 
 QUEUE = POOL = "res"
 VICTIM_POOL = "res-victim"
@@ -481,7 +481,7 @@ def test_a_pause_abort_sync_mid_generation_resumes_the_samples_on_the_new_weight
 
 
 def test_on_new_weights_refuses_an_unknown_choice_before_sending() -> None:
-    from tasks.errors import InvalidRequest
+    from rollout_queue.tasks.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="on_new_weights='later'"):
         generate.apply_async((["x"], {}), queue=QUEUE, on_new_weights="later")
@@ -491,8 +491,8 @@ def test_the_checkpoint_tokens_op_switches_checkpoints_off_and_on_from_the_next_
     survivor: Proc, redis_client: redis_lib.Redis,
 ) -> None:
     # What bench/resume.py's A/B legs on one engine rest on.
-    from tasks.control import engine_command
-    from tasks.errors import ControlFailed
+    from rollout_queue.tasks.control import engine_command
+    from rollout_queue.tasks.errors import ControlFailed
 
     node = "res-a@tests"
     try:

@@ -32,9 +32,9 @@ from examples.grpo import (
     run_loop,
     sum_reward,
 )
-from tasks import generate, sync_weights
-from tasks.errors import RolloutError
-from tasks.settings import SyncSettings, SyncTimeouts
+from rollout_queue.tasks import generate, sync_weights
+from rollout_queue.tasks.errors import RolloutError
+from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
 from tests.conftest import CONTROL_SECRET, WorkerStarter
 from tests.procs import ROOT
 

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks import errors
-from tasks.errors import RolloutError
-from tasks.generate import build_request
-from tasks.schemas import GenerateRequest, SamplingParams, validation_summary
-from tasks.signature import signature
+from rollout_queue.tasks import errors
+from rollout_queue.tasks.errors import RolloutError
+from rollout_queue.tasks.generate import build_request
+from rollout_queue.tasks.schemas import GenerateRequest, SamplingParams, validation_summary
+from rollout_queue.tasks.signature import signature
 
 VALID = [
     {"temperature": 0},
@@ -168,7 +168,7 @@ def test_the_largest_accepted_values_cross_vllms_engine_core_encoder() -> None:
     refused the values that used to pass."""
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from workers.engine import to_vllm_params
+    from rollout_queue.workers.engine import to_vllm_params
 
     largest = SamplingParams(max_tokens=2**31 - 1, top_k=2**31 - 1, seed=2**63 - 1,
                              stop_token_ids=[2**31 - 1])
@@ -203,13 +203,13 @@ ERROR_EXAMPLES: dict[type[BaseException], BaseException] = {
     errors.PoisonMessage: errors.PoisonMessage("not-json", "item is not JSON: b'[1,'"),
 }
 for _cls in _error_classes():
-    if _cls.__module__ == "tasks.errors" and _cls not in ERROR_EXAMPLES:
+    if _cls.__module__ == "rollout_queue.tasks.errors" and _cls not in ERROR_EXAMPLES:
         ERROR_EXAMPLES[_cls] = _cls("prompt has 9123 tokens; this worker's max_model_len is 4096")
 
 
 @pytest.mark.parametrize("error", list(ERROR_EXAMPLES.values()), ids=lambda e: type(e).__name__)
 def test_every_error_class_comes_back_from_celerys_json_result_backend_whole(error: BaseException) -> None:
-    from tasks.app import app
+    from rollout_queue.tasks.app import app
 
     stored = app.backend.prepare_exception(error, "json")
     assert stored["exc_type"] == type(error).__name__
@@ -222,7 +222,7 @@ def test_every_error_class_comes_back_from_celerys_json_result_backend_whole(err
 
 
 def test_the_error_examples_cover_the_whole_tree() -> None:
-    assert set(ERROR_EXAMPLES) == {c for c in _error_classes() if c.__module__ == "tasks.errors"}
+    assert set(ERROR_EXAMPLES) == {c for c in _error_classes() if c.__module__ == "rollout_queue.tasks.errors"}
     assert len(ERROR_EXAMPLES) >= 25
 
 
@@ -280,7 +280,7 @@ def test_signature_is_a_short_stable_hex_string() -> None:
 def test_several_greedy_samples_are_refused_before_enqueueing() -> None:
     from pydantic import ValidationError
 
-    from tasks.schemas import SamplingParams
+    from rollout_queue.tasks.schemas import SamplingParams
 
     with pytest.raises(ValidationError, match="identical greedy samples"):
         SamplingParams(n=2, temperature=0.0)
@@ -301,7 +301,7 @@ def _nested(levels: int) -> dict[str, Any]:
 
 
 def test_stop_lists_past_the_count_or_size_caps_are_refused_naming_stop_everywhere_params_are_parsed() -> None:
-    from tasks.schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    from rollout_queue.tasks.schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
     assert SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop is not None
     assert SamplingParams(stop=["x" * MAX_STOP_CHARS]).stop is not None
@@ -318,7 +318,7 @@ def test_stop_lists_past_the_count_or_size_caps_are_refused_naming_stop_everywhe
 
 
 def test_json_nested_past_the_depth_cap_is_refused_in_schemas_tools_and_template_options() -> None:
-    from tasks.schemas import MAX_JSON_DEPTH, Conversation, json_depth
+    from rollout_queue.tasks.schemas import MAX_JSON_DEPTH, Conversation, json_depth
 
     assert json_depth(_nested(MAX_JSON_DEPTH)) == MAX_JSON_DEPTH and json_depth("x") == 0
     assert json_depth(_nested(50_000)) == MAX_JSON_DEPTH + 1  # stops counting: no recursion, no time

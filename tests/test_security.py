@@ -33,18 +33,18 @@ from kombu.exceptions import ContentDisallowed
 from kombu.serialization import loads
 from pydantic import SecretStr
 
-from tasks import keys
-from tasks.app import redis_tls_options
-from tasks.auth import CommandVerifier, sign_command, signed_arguments
-from tasks.errors import BrokerUnavailable, ControlRefused, InvalidRequest
-from tasks.registry import connect
-from tasks.schemas import WorkerInfo
-from tasks.settings import ClientSettings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import redis_tls_options
+from rollout_queue.tasks.auth import CommandVerifier, sign_command, signed_arguments
+from rollout_queue.tasks.errors import BrokerUnavailable, ControlRefused, InvalidRequest
+from rollout_queue.tasks.registry import connect
+from rollout_queue.tasks.schemas import WorkerInfo
+from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.weight_sync.protocol import Manifest, SyncPlan
+from rollout_queue.workers.settings import WorkerSettings
 from tests.conftest import WorkerStarter
 from tests.private_redis import RedisServer, client_app, tls_redis_binary
 from tests.procs import ARTIFACTS, Proc, free_port, python
-from weight_sync.protocol import Manifest, SyncPlan
-from workers.settings import WorkerSettings
 
 QUEUE = POOL = "sec"
 FUZZ_FIGURES = ARTIFACTS / "figures" / "control_fuzz.json"
@@ -206,7 +206,7 @@ def test_a_pickle_payload_pushed_into_the_queue_is_refused_unread_and_the_worker
 
 
 def test_producers_send_json_only_and_refuse_pickle_payloads() -> None:
-    from tasks import generate
+    from rollout_queue.tasks import generate
 
     with pytest.raises(InvalidRequest, match="JSON only"):
         generate.apply_async((["x"], {}), serializer="pickle")
@@ -220,7 +220,7 @@ def test_producers_send_json_only_and_refuse_pickle_payloads() -> None:
 def test_a_generate_call_asking_for_callbacks_errbacks_or_a_chain_is_refused_before_sending() -> None:
     from celery import signature
 
-    from tasks import generate
+    from rollout_queue.tasks import generate
 
     follow_up = signature("nonexistent.task")
     for option in ("link", "link_error", "chain"):
@@ -458,7 +458,7 @@ def test_celery_state_changing_builtins_are_disabled_but_inspect_and_revoke_stay
 ) -> None:
     from celery.worker.control import Panel
 
-    from workers.control import disabled_celery_commands
+    from rollout_queue.workers.control import disabled_celery_commands
 
     disabled = set(disabled_celery_commands(Panel.meta, Panel.data))
     assert set(CELERY_COMMANDS) <= disabled
@@ -541,7 +541,7 @@ def _worker_cli(*flags: str, secret: str | None = None, timeout: float = 120) ->
     env = {k: v for k, v in os.environ.items() if k not in ("RQ_WEIGHT_SYNC_SECRET", "RQ_INSECURE_CONTROL")}
     if secret is not None:
         env["RQ_WEIGHT_SYNC_SECRET"] = secret
-    argv = [python(), "-m", "cli", "worker", "--model", "/nonexistent/model", "--device", "cpu",
+    argv = [python(), "-m", "rollout_queue.cli", "worker", "--model", "/nonexistent/model", "--device", "cpu",
             "--name", "nosecret@tests", "--queues", "nosecret", "--pool", "nosecret",
             "--redis-url", "redis://127.0.0.1:1/0", *flags]
     t = time.monotonic()
@@ -562,7 +562,7 @@ def test_a_worker_without_a_secret_exits_2_before_loading_the_engine() -> None:
 def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_secret(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from cli.command import parser
+    from rollout_queue.cli.command import parser
 
     monkeypatch.delenv("RQ_WEIGHT_SYNC_SECRET", raising=False)
     monkeypatch.delenv("RQ_INSECURE_CONTROL", raising=False)
@@ -589,8 +589,8 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
 def test_the_rendezvous_store_listens_only_on_the_configured_address() -> None:
     import socket
 
-    from tasks.settings import SyncSettings
-    from weight_sync import wire
+    from rollout_queue.tasks.settings import SyncSettings
+    from rollout_queue.weight_sync import wire
 
     assert SyncSettings().rendezvous_host == "127.0.0.1"  # not 0.0.0.0 unless configured
     store = wire.connect_store("127.0.0.1", 0, 5.0, is_master=True)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from api.settings import ApiSettings
-from cli import command
-from cli.localstack import LocalStack, WorkerSpec, free_port
-from tasks.errors import LocalStackError
-from tasks.settings import ClientSettings, redact_url
-from workers.settings import WorkerSettings
+from rollout_queue.api.settings import ApiSettings
+from rollout_queue.cli import command
+from rollout_queue.cli.localstack import LocalStack, WorkerSpec, free_port
+from rollout_queue.tasks.errors import LocalStackError
+from rollout_queue.tasks.settings import ClientSettings, redact_url
+from rollout_queue.workers.settings import WorkerSettings
 
 
 def test_unprefixed_variables_that_systems_set_do_not_change_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +104,7 @@ def test_version_flag_prints_the_package_and_engine_versions(capsys: pytest.Capt
 def test_unknown_worker_flags_are_parsed_by_vllms_own_engine_argument_parser(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from workers.engine_cli import parse_engine_args
+    from rollout_queue.workers.engine_cli import parse_engine_args
 
     given = parse_engine_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--trust-remote-code",
                                "--revision", "v1", "--enable-lora", "--max-loras", "2"])
@@ -124,7 +124,7 @@ def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
 
     from tests.procs import ROOT, python
 
-    run = subprocess.run([python(), "-m", "cli", "worker", "--model", "m"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([python(), "-m", "rollout_queue.cli", "worker", "--model", "m"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "RQ_TASK_MAX_PROMPTS": "0"}, check=False)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == "rollout-queue worker: RQ_TASK_MAX_PROMPTS = '0': allowed: an integer >= 1"

@@ -18,11 +18,11 @@ from celery import states
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
 
-from tasks import generate
-from tasks.errors import InvalidRequest, PromptTooLong
-from tasks.schemas import GenerationResult, PromptOutput, Sample, Timing, Usage
-from tasks.signature import signature
-from tasks.split import SplitResult, join_results, plan_parts, prompts_per_task
+from rollout_queue.tasks import generate
+from rollout_queue.tasks.errors import InvalidRequest, PromptTooLong
+from rollout_queue.tasks.schemas import GenerationResult, PromptOutput, Sample, Timing, Usage
+from rollout_queue.tasks.signature import signature
+from rollout_queue.tasks.split import SplitResult, join_results, plan_parts, prompts_per_task
 from tests.conftest import MAX_MODEL_LEN, wait_for
 from tests.procs import Proc
 
@@ -36,7 +36,7 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 @pytest.fixture
 def max_prompts(redis_url: str) -> Iterator[int]:
     """RQ_TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
-    from tasks.app import configure, settings
+    from rollout_queue.tasks.app import configure, settings
 
     before = settings()
     configure(before.model_copy(update={"task_max_prompts": MAX_PROMPTS}))
@@ -46,7 +46,7 @@ def max_prompts(redis_url: str) -> Iterator[int]:
 
 def unsplit(prompts: list[Any], params: dict[str, Any]) -> dict[str, Any]:
     """The same call as one task (RQ_TASK_MAX_PROMPTS above its size)."""
-    from tasks.app import configure, settings
+    from rollout_queue.tasks.app import configure, settings
 
     before = settings()
     configure(before.model_copy(update={"task_max_prompts": len(prompts)}))
@@ -145,7 +145,7 @@ def test_a_task_holds_at_most_the_sequence_cap_and_always_one_prompt() -> None:
 
 
 def test_a_call_with_many_samples_is_split_by_sequences(redis_client: redis_lib.Redis) -> None:
-    from tasks.app import configure, settings
+    from rollout_queue.tasks.app import configure, settings
 
     queue = f"unconsumed-{uuid.uuid4().hex[:8]}"
     before = settings()
@@ -164,7 +164,7 @@ def test_a_call_with_many_samples_is_split_by_sequences(redis_client: redis_lib.
 def test_a_call_past_the_sequence_cap_is_refused_before_anything_is_enqueued(
     redis_client: redis_lib.Redis,
 ) -> None:
-    from tasks.app import settings
+    from rollout_queue.tasks.app import settings
 
     queue = f"unconsumed-{uuid.uuid4().hex[:8]}"
     # The hardening report's request: 16 KB of JSON asking for 128,000 sequences.

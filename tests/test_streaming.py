@@ -19,10 +19,10 @@ import httpx
 import openai
 import pytest
 
-from tasks import generate, keys
-from tasks.errors import PromptTooLong, StreamInterrupted
-from tasks.schemas import GenerationResult, SampleDelta, StreamEvent
-from tasks.streaming import STREAM_HEADER, StreamFollower
+from rollout_queue.tasks import generate, keys
+from rollout_queue.tasks.errors import PromptTooLong, StreamInterrupted
+from rollout_queue.tasks.schemas import GenerationResult, SampleDelta, StreamEvent
+from rollout_queue.tasks.streaming import STREAM_HEADER, StreamFollower
 from tests.conftest import MAX_MODEL_LEN, WorkerStarter, worker_registered
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway

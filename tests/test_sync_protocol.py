@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from tasks import keys
-from tasks.auth import CommandVerifier, signed_arguments
-from tasks.errors import ControlRefused, WeightSyncError
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.auth import CommandVerifier, signed_arguments
+from rollout_queue.tasks.errors import ControlRefused, WeightSyncError
+from rollout_queue.weight_sync import wire
+from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncPlan
+from rollout_queue.weight_sync.sender import named_tensors
 from tests.procs import ROOT, free_port
-from weight_sync import wire
-from weight_sync.protocol import Manifest, SyncAck, SyncPlan
-from weight_sync.sender import named_tensors
 
 
 def test_buckets_pack_tensors_in_order_and_never_exceed_the_bucket_size() -> None:
@@ -167,8 +167,8 @@ def test_both_ends_walk_the_same_buckets_with_their_tensors_in_offset_order_and_
 
 
 def test_a_sync_failure_crosses_processes_as_a_kind_and_comes_back_as_its_class() -> None:
-    from tasks import errors
-    from weight_sync.protocol import SyncFailure
+    from rollout_queue.tasks import errors
+    from rollout_queue.weight_sync.protocol import SyncFailure
 
     for kind, cls in errors.SYNC_ERRORS.items():
         sent = SyncFailure.of(cls("what happened; what to do"))
@@ -186,7 +186,7 @@ def test_a_sync_failure_crosses_processes_as_a_kind_and_comes_back_as_its_class(
 
 
 def test_the_engine_request_travels_as_json_with_the_workers_deadlines_and_no_inline_manifest() -> None:
-    from weight_sync.protocol import SyncDecision, UpdateRequest, WorkerTimeouts
+    from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest, WorkerTimeouts
 
     manifest = wire.plan_buckets([("a", "float32", (4, 4))], 1 << 20)
     text, digest = manifest.wire()
@@ -206,7 +206,7 @@ def test_the_engine_request_travels_as_json_with_the_workers_deadlines_and_no_in
 
 
 def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> None:
-    from weight_sync.receiver import WeightReceiver
+    from rollout_queue.weight_sync.receiver import WeightReceiver
 
     receiver = WeightReceiver()
     with pytest.raises(WeightSyncError, match="rq_attach"):
@@ -222,8 +222,8 @@ def test_receiver_refuses_phases_out_of_order_and_says_what_to_call_first() -> N
 PEER = textwrap.dedent(
     """
     import json, sys, torch
-    from weight_sync import wire
-    from weight_sync.protocol import Manifest
+    from rollout_queue.weight_sync import wire
+    from rollout_queue.weight_sync.protocol import Manifest
     host, port, manifest = sys.argv[1], int(sys.argv[2]), Manifest.model_validate_json(sys.argv[3])
     store = wire.connect_store(host, port, 30.0)
     group = wire.new_group(store, "g1", 1, 2, "gloo", 30.0)
@@ -273,7 +273,7 @@ def test_two_processes_exchange_packed_buckets_over_gloo() -> None:
 
 
 def test_version_spans_drop_empty_spans_and_record_each_change() -> None:
-    from workers.engine import version_spans
+    from rollout_queue.workers.engine import version_spans
 
     assert version_spans(1, [], 5) == [(0, 1)]
     assert version_spans(1, [(0, 2)], 5) == [(0, 2)]  # nothing generated before the sync
@@ -287,7 +287,7 @@ def test_receive_buffers_are_reused_only_once_no_pending_layer_holds_them() -> N
 
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from weight_sync.receiver import _BufferPool
+    from rollout_queue.weight_sync.receiver import _BufferPool
 
     pool = _BufferPool(keep=2)
     cpu = torch.device("cpu")
@@ -364,7 +364,7 @@ def _received(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
 
 
 def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_place() -> None:
-    from weight_sync.inplace import InPlaceMap
+    from rollout_queue.weight_sync.inplace import InPlaceMap
 
     model, places = _LoaderModel(), InPlaceMap()
     buffer, specs = _received(_checkpoint(1))
@@ -400,7 +400,7 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
 
 
 def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
-    from weight_sync.receiver import _buffer_layout, _buffer_offsets
+    from rollout_queue.weight_sync.receiver import _buffer_layout, _buffer_offsets
 
     gen = torch.Generator().manual_seed(3)
     sizes = {"a": 40, "big1": 300, "b": 90, "c": 50, "big2": 260, "d": 30}  # float32 elements
@@ -456,8 +456,8 @@ class AckLists:
 def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     """The engine host closes intake before it pauses the engine; if the pause then
     fails, the sync must resume (reopen intake) and fence, not leave it shut."""
-    from workers.state import FenceReason, NodeState
-    from workers.sync import SyncParticipant
+    from rollout_queue.workers.state import FenceReason, NodeState
+    from rollout_queue.workers.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses; its pause fails after closing intake
         weight_version = 0
@@ -494,8 +494,8 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
 
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
 ) -> None:
-    from workers.state import NodeState
-    from workers.sync import SyncParticipant
+    from rollout_queue.workers.state import NodeState
+    from rollout_queue.workers.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses
         weight_version = 0
@@ -535,8 +535,8 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
     epoch is refused, and the epoch in hand heard again is ignored (its acks stand)."""
     import threading
 
-    from workers.state import NodeState
-    from workers.sync import SyncParticipant
+    from rollout_queue.workers.state import NodeState
+    from rollout_queue.workers.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses; the first pause waits, every pause fails
         weight_version = 0

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from tasks import generate
-from tasks.errors import InvalidRequest
-from tasks.schemas import Conversation
+from rollout_queue.tasks import generate
+from rollout_queue.tasks.errors import InvalidRequest
+from rollout_queue.tasks.schemas import Conversation
+from rollout_queue.workers.tools import ToolCalls
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
-from workers.tools import ToolCalls
 
 WEATHER = {
     "type": "function",

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tasks import app, control, generate, keys, sync_weights
-from tasks.auth import signed_arguments
-from tasks.errors import ManifestMismatch, WorkerLost
-from tasks.registry import fleet_version, live_workers
-from tasks.settings import SyncSettings, SyncTimeouts
+from rollout_queue.tasks import app, control, generate, keys, sync_weights
+from rollout_queue.tasks.auth import signed_arguments
+from rollout_queue.tasks.errors import ManifestMismatch, WorkerLost
+from rollout_queue.tasks.registry import fleet_version, live_workers
+from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
+from rollout_queue.weight_sync import wire
+from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
 from tests.conftest import WorkerStarter, wait_for, worker_registered
-from weight_sync import wire
-from weight_sync.bench_receiver import BENCH_EXTENSION
 
 POOL = QUEUE = "sync"
 SECRET = "sync-test-secret"

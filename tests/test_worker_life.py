@@ -25,9 +25,9 @@ import pytest
 import redis as redis_lib
 from celery.result import AsyncResult
 
-from tasks import generate, keys
-from tasks.app import app
-from tasks.schemas import WorkerInfo
+from rollout_queue.tasks import generate, keys
+from rollout_queue.tasks.app import app
+from rollout_queue.tasks.schemas import WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
 from tests.procs import Proc, engine_cores
 

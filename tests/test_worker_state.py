@@ -7,8 +7,8 @@ import concurrent.futures
 import threading
 import time
 
-from workers.liveness import EngineWatch
-from workers.state import CAUGHT_UP, Fence, FenceReason, NodeState
+from rollout_queue.workers.liveness import EngineWatch
+from rollout_queue.workers.state import CAUGHT_UP, Fence, FenceReason, NodeState
 
 
 def serving() -> NodeState:

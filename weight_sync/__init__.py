@@ -29,8 +29,8 @@ inside vLLM's processes, import them.
 # ``tasks`` imports this package (its ``sync_weights`` face, the settings'
 # WorkerTimeouts): set it up first, so that importing a module of this
 # package before ``tasks`` finds ``tasks`` whole.
-import tasks  # noqa: F401  isort: skip
-from weight_sync.protocol import (
+import rollout_queue.tasks  # noqa: F401  isort: skip
+from rollout_queue.weight_sync.protocol import (
     PROTOCOL_VERSION,
     Manifest,
     SyncAck,

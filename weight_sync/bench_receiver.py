@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from tasks.errors import WeightSyncError
-from weight_sync import wire
-from weight_sync.receiver import Phase, WeightReceiver, refresh_tied_layers
+from rollout_queue.tasks.errors import WeightSyncError
+from rollout_queue.weight_sync import wire
+from rollout_queue.weight_sync.receiver import Phase, WeightReceiver, refresh_tied_layers
 
-BENCH_EXTENSION = "weight_sync.bench_receiver.BenchReceiver"
+BENCH_EXTENSION = "rollout_queue.weight_sync.bench_receiver.BenchReceiver"
 
 __all__ = ["BENCH_EXTENSION", "BenchReceiver"]
 

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from weight_sync.protocol import TensorSpec
+from rollout_queue.weight_sync.protocol import TensorSpec
 
 # Ops that read a tensor's metadata only; their results hold none of its values.
 _METADATA = frozenset({

@@ -23,8 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.errors import SYNC_ERRORS, SyncErrorKind, WeightSyncError, sync_error_kind
-from tasks.schemas import PauseMode
+from rollout_queue.tasks.errors import SYNC_ERRORS, SyncErrorKind, WeightSyncError, sync_error_kind
+from rollout_queue.tasks.schemas import PauseMode
 
 # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth);
 # 5: the workers' deadlines travel in the plan, failures as a kind and a message.

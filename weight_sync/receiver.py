@@ -39,10 +39,10 @@ import sys
 import time
 from typing import Any
 
-from tasks.errors import ManifestMismatch, WeightSyncError
-from weight_sync import cpu_weights, wire
-from weight_sync.inplace import InPlaceMap
-from weight_sync.protocol import (
+from rollout_queue.tasks.errors import ManifestMismatch, WeightSyncError
+from rollout_queue.weight_sync import cpu_weights, wire
+from rollout_queue.weight_sync.inplace import InPlaceMap
+from rollout_queue.weight_sync.protocol import (
     Manifest,
     SyncFailure,
     SyncPlan,
@@ -50,7 +50,7 @@ from weight_sync.protocol import (
     UpdateRequest,
     UpdateResult,
 )
-from weight_sync.wire import Bucket, Piece
+from rollout_queue.weight_sync.wire import Bucket, Piece
 
 if cpu_weights.requested():  # imported by vLLM's worker process before it loads the model
     cpu_weights.keep_plain_weights()

@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from tasks import keys
-from tasks.app import app
-from tasks.app import settings as client_settings
-from tasks.auth import signed_arguments
-from tasks.errors import (
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app
+from rollout_queue.tasks.app import settings as client_settings
+from rollout_queue.tasks.auth import signed_arguments
+from rollout_queue.tasks.errors import (
     BrokerLost,
     ManifestMismatch,
     NoWorkers,
@@ -66,11 +66,11 @@ from tasks.errors import (
     WeightSyncError,
     WorkerLost,
 )
-from tasks.registry import connect, fleet_version, live_workers
-from tasks.schemas import PauseMode, WorkerInfo
-from tasks.settings import SyncSettings
-from weight_sync import wire
-from weight_sync.protocol import Manifest, SyncAck, SyncDecision, SyncPlan, SyncReport
+from rollout_queue.tasks.registry import connect, fleet_version, live_workers
+from rollout_queue.tasks.schemas import PauseMode, WorkerInfo
+from rollout_queue.tasks.settings import SyncSettings
+from rollout_queue.weight_sync import wire
+from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncDecision, SyncPlan, SyncReport
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from weight_sync.protocol import Manifest, TensorSpec
+from rollout_queue.weight_sync.protocol import Manifest, TensorSpec
 
 if TYPE_CHECKING:
     import torch

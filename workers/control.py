@@ -31,9 +31,9 @@ from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from celery.worker.control import Panel, control_command, ok
 
-from tasks import keys
-from tasks.errors import ControlRefused
-from workers.runtime import WorkerRuntime
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import ControlRefused
+from rollout_queue.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

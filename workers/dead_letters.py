@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import pydantic
 import redis
 
-from tasks import keys
-from tasks.errors import BrokerUnavailable, DeadLetterNotFound, PoisonMessage
-from tasks.registry import connect
-from tasks.settings import ClientSettings
-from workers.poison import DeadLetter, check_task
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import BrokerUnavailable, DeadLetterNotFound, PoisonMessage
+from rollout_queue.tasks.registry import connect
+from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.workers.poison import DeadLetter, check_task
 
 # KEYS: dead-letter list, queue; ARGV: the entry's exact JSON, the raw item.
 REQUEUE_SCRIPT = """
@@ -154,7 +154,7 @@ def run_dead_letters(
     drop_id: str | None = None,
 ) -> int:
     """The CLI: 0 done, 1 no such entry, 2 requeue refused or Redis unreachable."""
-    from tasks.app import celery_config
+    from rollout_queue.tasks.app import celery_config
 
     client = connect(settings)
     try:

@@ -33,8 +33,8 @@ from celery import states
 from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
 from redis.exceptions import RedisError
 
-from tasks.registry import connect
-from tasks.settings import ClientSettings
+from rollout_queue.tasks.registry import connect
+from rollout_queue.tasks.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from typing import Any
 from celery import signals
 from celery.worker.strategy import default as default_strategy
 
-from tasks.errors import PoisonMessage
-from tasks.generate import (
+from rollout_queue.tasks.errors import PoisonMessage
+from rollout_queue.tasks.generate import (
     FIRST_PROMPT_HEADER,
     MIN_VERSION_HEADER,
     ON_NEW_WEIGHTS,
@@ -40,9 +40,9 @@ from tasks.generate import (
     SEQUENCES_HEADER,
     SIGNATURE_HEADER,
 )
-from tasks.streaming import STREAM_HEADER
-from workers.dedup import DuplicateGuard
-from workers.intake import Intake
+from rollout_queue.tasks.streaming import STREAM_HEADER
+from rollout_queue.workers.dedup import DuplicateGuard
+from rollout_queue.workers.intake import Intake
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
-from tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
-from workers import logprobs as lp
-from workers import orphans
-from workers.engine_stats import EngineStats, stat_logger_factory
-from workers.progress import (
+from rollout_queue.tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
+from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
+from rollout_queue.workers import logprobs as lp
+from rollout_queue.workers import orphans
+from rollout_queue.workers.engine_stats import EngineStats, stat_logger_factory
+from rollout_queue.workers.progress import (
     SampleKey,
     SampleProgress,
     TaskCheckpointer,
@@ -37,14 +37,14 @@ from workers.progress import (
     join,
     plan_units,
 )
-from workers.settings import EngineSettings
-from workers.state import NodeState
-from workers.tools import ToolCalls, render
+from rollout_queue.workers.settings import EngineSettings
+from rollout_queue.workers.state import NodeState
+from rollout_queue.workers.tools import ToolCalls, render
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-EXTENSION_CLS = "weight_sync.receiver.WeightReceiver"
+EXTENSION_CLS = "rollout_queue.weight_sync.receiver.WeightReceiver"
 # How often a running task reads which of its prompts were given up by their
 # client, and how long an aborted request may take to hand back its output.
 ABORT_POLL_S = 0.2

@@ -33,8 +33,8 @@ from typing import Any
 import redis
 from celery.exceptions import Ignore
 
-from tasks import keys
-from workers.reliable_redis import forget_on_ack
+from rollout_queue.tasks import keys
+from rollout_queue.workers.reliable_redis import forget_on_ack
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-from tasks.generate import SEQUENCES_HEADER
+from rollout_queue.tasks.generate import SEQUENCES_HEADER
 
 
 class Engine(Protocol):

@@ -16,16 +16,16 @@ from typing import Any
 
 from celery import signals
 
-from tasks import keys
-from tasks.app import app, configure
-from tasks.errors import EngineError
-from tasks.generate import generate
-from tasks.logs import configure_logging
-from weight_sync import cpu_weights
-from workers import control, delivery, reliable_redis, result_backend
-from workers.engine import EngineHost
-from workers.runtime import WorkerRuntime
-from workers.settings import WorkerSettings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app, configure
+from rollout_queue.tasks.errors import EngineError
+from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.logs import configure_logging
+from rollout_queue.weight_sync import cpu_weights
+from rollout_queue.workers import control, delivery, reliable_redis, result_backend
+from rollout_queue.workers.engine import EngineHost
+from rollout_queue.workers.runtime import WorkerRuntime
+from rollout_queue.workers.settings import WorkerSettings
 
 log = logging.getLogger("rollout_queue.worker")
 
@@ -57,9 +57,9 @@ def use_reliable_fetch(node: str) -> None:
     and a poison item dead-lettered wherever it is found (workers.poison)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    TRANSPORT_ALIASES.setdefault("rq-redis", "workers.reliable_redis:Transport")
+    TRANSPORT_ALIASES.setdefault("rq-redis", "rollout_queue.workers.reliable_redis:Transport")
     app.conf.broker_transport = "rq-redis"  # logs show rq-redis://:**@host
-    app.conf.worker_consumer = "workers.poison:DeadLetteringConsumer"
+    app.conf.worker_consumer = "rollout_queue.workers.poison:DeadLetteringConsumer"
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
         "rq_processing_key": keys.processing_key(node),
@@ -118,7 +118,7 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
         # pending fetch sees it at once.
         reliable_redis.gate_fetches(keys.processing_key(settings.name), runtime.intake.has_room)
     if settings.metrics_port is not None:
-        from workers.metrics import start_metrics
+        from rollout_queue.workers.metrics import start_metrics
 
         start_metrics(runtime, settings.metrics_port, settings.metrics_host)
 

@@ -36,11 +36,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tasks.schemas import GenerationResult, WorkerState
-from workers.state import FenceReason
+from rollout_queue.tasks.schemas import GenerationResult, WorkerState
+from rollout_queue.workers.state import FenceReason
 
 if TYPE_CHECKING:
-    from workers.runtime import WorkerRuntime
+    from rollout_queue.workers.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

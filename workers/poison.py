@@ -52,9 +52,9 @@ from kombu.utils.json import loads as json_loads
 from pydantic import BaseModel, ConfigDict
 from vine import promise
 
-from tasks import keys
-from tasks.errors import InvalidRequest, PoisonMessage
-from workers.metrics import DEAD_LETTERS
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import InvalidRequest, PoisonMessage
+from rollout_queue.workers.metrics import DEAD_LETTERS
 
 log = logging.getLogger(__name__)
 

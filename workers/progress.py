@@ -49,9 +49,9 @@ from typing import Any
 import msgspec
 import redis
 
-from tasks import keys
-from tasks.schemas import Sample, SamplingParams
-from workers.logprobs import sample_logprobs
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.schemas import Sample, SamplingParams
+from rollout_queue.workers.logprobs import sample_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -59,9 +59,9 @@ from celery import Celery
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
-from tasks import keys
-from tasks.errors import PoisonMessage, RedeliveryLimitReached
-from workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import PoisonMessage, RedeliveryLimitReached
+from rollout_queue.workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 log = logging.getLogger(__name__)
 

@@ -72,9 +72,9 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
 
-from tasks import keys
-from tasks.errors import PoisonMessage
-from workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import PoisonMessage
+from rollout_queue.workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 logger = logging.getLogger(__name__)
 

@@ -25,21 +25,21 @@ from typing import Any
 
 import redis
 
-from tasks import keys
-from tasks.app import app
-from tasks.auth import CommandVerifier
-from tasks.registry import connect, fleet_version
-from tasks.schemas import WorkerInfo
-from workers.dedup import DuplicateGuard, quick_client
-from workers.engine import EngineHost, per_request_stream_interval
-from workers.intake import Intake
-from workers.liveness import EngineWatch
-from workers.progress import ProgressStore
-from workers.reaper import InflightLedger, Reaper
-from workers.service import GenerationService
-from workers.settings import WorkerSettings
-from workers.state import CAUGHT_UP, FenceReason, NodeState
-from workers.sync import SyncParticipant
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app
+from rollout_queue.tasks.auth import CommandVerifier
+from rollout_queue.tasks.registry import connect, fleet_version
+from rollout_queue.tasks.schemas import WorkerInfo
+from rollout_queue.workers.dedup import DuplicateGuard, quick_client
+from rollout_queue.workers.engine import EngineHost, per_request_stream_interval
+from rollout_queue.workers.intake import Intake
+from rollout_queue.workers.liveness import EngineWatch
+from rollout_queue.workers.progress import ProgressStore
+from rollout_queue.workers.reaper import InflightLedger, Reaper
+from rollout_queue.workers.service import GenerationService
+from rollout_queue.workers.settings import WorkerSettings
+from rollout_queue.workers.state import CAUGHT_UP, FenceReason, NodeState
+from rollout_queue.workers.sync import SyncParticipant
 
 log = logging.getLogger(__name__)
 

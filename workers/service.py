@@ -21,22 +21,22 @@ from celery import Task
 from celery.exceptions import Ignore
 from pydantic import ValidationError
 
-from tasks import keys
-from tasks.errors import InvalidRequest, Requeue
-from tasks.generate import (
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import InvalidRequest, Requeue
+from rollout_queue.tasks.generate import (
     FIRST_PROMPT_HEADER,
     ON_NEW_WEIGHTS_HEADER,
     SENT_AT_HEADER,
     SIGNATURE_HEADER,
 )
-from tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
-from tasks.signature import signature
-from tasks.streaming import STREAM_HEADER
-from workers.engine import EngineHost
-from workers.handed_on import HandedOn
-from workers.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
-from workers.streaming import DeltaPublisher
-from workers.tools import ToolStream
+from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
+from rollout_queue.tasks.signature import signature
+from rollout_queue.tasks.streaming import STREAM_HEADER
+from rollout_queue.workers.engine import EngineHost
+from rollout_queue.workers.handed_on import HandedOn
+from rollout_queue.workers.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
+from rollout_queue.workers.streaming import DeltaPublisher
+from rollout_queue.workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
 

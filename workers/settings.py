@@ -8,10 +8,10 @@ from typing import Any, Literal
 from celery.utils.nodenames import host_format
 from pydantic import Field, field_validator
 
-from tasks import keys
-from tasks.keys import node_queue
-from tasks.logs import LogFormat
-from tasks.settings import ClientSettings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.keys import node_queue
+from rollout_queue.tasks.logs import LogFormat
+from rollout_queue.tasks.settings import ClientSettings
 
 
 class EngineSettings(ClientSettings):

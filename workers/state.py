@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from tasks.schemas import WorkerState
+from rollout_queue.tasks.schemas import WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from tasks import keys
-from tasks.errors import BrokerUnavailable
-from tasks.registry import connect, fleet_version, live_workers, queue_depths
-from tasks.schemas import MISSED_HEARTBEATS, WorkerInfo
-from tasks.settings import ClientSettings
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import BrokerUnavailable
+from rollout_queue.tasks.registry import connect, fleet_version, live_workers, queue_depths
+from rollout_queue.tasks.schemas import MISSED_HEARTBEATS, WorkerInfo
+from rollout_queue.tasks.settings import ClientSettings
 
 STATE_STYLE = {
     "serving": "green",

@@ -22,10 +22,10 @@ from typing import Any
 
 import redis
 
-from tasks import keys
-from tasks.schemas import SampleDelta, StreamEvent
-from workers.logprobs import sample_logprobs
-from workers.tools import ToolStream
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.schemas import SampleDelta, StreamEvent
+from rollout_queue.workers.logprobs import sample_logprobs
+from rollout_queue.workers.tools import ToolStream
 
 log = logging.getLogger(__name__)
 

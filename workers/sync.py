@@ -40,10 +40,10 @@ from typing import Any
 
 import redis
 
-from tasks import keys
-from tasks.errors import ManifestMismatch, RendezvousTimeout, RendezvousUnreachable, SyncRefused
-from weight_sync import wire
-from weight_sync.protocol import (
+from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import ManifestMismatch, RendezvousTimeout, RendezvousUnreachable, SyncRefused
+from rollout_queue.weight_sync import wire
+from rollout_queue.weight_sync.protocol import (
     PROTOCOL_VERSION,
     Manifest,
     SyncAck,
@@ -53,9 +53,9 @@ from weight_sync.protocol import (
     UpdateRequest,
     UpdateResult,
 )
-from workers.checkpoint import checkpoint_shapes
-from workers.engine import EngineHost
-from workers.state import Fence, FenceReason, NodeState
+from rollout_queue.workers.checkpoint import checkpoint_shapes
+from rollout_queue.workers.engine import EngineHost
+from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import json
 import logging
 from typing import Any
 
-from tasks.errors import InvalidRequest
-from tasks.schemas import Conversation, Sample, SampleDelta, ToolCall, ToolCallDelta, ToolFunction
+from rollout_queue.tasks.errors import InvalidRequest
+from rollout_queue.tasks.schemas import Conversation, Sample, SampleDelta, ToolCall, ToolCallDelta, ToolFunction
 
 log = logging.getLogger(__name__)
 
