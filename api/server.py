@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import socket
+import sys
 from typing import Any
 
 from pydantic import SecretStr
 
 from rollout_queue.api.settings import ApiSettings
 from rollout_queue.tasks.app import configure
+from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict
+from rollout_queue.tasks.logs import configure_logging
+from rollout_queue.tasks.registry import preflight
 from rollout_queue.tasks.settings import ClientSettings
 
 
@@ -16,19 +21,31 @@ def run_api(
     host: str | None = None,
     port: int | None = None,
     redis_url: str | None = None,
+    client_overrides: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> int:
-    """Serve the gateway until interrupted. Flags win over ``API_*`` / ``REDIS_URL``."""
+    """Serve the gateway until interrupted. Flags win over ``RQ_API_*`` / ``REDIS_URL``.
+
+    ``overrides``: ``ApiSettings`` fields; ``client_overrides``: ``ClientSettings``
+    fields (``allow_evicting_redis``). Redis unreachable, or one that may evict
+    keys: one line on stderr, exit code 2, before uvicorn starts."""
     import uvicorn
 
     from rollout_queue.api.app import create_app
 
     given = {"host": host, "port": port, **overrides}
     settings = ApiSettings(**{k: v for k, v in given.items() if v is not None})
-    client = ClientSettings(redis_url=SecretStr(redis_url)) if redis_url else ClientSettings()
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    client_given = {**(client_overrides or {}), "redis_url": SecretStr(redis_url) if redis_url else None}
+    client = ClientSettings(**{k: v for k, v in client_given.items() if v is not None})
+    try:
+        redis_note = preflight(client)
+    except (BrokerUnavailable, RedisMayEvict) as exc:
+        print(f"rollout-queue api: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format, f"gateway@{socket.gethostname()}",
+                      "%(asctime)s %(levelname)s %(name)s %(message)s")
+    if redis_note is not None:
+        logging.getLogger("rollout_queue.api").warning("%s", redis_note)
     configure(client)
     logging.getLogger("rollout_queue.api").info(
         "gateway on %s:%d, queue %r, broker %s, auth %s",
@@ -42,5 +59,7 @@ def run_api(
         port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=settings.access_log,
+        # JSON lines: uvicorn's loggers go through the root handler set above.
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )
     return 0

@@ -4,6 +4,7 @@ Every field reads the environment variable ``RQ_API_<FIELD>`` (``RQ_API_TOKEN``,
 ``RQ_API_PORT``, ``RQ_API_BATCH_WINDOW_MS``...). The queue connection itself
 (``RQ_REDIS_URL`` or ``REDIS_URL``, time limits) is the shared
 ``tasks.settings.ClientSettings``.
+``RQ_API_TOKEN_FILE`` names a file holding the token instead (``tasks.settings``).
 Built once, in ``run_api``, and passed down.
 """
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from rollout_queue.tasks import keys
+from rollout_queue.tasks.logs import LogFormat
+from rollout_queue.tasks.settings import Settings
 
 
-class ApiSettings(BaseSettings):
+class ApiSettings(Settings):
     model_config = SettingsConfigDict(env_prefix="RQ_API_", extra="ignore")
 
     host: str = "0.0.0.0"
@@ -66,6 +69,8 @@ class ApiSettings(BaseSettings):
     # Serve /docs, /redoc and /openapi.json (behind RQ_API_TOKEN when it is set).
     docs: bool = False
     log_level: str = "info"
+    # "json": one JSON object per log line (time, level, logger, message, node).
+    log_format: LogFormat = "text"
     # One uvicorn log line per request (off: it costs throughput).
     access_log: bool = False
 

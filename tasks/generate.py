@@ -13,25 +13,32 @@ whose ``.get()`` joins them into one result; smaller calls (and calls that
 name their ``task_id``) are one task, as always. A call asking for more than
 ``RQ_CALL_MAX_SEQUENCES`` sequences is refused (``InvalidRequest``).
 
+Results are ``GenerationResult`` dicts (``.get()``); ``.result_model()`` returns
+the ``GenerationResult`` itself. ``await generate.async_(prompts, params)`` is
+the asyncio form (``tasks.aio``).
+
 On a worker, :attr:`GenerateTask.executor` is installed at boot
 (``workers.service.GenerationService``); the task body only hands over.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, overload
 
 from celery import Task
+from celery.exceptions import Reject
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.app import app, settings
 from rollout_queue.tasks.errors import (
+    BrokerFull,
     BrokerUnavailable,
     EngineError,
     InvalidRequest,
@@ -39,10 +46,13 @@ from rollout_queue.tasks.errors import (
     Requeue,
     RolloutError,
 )
-from rollout_queue.tasks.schemas import GenerateRequest, SamplingParams
+from rollout_queue.tasks.registry import check_eviction_policy
+from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, SamplingParams
 from rollout_queue.tasks.settings import redact_url
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.split import SplitResult, plan_parts, prompts_per_task
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
@@ -57,8 +67,21 @@ FIRST_PROMPT_HEADER = "rq_first_prompt"
 # them on the new weights, "restart" generates them again from scratch.
 ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
+# The brokers (URLs) whose eviction policy this process has checked and accepted.
+_EVICTION_CHECKED: set[str] = set()
+# Follow-up tasks Celery would send from the worker: refused (workers.delivery).
+LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
+
+
+class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
+    """A ``generate`` task's ``AsyncResult``: ``.get()`` returns the result as a dict
+    (as always), :meth:`result_model` as a ``GenerationResult``."""
+
+    def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
+        """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""
+        return GenerationResult.model_validate(self.get(timeout=timeout, **options))
 
 
 class Executor(Protocol):
@@ -120,9 +143,13 @@ class GenerateTask(Task):
     track_started = True
     throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
 
+    def delay(self, *args: Any, **kwargs: Any) -> GenerationAsyncResult | SplitResult:
+        """``apply_async(args, kwargs)``, as Celery's, with its return type."""
+        return self.apply_async(args, kwargs)
+
     def apply_async(
         self, args: Any = None, kwargs: Any = None, **options: Any
-    ) -> AsyncResult | SplitResult:
+    ) -> GenerationAsyncResult | SplitResult:
         arguments = dict(kwargs or {})
         positional = list(args or ())
         prompts = positional[0] if positional else arguments.pop("prompts", None)
@@ -135,6 +162,13 @@ class GenerateTask(Task):
             raise InvalidRequest(
                 f"serializer {serializer!r} refused: tasks travel as JSON only "
                 "(workers accept nothing else; pickle would let a message run code)"
+            )
+        links = sorted(name for name in LINK_OPTIONS if options.get(name))
+        if links:
+            raise InvalidRequest(
+                f"{', '.join(links)} refused: generate tasks run no follow-up task (workers "
+                "dead-letter messages that carry one); wait for the result and send the next "
+                "task from the caller"
             )
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
@@ -156,7 +190,13 @@ class GenerateTask(Task):
             return self.send(request, headers, options)
         return self._send_split(request, headers, options, limit)
 
-    def send(self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]) -> AsyncResult:
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> GenerationAsyncResult:
+        """The result handle ``apply_async`` returns (and ``generate.AsyncResult(id)``)."""
+        return GenerationAsyncResult(task_id, backend=self.backend, task_name=self.name, app=self._get_app(), **kwargs)
+
+    def send(
+        self, request: GenerateRequest, headers: dict[str, Any], options: dict[str, Any]
+    ) -> GenerationAsyncResult:
         """Enqueue ``request`` as one task, whatever its size (``generate_many``'s chunks)."""
         headers = dict(headers)
         headers.setdefault(SENT_AT_HEADER, time.time())
@@ -171,6 +211,7 @@ class GenerateTask(Task):
         options.setdefault("kwargsrepr", repr({"signature": headers[SIGNATURE_HEADER]}))
         wire = request.model_dump(mode="json")
         try:
+            self._check_eviction_once()
             return super().apply_async((wire["prompts"], wire["params"]), {}, headers=headers, **options)
         except (OperationalError, RedisError, RuntimeError) as exc:
             # OperationalError: kombu gave up publishing. RuntimeError: Celery's
@@ -185,7 +226,7 @@ class GenerateTask(Task):
     ) -> SplitResult:
         """One task per part of ``plan_parts``, same params, headers and options (time
         limits, queue, expiry apply to each part); ``tasks.split`` joins them."""
-        refused = sorted({"link", "link_error", "chain", "chord", "group_id"} & set(options))
+        refused = sorted({"group_id"} & set(options))  # links are refused for every call (apply_async)
         if refused:
             raise InvalidRequest(
                 f"{', '.join(refused)} cannot be used with a split generate call "
@@ -214,6 +255,14 @@ class GenerateTask(Task):
     def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
         conf = self._get_app().conf
         url = redact_url(str(conf.broker_url or ""))
+        full = _out_of_memory(exc)
+        if full is not None:
+            return BrokerFull(
+                f"could not enqueue the task: Redis at {url} is full ({self._memory_figures()}) and "
+                f"refuses writes ({full}); nothing was enqueued. Free memory (results are kept for "
+                "RQ_RESULT_EXPIRES seconds; old dead letters: `rollout-queue dead-letters`) or raise "
+                "Redis's maxmemory, then send again"
+            )
         # retry_policy(): about one retry per second of broker_connect_timeout.
         waited = conf.task_publish_retry_policy.get("max_retries", "?")
         if isinstance(exc, RuntimeError) and exc.__cause__ is not None:
@@ -223,12 +272,69 @@ class GenerateTask(Task):
             f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
         )
 
+    def _check_eviction_once(self) -> None:
+        """Before this process's first task to a broker: refuse (``RedisMayEvict``) a
+        Redis that may evict keys, unless ``RQ_ALLOW_EVICTING_REDIS``; an unreachable
+        Redis raises the RedisError or OperationalError the caller maps."""
+        conf = self._get_app().conf
+        url = str(conf.broker_url or "")
+        if url in _EVICTION_CHECKED:
+            return
+        with self._get_app().connection_for_write() as conn:
+            # Retried as a publish is (about RQ_BROKER_CONNECT_TIMEOUT): a restarting
+            # Redis is ridden out here too.
+            conn.ensure_connection(**conf.task_publish_retry_policy)
+            note = check_eviction_policy(conn.default_channel.client,
+                                         allow=bool(conf.get("rq_allow_evicting_redis", False)))
+        _EVICTION_CHECKED.add(url)
+        if note is not None:
+            log.warning("%s", note)
+
+    def _memory_figures(self) -> str:
+        """``used_memory 9.9M of maxmemory 10.0M, maxmemory-policy noeviction`` (INFO is
+        allowed when Redis is full), or what kept us from reading them."""
+        try:
+            with self._get_app().connection_for_write() as conn:
+                memory = conn.default_channel.client.info("memory")
+        except Exception as exc:  # noqa: BLE001  only for the message
+            return f"memory figures unavailable: {type(exc).__name__}"
+        return (f"used_memory {memory.get('used_memory_human', '?')} of maxmemory "
+                f"{memory.get('maxmemory_human', '?')}, maxmemory-policy {memory.get('maxmemory_policy', '?')}")
+
     def stream(self, prompts: Any, params: Any = None, **options: Any) -> Iterator[Any]:
         """Send one task and yield its tokens as they are generated (``SampleDelta``),
         then its ``GenerationResult``: see ``tasks.streaming.stream``."""
         from rollout_queue.tasks.streaming import stream
 
         return stream(self, prompts, params, **options)
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: Literal[False] = False, queue: str | None = None,
+    ) -> dict[str, Any]: ...
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: Literal[True], queue: str | None = None,
+    ) -> GenerationResult: ...
+
+    @overload
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: bool, queue: str | None = None,
+    ) -> dict[str, Any] | GenerationResult: ...
+
+    async def async_(
+        self, prompts: Any, params: Any = None, *, timeout: float | None = None,
+        typed: bool = False, queue: str | None = None,
+    ) -> dict[str, Any] | GenerationResult:
+        """Send one call and await its result on the running event loop:
+        ``tasks.aio.generate`` on the loop's default client."""
+        from rollout_queue.tasks import aio
+
+        return await aio.generate(prompts, params, timeout=timeout, typed=typed, queue=queue)
 
     def run(self, prompts: Any, params: Any) -> dict[str, Any]:
         if self.executor is None:
@@ -240,9 +346,33 @@ class GenerateTask(Task):
         except Requeue as exc:
             # Not this worker's to serve now (weights too old, sync abort):
             # back to the queue for any worker, without using up retries.
-            raise self.retry(exc=exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
+            raise self._retry(exc, countdown=exc.countdown, max_retries=REQUEUE_LIMIT) from exc
         except EngineError as exc:
-            raise self.retry(exc=exc, countdown=1) from exc
+            raise self._retry(exc, countdown=1) from exc
+
+    def _retry(self, exc: Exception, **options: Any) -> BaseException:
+        """Celery's ``retry``; when Redis refuses the new message (full, or away), the
+        task's own message is rejected *with* requeue instead of Celery's dropping it:
+        it goes back to its queue, or, Redis refusing that too, stays in ``unacked``,
+        where the reaper finds it once no task of this worker holds it."""
+        try:
+            return self.retry(exc=exc, **options)
+        except Reject as rejected:
+            if isinstance(rejected.reason, BrokerUnavailable) and not rejected.requeue:
+                log.warning("could not requeue task %s (%s); its message goes back to its queue as it is",
+                            self.request.id, rejected.reason)
+                return Reject(rejected.reason, requeue=True)
+            raise
+
+
+def _out_of_memory(exc: BaseException | None) -> OutOfMemoryError | None:
+    """The ``OutOfMemoryError`` (Redis full) ``exc`` is or was caused by, if any."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OutOfMemoryError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 generate: GenerateTask = app.register_task(GenerateTask())  # type: ignore[assignment]

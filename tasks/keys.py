@@ -111,6 +111,12 @@ def reaper_lock(node: str) -> str:
     return f"{PREFIX}:reaper:lock:{node}"
 
 
+def control_nonce(node: str, nonce: str) -> str:
+    """A signed control command's nonce, once ``node`` accepted it; expires with the
+    signature's window (``tasks.auth.CommandVerifier``: a replay after a restart is refused)."""
+    return f"{PREFIX}:nonce:{node}:{nonce}"
+
+
 def handed_on(node: str) -> str:
     """Set of delivery tags the reaper took from ``node`` (declared dead) and put
     back in their queues: if ``node`` still runs one, it neither stores its

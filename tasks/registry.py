@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from rollout_queue.tasks import keys
-from rollout_queue.tasks.errors import BrokerUnavailable
+from rollout_queue.tasks.errors import BrokerUnavailable, RedisMayEvict
 from rollout_queue.tasks.schemas import WorkerInfo
 from rollout_queue.tasks.settings import ClientSettings
 
@@ -61,6 +61,81 @@ def fleet_version(client: redis.Redis, pool: str = keys.DEFAULT_POOL) -> int:
     except redis.RedisError as exc:
         raise BrokerUnavailable(f"could not read the fleet weight version: {exc}") from exc
     return int(value) if value else 0
+
+
+def eviction_policy(client: redis.Redis) -> str | None:
+    """Redis's ``maxmemory-policy`` (INFO, else CONFIG GET), or None when the server
+    answers neither (a managed Redis may disable both). Connection errors propagate."""
+    try:
+        policy = client.info("memory").get("maxmemory_policy")
+    except redis.ResponseError:
+        policy = None
+    if policy is None:
+        try:
+            policy = (client.config_get("maxmemory-policy") or {}).get("maxmemory-policy")
+        except redis.ResponseError:
+            return None
+    return policy.decode() if isinstance(policy, bytes) else None if policy is None else str(policy)
+
+
+def check_eviction_policy(client: redis.Redis, *, allow: bool) -> str | None:
+    """Refuse a Redis that may evict keys (an evicted queue, ``unacked`` entry or result
+    is a lost task): raise ``RedisMayEvict`` unless its ``maxmemory-policy`` is
+    ``noeviction`` or ``allow`` (``RQ_ALLOW_EVICTING_REDIS``) is set.
+
+    Returns a line to log when going on anyway (``allow``, or a policy that could not
+    be read: a managed Redis that disables INFO and CONFIG is not blocked), else None.
+    Connection errors propagate (the caller's own error for an unreachable Redis)."""
+    policy = eviction_policy(client)
+    if policy is None:
+        return ("could not read Redis's maxmemory-policy (INFO and CONFIG GET refused); going on: "
+                "make sure it is noeviction, or queued tasks may be evicted when Redis is full")
+    if policy == "noeviction":
+        return None
+    if allow:
+        return (f"Redis's maxmemory-policy is {policy}, not noeviction: it may evict queued tasks, "
+                "unacked entries and results when full (going on: RQ_ALLOW_EVICTING_REDIS is set)")
+    raise RedisMayEvict(
+        f"Redis's maxmemory-policy is {policy}: when full it would evict queued tasks, unacked "
+        "entries and results; set it to noeviction (CONFIG SET maxmemory-policy noeviction, or "
+        "--maxmemory-policy noeviction), or accept the risk with RQ_ALLOW_EVICTING_REDIS=1 "
+        "(--allow-evicting-redis)"
+    )
+
+
+def preflight(settings: ClientSettings) -> str | None:
+    """A worker's or the gateway's check before it starts: Redis answers within
+    ``broker_connect_timeout`` (else ``BrokerUnavailable``) and may not evict keys
+    (``check_eviction_policy``; returns its line to log)."""
+    import time
+
+    client = connect(settings, connect_timeout=2, read_timeout=10)
+    deadline = time.monotonic() + settings.broker_connect_timeout
+    try:
+        while True:
+            try:
+                client.ping()
+                return check_eviction_policy(client, allow=settings.allow_evicting_redis)
+            except redis.AuthenticationError as exc:
+                raise BrokerUnavailable(
+                    f"Redis at {settings.redacted_url} refused this client ({exc}); check the "
+                    "password in RQ_REDIS_URL / REDIS_URL"
+                ) from exc
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise BrokerUnavailable(
+                        f"Redis at {settings.redacted_url} did not answer for "
+                        f"{settings.broker_connect_timeout:g} s ({type(exc).__name__}: {exc}); check "
+                        "RQ_REDIS_URL / REDIS_URL and that Redis is up"
+                    ) from exc
+                time.sleep(0.5)
+            except redis.RedisError as exc:  # e.g. a wrong password
+                raise BrokerUnavailable(
+                    f"Redis at {settings.redacted_url} refused this client ({type(exc).__name__}: {exc}); "
+                    "check RQ_REDIS_URL / REDIS_URL"
+                ) from exc
+    finally:
+        client.close()
 
 
 def queue_depths(client: redis.Redis, queues: list[str]) -> dict[str, int]:

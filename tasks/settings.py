@@ -9,17 +9,26 @@ Every field ``x`` reads the variable ``RQ_X`` (``RQ_RESULT_EXPIRES``,
 for other reasons (``NAME``, ``MODEL``) never changes a worker. One widely
 known name is kept as an alias: ``REDIS_URL`` (``RQ_REDIS_URL`` wins when both
 are set).
+
+A secret setting (``SecretStr``: ``RQ_WEIGHT_SYNC_SECRET``, ``RQ_REDIS_URL``,
+``RQ_API_TOKEN``) can instead be read from a file named by the same variable
+with ``_FILE`` appended (``RQ_WEIGHT_SYNC_SECRET_FILE=/run/secrets/...``,
+compose ``secrets:``); the file wins over the plain variable unless it is
+empty, and one trailing newline is dropped.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
-from typing import Literal, get_args, get_origin
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from rollout_queue.tasks.errors import SettingsFileError
 from rollout_queue.weight_sync.protocol import WorkerTimeouts
 
 
@@ -43,7 +52,68 @@ def env_name(field: str) -> str:
     return f"{ENV_PREFIX}{field.upper()}"
 
 
-class ClientSettings(BaseSettings):
+def redis_url_env(url: str) -> dict[str, str]:
+    """The environment that makes a child process use ``url``: both names, since
+    ``RQ_REDIS_URL`` wins over ``REDIS_URL`` and the caller's may be set to another."""
+    return {env_name("redis_url"): url, ENV_ALIASES["redis_url"]: url}
+
+
+def environment_redis_url(default: str = "redis://127.0.0.1:6379/0") -> str:
+    """The Redis URL the environment names, as ``ClientSettings`` reads it (for scripts'
+    ``--redis-url`` defaults): ``RQ_REDIS_URL``, else ``REDIS_URL``, else ``default``."""
+    import os
+
+    return os.environ.get(env_name("redis_url")) or os.environ.get(ENV_ALIASES["redis_url"]) or default
+
+
+def is_secret(field: FieldInfo) -> bool:
+    return SecretStr in (field.annotation, *get_args(field.annotation))
+
+
+class SecretFiles(PydanticBaseSettingsSource):
+    """Secret fields read from the file ``<PREFIX><FIELD>_FILE`` names (Docker and
+    compose ``secrets:`` mount them under ``/run/secrets``)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads them all at once
+
+    def __call__(self) -> dict[str, Any]:
+        prefix = str(self.config.get("env_prefix", ""))
+        values: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            variable = f"{prefix}{name.upper()}_FILE"
+            path = os.environ.get(variable) if is_secret(field) else None
+            if not path:
+                continue
+            try:
+                text = Path(path).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SettingsFileError(
+                    f"{variable}={path}: cannot read it ({getattr(exc, 'strerror', None) or exc}); "
+                    f"point it at a readable file, or unset it and set {prefix}{name.upper()}"
+                ) from exc
+            value = text.removesuffix("\n").removesuffix("\r")
+            if value:  # empty (compose's /dev/null default): as if unset
+                values[name] = value
+        return values
+
+
+class Settings(BaseSettings):
+    """Base of every settings class: secrets may also come from files (``SecretFiles``)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, SecretFiles(settings_cls), env_settings, dotenv_settings, file_secret_settings
+
+
+class ClientSettings(Settings):
     """What every process that talks to the queue needs (producer, worker, api)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
@@ -94,6 +164,10 @@ class ClientSettings(BaseSettings):
     # HMAC key of every state-changing control command (tasks/auth.py): workers
     # refuse commands not signed with it. The same value on every process.
     weight_sync_secret: SecretStr | None = None
+    # Redis's maxmemory-policy must be noeviction (an evicted queue, unacked entry
+    # or result is a lost task): workers, the gateway and producers refuse another
+    # policy unless this is set (tasks.registry.check_eviction_policy).
+    allow_evicting_redis: bool = False
 
     @model_validator(mode="after")
     def _visibility_above_time_limit(self) -> ClientSettings:
@@ -127,7 +201,7 @@ class SyncTimeouts(BaseModel):
     worker: WorkerTimeouts = WorkerTimeouts()
 
 
-class SyncSettings(BaseSettings):
+class SyncSettings(Settings):
     """The trainer's side of the weight sync."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")

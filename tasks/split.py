@@ -182,6 +182,10 @@ class SplitResult(GroupResult):  # type: ignore[misc]
 
     wait = get
 
+    def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
+        """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""
+        return GenerationResult.model_validate(self.get(timeout=timeout, **options))
+
     def _fail(self, failed: AsyncResult, propagate: bool) -> Any:
         others = [part.id for part in self.results if part.id != failed.id and not part.ready()]
         if others:

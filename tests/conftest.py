@@ -18,6 +18,7 @@ import pytest
 import redis as redis_lib
 
 from rollout_queue.cli.localstack import LocalProcess, RedisServer, redis_reachable
+from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
@@ -45,13 +46,16 @@ def private_redis_server(name: str) -> RedisServer:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    base = environment_redis_url()
     url = base.rsplit("/", 1)[0] + f"/{TEST_DB}"
     server = None
     if not redis_reachable(url):
         server = private_redis_server("valkey-session")
         url = server.url.rsplit("/", 1)[0] + f"/{TEST_DB}"
     redis_lib.Redis.from_url(url).flushdb()
+    # A developer's RQ_REDIS_URL would win over the REDIS_URL of every process a test
+    # starts (tests that start them on a private server hand them REDIS_URL).
+    os.environ.pop("RQ_REDIS_URL", None)
     os.environ["REDIS_URL"] = url
     from rollout_queue.tasks.app import configure
     from rollout_queue.tasks.settings import ClientSettings
@@ -148,7 +152,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--queues", queue, "--pool", pool, *ENGINE_FLAGS,
         ] + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
-                    env={"REDIS_URL": url or redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
+                    env={**redis_url_env(url or redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)
         _STARTED.append((proc, for_session))
         if wait:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from pydantic import SecretStr
 
 from rollout_queue.cli.localstack import RedisServer as LocalRedisServer
 from rollout_queue.cli.localstack import free_port
+from rollout_queue.tasks.settings import redis_url_env
 from tests.procs import ARTIFACTS, LOGS
 
 
@@ -44,10 +45,11 @@ class RedisServer(LocalRedisServer):
         persistent: bool = False,
         password: str | None = None,
         tls: bool = False,
+        options: Sequence[str] = (),
     ) -> None:
         port = free_port()
         super().__init__(name, LOGS, port=port, password=password, persistent=persistent,
-                         data_dir=ARTIFACTS / "redis" / f"{name}-{port}")
+                         data_dir=ARTIFACTS / "redis" / f"{name}-{port}", options=options)
         self.tls = tls
         self.ca_file: Path | None = None
         if tls:
@@ -68,7 +70,7 @@ class RedisServer(LocalRedisServer):
 
     def settings_env(self) -> dict[str, str]:
         """Environment a worker needs to reach this server."""
-        env = {"REDIS_URL": self.url}
+        env = redis_url_env(self.url)
         if self.ca_file is not None:
             env["RQ_REDIS_TLS_CA_FILE"] = str(self.ca_file)
         return env

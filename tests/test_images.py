@@ -45,6 +45,15 @@ def test_each_image_installs_dependencies_before_the_sources_and_runs_unprivileg
     assert "useradd --create-home --uid 1000 rq" in stage("base")
 
 
+def test_images_install_from_the_lock_that_make_setup_and_ci_use() -> None:
+    assert "COPY constraints ./constraints" in stage("base")
+    for target in ("light", "gpu"):
+        assert "pip install -c constraints/light.txt" in stage(target), target
+    cpu = stage("cpu")
+    assert "pip install --no-deps" in cpu and "-r constraints/quickstart.txt" in cpu and "scripts/lock.py check" in cpu
+    assert "uninstall" not in cpu  # the lock never installs torchvision & co.
+
+
 def test_engine_images_carry_what_the_engine_needs_at_start() -> None:
     assert re.search(r"apt-get install [^\n]*\bgcc\b", stage("gpu")), "Triton needs a C compiler"
     cpu = stage("cpu")

@@ -558,8 +558,8 @@ def resolve(argv: list[str]) -> str:
     if program in ("python", "python3") and args[:1] == ["-c"]:
         compile(args[1], "<healthcheck>", "exec")
         return "python -c"
-    if program in ("redis-server", "redis-cli"):
-        return program  # the redis image's own binaries
+    if program in ("valkey-server", "valkey-cli"):
+        return program  # the valkey image's own binaries
     raise AssertionError(f"unknown program {program!r} in {argv}")
 
 
@@ -622,5 +622,5 @@ def test_compose_file_parses_and_every_service_command_resolves_to_an_entry_poin
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
-    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
     assert '".[gpu' in dockerfile and '".[cpu' in dockerfile

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import re
 import time
 import urllib.request
 import uuid
@@ -31,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_queue.cli.command import main as cli_main
 from rollout_queue.tasks import keys
+from rollout_queue.tasks.errors import InvalidRequest, PoisonMessage
 from rollout_queue.tasks.schemas import GenerationResult
 from rollout_queue.workers.poison import DeadLetter, check_task, dead_letter_fetched
 from rollout_queue.workers.reaper import InflightLedger, Reaper
@@ -94,12 +96,30 @@ def poison(kind: str, task: Any) -> tuple[bytes, str]:
     if kind == "body-not-args-kwargs-embed":  # used to escape it too: unpacking "x"
         env["body"] = base64.b64encode(b'"x"').decode()
         return json.dumps(env).encode(), "not-a-task"
+    if kind == "signature-header-an-object":  # used to fail after generating: ValidationError([])
+        env["headers"]["rq_signature"] = {"not": "a string"}
+        return json.dumps(env).encode(), "bad-headers"
+    if kind == "timelimit-not-numbers":  # used to fail: could not convert string to float
+        env["headers"]["timelimit"] = ["abc", None]
+        return json.dumps(env).encode(), "bad-headers"
+    if kind == "callbacks-to-an-unknown-task":  # the worker used to publish it, with the result
+        args, kwargs, embed = json.loads(base64.b64decode(env["body"]))
+        embed["callbacks"] = [{"task": "nonexistent.task", "args": [], "kwargs": {}, "immutable": False,
+                               "subtask_type": None, "options": {"queue": CALLBACK_QUEUE}}]
+        env["body"] = base64.b64encode(json.dumps([args, kwargs, embed]).encode()).decode()
+        return json.dumps(env).encode(), "links-refused"
     raise ValueError(kind)
 
 
 ENVELOPE_KINDS = ["not-json", "json-of-the-wrong-shape", "bad-base64", "missing-properties",
                   "missing-delivery-tag"]  # refused before kombu reads them
 TASK_KINDS = ["pickle-content-type", "task-without-id", "body-not-args-kwargs-embed"]  # by Celery
+# Refused by the generate task's strategy (workers.delivery) before any work; the
+# task fails naming what was wrong.
+HEADER_KINDS = {"signature-header-an-object": "header 'rq_signature' is",
+                "timelimit-not-numbers": "header 'timelimit' is",
+                "callbacks-to-an-unknown-task": "carries callbacks"}
+CALLBACK_QUEUE = "poison-callbacks"  # where a followed callback would have gone
 
 
 def dead_letters(server: RedisServer, queue: str) -> list[DeadLetter]:
@@ -208,12 +228,12 @@ def test_a_worker_restarted_over_a_poisoned_processing_list_comes_up_and_serves(
     figures["restart_over_poison"] = {"poison_items": len(seeded["items"]), "valid_task_restored": True}
 
 
-@pytest.mark.parametrize("kind", ENVELOPE_KINDS + TASK_KINDS)
+@pytest.mark.parametrize("kind", ENVELOPE_KINDS + TASK_KINDS + list(HEADER_KINDS))
 def test_a_poison_item_is_dead_lettered_and_the_valid_task_behind_it_completes(
     worker: Proc, producer: Any, server: RedisServer, metrics_port: int, kind: str,
     figures: dict[str, Any],
 ) -> None:
-    _, task = producer
+    app, task = producer
     raw, reason = poison(kind, task)
     queue = QUEUE
     seen = {e.id for e in dead_letters(server, queue)}
@@ -231,8 +251,13 @@ def test_a_poison_item_is_dead_lettered_and_the_valid_task_behind_it_completes(
             json.loads(raw)["properties"]["delivery_tag"]
     client = server.client()
     assert client.llen(keys.processing_key(NODE)) == 0
-    if kind in TASK_KINDS:  # it was delivered, then taken out of unacked with its ack
+    if kind in TASK_KINDS or kind in HEADER_KINDS:  # delivered, then taken out of unacked with its ack
         assert not client.hexists(keys.KOMBU_UNACKED, json.loads(raw)["properties"]["delivery_tag"])
+    if kind in HEADER_KINDS:  # refused before generating: the task fails saying why, nothing followed
+        with pytest.raises(InvalidRequest, match=HEADER_KINDS[kind]):
+            app.AsyncResult(json.loads(raw)["headers"]["id"]).get(timeout=TASK_TIMEOUT)
+        assert HEADER_KINDS[kind] in new[0].detail
+        assert client.llen(CALLBACK_QUEUE) == 0
     assert dead_letter_metric(metrics_port, queue, reason) == counted + 1
     assert worker.log_path.read_text(errors="replace").count(new[0].id) == 1  # logged once
     figures.setdefault("poison_kinds_survived", []).append(kind)
@@ -281,8 +306,6 @@ def test_dead_letters_cli_lists_refuses_to_requeue_poison_requeues_what_decodes_
     good_raw = json.dumps(good).encode()
     processing = keys.processing_key("old-version@tests")
     client.lpush(processing, good_raw)
-    from rollout_queue.tasks.errors import PoisonMessage
-
     assert dead_letter_fetched(client, processing, good_raw, queue=QUEUE, node="old-version@tests",
                                poison=PoisonMessage("unknown-task", "no such task on this worker"))
     entry = next(e for e in dead_letters(server, QUEUE) if e.item() == good_raw)
@@ -376,7 +399,11 @@ def test_fuzzed_raw_items_in_the_queue_never_stop_the_worker_and_none_is_lost(
         may_run = [i for i in map(runs_as_generate, items) if i]
 
         def ran() -> int:
-            return sum(app.backend.get_task_meta(i, cache=False)["status"] != "PENDING" for i in may_run)
+            """Items with a result that were not dead-lettered (a generate message refused
+            for its headers or links is dead-lettered and its task failed, saying so)."""
+            metas = [app.backend.get_task_meta(i, cache=False) for i in may_run]
+            return sum(m["status"] != "PENDING" and "task message refused" not in str(m["result"])
+                       for m in metas)
 
         # Every item is accounted for: dead-lettered, or run as a task (with a result).
         wait_for(lambda: dead_total() - before + ran() == len(items), 30,
@@ -470,3 +497,51 @@ def test_the_dead_letter_list_is_bounded(quiet: Any) -> None:
     finally:
         poison_module.DEAD_LETTERS_MAX = bound
     assert [e.raw for e in dead_letters(srv, queue)] == [f"junk {i}" for i in (7, 6, 5, 4, 3)]
+
+
+def test_dead_letters_cli_lists_malformed_entries_by_index_and_drops_them(
+    quiet: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    srv, _, task = quiet
+    client = srv.client()
+    url = ["--redis-url", srv.url]
+    queue = "malformed"
+    key = keys.dead_letters(queue)
+    good = DeadLetter.of(json.dumps(envelope(task, queue=queue)).encode(), queue, "n@tests",
+                         PoisonMessage("unknown-task", "no such task on this worker"))
+    client.lpush(key, good.model_dump_json())
+    for bad in (b'{"id": "hand-made"}', b"\xff not even utf-8"):
+        client.lpush(key, bad)  # newest first: index 0 is the last pushed
+    assert cli_main(["dead-letters", "--queue", queue, *url]) == 0
+    out = capsys.readouterr().out
+    assert good.id in out and "1 dead letter(s) in queue malformed, and 2 malformed entries" in out
+    malformed = re.findall(r"(malformed-[0-9a-f]{12})  malformed entry #(\d) of", out)
+    assert sorted(index for _, index in malformed) == ["0", "1"]
+    first = malformed[0][0]
+    assert cli_main(["dead-letters", "--requeue", first, *url]) == 2
+    assert "not a dead letter" in capsys.readouterr().err
+    for entry_id, _ in malformed:
+        assert cli_main(["dead-letters", "--drop", entry_id, *url]) == 0
+    assert [DeadLetter.model_validate_json(e).id for e in client.lrange(key, 0, -1)] == [good.id]
+    assert cli_main(["dead-letters", "--drop", good.id, *url]) == 0
+    assert client.llen(key) == 0
+
+
+def test_every_generate_header_a_worker_reads_is_checked_and_the_refusal_names_it() -> None:
+    from rollout_queue.workers.delivery import check_headers, check_no_links
+
+    good = {"rq_signature": "abc", "rq_sent_at": 1.5, "rq_min_weight_version": 0, "rq_sequences": 4,
+            "rq_first_prompt": 0, "rq_on_new_weights": "restart", "rq_stream": True,
+            "timelimit": [60, None], "unrelated": {"any": "thing"}}
+    check_headers(good)
+    check_headers({})  # every one may be absent
+    bad = {"rq_signature": {"an": "object"}, "rq_sent_at": "yesterday", "rq_min_weight_version": -1,
+           "rq_sequences": True, "rq_first_prompt": 1.5, "rq_on_new_weights": "keep",
+           "rq_stream": [1], "timelimit": ["abc"]}
+    for name, value in bad.items():
+        with pytest.raises(PoisonMessage, match=f"header '{name}' is") as refused:
+            check_headers({**good, name: value})
+        assert refused.value.kind == "bad-headers"
+    check_no_links({"callbacks": None, "errbacks": None, "chain": None, "chord": None})  # Celery's defaults
+    with pytest.raises(PoisonMessage, match="carries errbacks, chain"):
+        check_no_links({"errbacks": [{"task": "x"}], "chain": [{"task": "y"}]})

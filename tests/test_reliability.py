@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,18 +28,23 @@ from typing import Any
 
 import pydantic
 import pytest
+import redis as redis_lib
+from celery.exceptions import Reject
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kombu import Connection, Queue
+from prometheus_client.parser import text_string_to_metric_families
 
 from rollout_queue.cli.localstack import LocalStackError
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import (
+    BrokerFull,
     BrokerUnavailable,
     GenerationTimeout,
     InvalidRequest,
     PromptTooLong,
     RedeliveryLimitReached,
+    Requeue,
 )
 from rollout_queue.tasks.schemas import GenerationResult, WorkerInfo
 from rollout_queue.workers.reaper import InflightLedger, Reaper
@@ -53,7 +59,7 @@ from tests.private_redis import (
     server_fixture,
     wait_results,
 )
-from tests.procs import ARTIFACTS, Proc
+from tests.procs import ARTIFACTS, Proc, free_port
 
 QUEUE = POOL = "rel"
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
@@ -99,9 +105,16 @@ def own_queue(node: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def rel_worker(start_worker: WorkerStarter, model_a: Path, server: RedisServer) -> Iterator[Proc]:
+def rel_metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def rel_worker(start_worker: WorkerStarter, model_a: Path, server: RedisServer,
+               rel_metrics_port: int) -> Iterator[Proc]:
     proc = start_worker(model_a, "rel-a@tests", queue=",".join([QUEUE, *map(own_queue, VICTIMS)]), pool=POOL,
-                        url=server.url, max_inflight=8, extra=WORKER_ARGS, env=WORKER_ENV, wait=False)
+                        url=server.url, max_inflight=8, env=WORKER_ENV, wait=False,
+                        extra=[*WORKER_ARGS, "--metrics-port", str(rel_metrics_port)])
     victims = {node: start_worker(model_a, node, queue=own_queue(node), pool=str(spec.get("pool", POOL)),
                                   url=server.url, max_inflight=spec["max_inflight"], extra=WORKER_ARGS,
                                   env=spec["env"], wait=False)
@@ -849,6 +862,98 @@ def test_redis_killed_and_restarted_twice_mid_run_every_task_completes(
     assert rel_worker.alive()
     # Back to normal afterwards.
     assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
+
+
+def fill_to_maxmemory(client: Any, headroom: int = 8 << 20) -> list[str]:
+    """Set maxmemory a little above what is used (noeviction), write until Redis refuses,
+    then lower maxmemory by half the fill (what other clients free meanwhile must not
+    give it room); the keys written, whose deletion gives it room again."""
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", used + headroom)
+    written: list[str] = []
+    with pytest.raises(redis_lib.exceptions.OutOfMemoryError):
+        for index in range(4 * headroom // (256 << 10)):
+            written.append(f"rq-test:fill:{index}")
+            client.set(written[-1], b"x" * (256 << 10))
+    client.config_set("maxmemory", used + headroom // 2)
+    return written
+
+
+def fenced_for(port: int) -> set[str]:
+    """The reasons the worker's /metrics say it is fenced for."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {sample.labels["reason"] for family in text_string_to_metric_families(text)
+            if family.name == "rollout_queue_fenced" for sample in family.samples if sample.value == 1}
+
+
+def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_serves_once_redis_has_room(
+    rel_worker: Proc, producer: Any, server: RedisServer, rel_metrics_port: int, figures: dict[str, Any]
+) -> None:
+    client = server.client()
+    log = rel_worker.log_path
+
+    def count(text: str) -> int:
+        return log.read_text(errors="replace").count(text)
+
+    fenced, refused = count("fenced: Redis is full"), count("a result write was refused")
+    was = {key: client.config_get(key)[key] for key in ("maxmemory", "maxmemory-policy")}
+    busy = send(producer, [f"busy p{p}" for p in range(4)], {"max_tokens": 128, "ignore_eos": True})
+    wait_for(lambda: bool(held_tags(server, "rel-a@tests")), 60, "rel-a to hold the busy task")
+    filled = fill_to_maxmemory(client)
+    full_since = time.monotonic()
+    try:
+        with pytest.raises(BrokerFull, match="is full .*maxmemory.*nothing was enqueued"):
+            send(producer, ["refused"], {"max_tokens": 2})
+        rel_worker.wait_until(lambda: count("fenced: Redis is full") > fenced, 60, "rel-a to fence itself")
+        assert fenced_for(rel_metrics_port) == {"redis full"}  # /metrics say why
+        rel_worker.wait_until(lambda: count("a result write was refused") > refused, 120,
+                              "the busy task's result write to be refused")
+        # The registry says so too, rewritten past its TTL (6 s) while Redis stays full.
+        outlived = time.time() + float(WORKER_ENV["RQ_REGISTRY_TTL_S"])
+        rel_worker.wait_until(lambda: (info := registry(server, "rel-a@tests")) is not None
+                              and info.state == "fenced" and info.heartbeat_at > outlived, 60,
+                              "the registry to say rel-a is fenced, past its TTL")
+    finally:
+        full_for = time.monotonic() - full_since
+        client.delete(*filled)
+        client.config_set("maxmemory", was["maxmemory"])
+        client.config_set("maxmemory-policy", was["maxmemory-policy"])
+    wait_for(lambda: fenced_for(rel_metrics_port) == set(), 60, "rel-a's fence to lift")
+    wait_for(lambda: (info := registry(server, "rel-a@tests")) is not None and info.state == "serving", 60,
+             "rel-a to serve again")
+    check_all_done(producer, [busy.id], 4, 120, figures)  # its refused result was retried, not lost
+    assert send(producer, ["after"], {"max_tokens": 2}).get(timeout=60)["outputs"]
+    assert rel_worker.alive()
+    figures["redis_full_survived"] = {"full_for_s": round(full_for, 1)}
+
+
+def test_a_task_whose_requeue_a_full_redis_refuses_goes_back_with_its_own_message_not_dropped() -> None:
+    # Celery rejects a task whose retry it could not publish *without* requeue: the
+    # message was deleted. A requeue (weights too old, fenced) on a full Redis was lost.
+    srv = RedisServer("rel-full-requeue").start()
+    _, task = client_app(srv.url)
+
+    class RequeueAlways:
+        def execute(self, task: Any, prompts: Any, params: Any) -> dict[str, Any]:
+            raise Requeue("task needs weight_version >= 1; this worker has 0", countdown=0.5)
+
+    task.executor = RequeueAlways()
+    try:
+        fill_to_maxmemory(srv.client(), headroom=2 << 20)
+        task.push_request(id=str(uuid.uuid4()), args=[["x"], {}], kwargs={}, retries=0, headers={},
+                          delivery_info={"exchange": "", "routing_key": "nobody"}, called_directly=False,
+                          is_eager=False, hostname="w@tests")
+        try:
+            with pytest.raises(Reject) as rejected:
+                task.run(["x"], {})
+        finally:
+            task.pop_request()
+        assert rejected.value.requeue, "the task's message would be dropped"
+        assert isinstance(rejected.value.reason, BrokerFull)
+    finally:
+        srv.stop()
 
 
 def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_event_loop() -> None:

@@ -217,6 +217,17 @@ def test_producers_send_json_only_and_refuse_pickle_payloads() -> None:
     assert generate.app.conf.result_accept_content == ["json"]
 
 
+def test_a_generate_call_asking_for_callbacks_errbacks_or_a_chain_is_refused_before_sending() -> None:
+    from celery import signature
+
+    from rollout_queue.tasks import generate
+
+    follow_up = signature("nonexistent.task")
+    for option in ("link", "link_error", "chain"):
+        with pytest.raises(InvalidRequest, match=f"{option} refused: generate tasks run no follow-up"):
+            generate.apply_async((["x"], {}), **{option: [follow_up]})
+
+
 # ---------------------------------------------------------------------------
 # The signed control plane
 # ---------------------------------------------------------------------------
@@ -293,6 +304,25 @@ def test_the_verifier_refuses_unsigned_wrong_tampered_expired_replayed_and_misad
     wire = json.loads(json.dumps(signed_arguments(keys.CONTROL_ENGINE, args, "k" * 32, destination=[NODE])))
     CommandVerifier(NODE, "k" * 32).verify(keys.CONTROL_ENGINE, args, wire["auth"])
     CommandVerifier(NODE, None).verify(keys.CONTROL_ENGINE, args, None)  # --insecure-control
+
+
+def test_a_signed_command_replayed_after_the_worker_restarts_is_refused(redis_client: Any) -> None:
+    node = f"restarted-{uuid.uuid4().hex[:6]}@tests"
+    args = {"op": "pause", "args": {}}
+    good = sign_command(keys.CONTROL_ENGINE, args, "k" * 32, destination=[node]).model_dump()
+    CommandVerifier(node, "k" * 32, max_age_s=30.0, client=redis_client).verify(keys.CONTROL_ENGINE, args, good)
+    # The nonce is kept for the signature's window, no longer.
+    assert 0 < redis_client.pttl(keys.control_nonce(node, good["nonce"])) <= 30_000
+    restarted = CommandVerifier(node, "k" * 32, max_age_s=30.0, client=redis_client)  # a new process
+    with pytest.raises(ControlRefused, match="replayed"):
+        restarted.verify(keys.CONTROL_ENGINE, args, good)
+    fresh = sign_command(keys.CONTROL_ENGINE, args, "k" * 32, destination=[node]).model_dump()
+    restarted.verify(keys.CONTROL_ENGINE, args, fresh)  # a new nonce: accepted
+    # Another worker the same broadcast reached accepts it once too.
+    other = f"other-{uuid.uuid4().hex[:6]}@tests"
+    shared = sign_command(keys.CONTROL_ENGINE, args, "k" * 32).model_dump()
+    restarted.verify(keys.CONTROL_ENGINE, args, shared)
+    CommandVerifier(other, "k" * 32, client=redis_client).verify(keys.CONTROL_ENGINE, args, shared)
 
 
 @pytest.mark.parametrize("op", sorted(ENGINE_OPS))

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
 from rollout_queue.api.settings import ApiSettings
 from rollout_queue.cli import command
-from rollout_queue.tasks.settings import ClientSettings
+from rollout_queue.cli.localstack import LocalStack, WorkerSpec, free_port
+from rollout_queue.tasks.errors import LocalStackError
+from rollout_queue.tasks.settings import ClientSettings, redact_url
 from rollout_queue.workers.settings import WorkerSettings
 
 
@@ -38,6 +41,7 @@ def test_settings_read_rq_prefixed_variables(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_redis_url_is_a_documented_alias_and_the_prefixed_name_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RQ_REDIS_URL", raising=False)  # the session's redis_url fixture sets it
     monkeypatch.setenv("REDIS_URL", "redis://from-alias:6379/1")
     assert ClientSettings().redacted_url == "redis://from-alias:6379/1"
     monkeypatch.setenv("RQ_REDIS_URL", "redis://from-prefixed:6379/2")
@@ -86,7 +90,7 @@ def test_every_worker_flag_has_help_with_its_default_and_variable() -> None:
             assert "(default: " in action.help, action.option_strings
     text = " ".join(_worker_parser().format_help().split())
     assert "(default: 0.9; env RQ_GPU_MEMORY_UTILIZATION)" in text
-    assert "(default: redis://localhost:6379/0; env RQ_REDIS_URL or REDIS_URL)" in text
+    assert "(default: redis://localhost:6379/0; env RQ_REDIS_URL or REDIS_URL or RQ_REDIS_URL_FILE)" in text
 
 
 def test_version_flag_prints_the_package_and_engine_versions(capsys: pytest.CaptureFixture[str]) -> None:
@@ -124,3 +128,27 @@ def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
                          text=True, timeout=120, env={**os.environ, "RQ_TASK_MAX_PROMPTS": "0"}, check=False)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip() == "rollout-queue worker: RQ_TASK_MAX_PROMPTS = '0': allowed: an integer >= 1"
+
+
+def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_and_a_wait_names_both(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path,
+) -> None:
+    # Another Redis named in the caller's environment: nothing listens there.
+    elsewhere = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.setenv("RQ_REDIS_URL", elsewhere)
+    not_a_model = tmp_path / "not-a-model"  # the worker exits at its engine's start, after naming its broker
+    not_a_model.mkdir()
+    with LocalStack(tmp_path, prefix="url-test") as stack:
+        stack.ensure_redis(redis_url)
+        with pytest.raises(LocalStackError) as exited:
+            stack.start_worker(WorkerSpec(not_a_model), timeout=120)
+        log = (tmp_path / "worker-0.log").read_text(errors="replace")
+        assert f"(broker {redact_url(redis_url)})" in log, "the exported RQ_REDIS_URL won in the worker"
+        assert "exited with code" in str(exited.value) and "connected to Redis at" not in str(exited.value)
+        # A worker told to use another Redis, where nothing answers: it exits at once (exit 2,
+        # before any engine), and the stack's error names both (the log tail and its own URL).
+        with pytest.raises(LocalStackError) as elsewhere_exit:
+            stack.start_worker(WorkerSpec(not_a_model, env={"RQ_REDIS_URL": elsewhere}), index=1, timeout=120)
+        message = str(elsewhere_exit.value)
+        assert "exited with code 2" in message and f"Redis at {elsewhere} did not answer" in message
+        assert redact_url(redis_url) in message

@@ -75,6 +75,18 @@ def test_the_heartbeat_lifts_only_the_fences_it_set_or_a_missed_sync() -> None:
     assert state.current == "fenced" and state.fence_reason is FenceReason.HALF_LOADED
 
 
+def test_a_full_redis_fence_stops_consuming_but_lets_held_tasks_run_until_redis_has_room() -> None:
+    state = serving()
+    state.fence(FenceReason.REDIS_FULL, "Redis is full")
+    assert state.current == "fenced" and not state.consuming
+    # A requeue is a write Redis would refuse: the tasks it holds run on.
+    assert state.refusal() is None
+    state.lift(*CAUGHT_UP)  # the heartbeat's fleet check does not lift it
+    assert state.fence_reason is FenceReason.REDIS_FULL
+    state.lift(FenceReason.REDIS_FULL)
+    assert state.current == "serving" and state.consuming
+
+
 def test_lifting_a_reason_the_worker_is_not_fenced_for_changes_nothing() -> None:
     state = serving()
     state.fence(FenceReason.FLEET_AHEAD, "behind")
@@ -238,3 +250,12 @@ def test_a_dead_engine_core_is_lost_at_the_next_heartbeat() -> None:
 
 def watch_reason(host: _Host) -> str | None:
     return EngineWatch(host, answer_s=30.0).check()
+
+
+def test_a_lost_engines_fence_is_final_no_other_fence_replaces_it_and_nothing_lifts_it() -> None:
+    state = NodeState()
+    state.ready()
+    state.fence(FenceReason.ENGINE_LOST, "the engine core died")
+    state.fence(FenceReason.REDIS_FULL, "redis is full")  # would be lifted once Redis has room
+    state.lift(FenceReason.REDIS_FULL, *CAUGHT_UP)
+    assert state.fence_reason is FenceReason.ENGINE_LOST and not state.consuming

@@ -3,10 +3,15 @@
 Installed as the task's Celery strategy (``Task.Strategy``), which runs in
 the consumer's event loop for every message before Celery builds a request:
 
-1. a task that already finished is acked and not run (``workers.dedup``);
-2. the task is counted into the intake until its requests are in the engine
+1. its headers are checked (:func:`check_headers`) and it may carry no
+   callbacks, errbacks, chain or chord (:func:`check_no_links`): a message
+   that fails either is refused before any work, dead-lettered with a reason
+   naming what was wrong (``workers.poison.DeadLetteringConsumer``), and its
+   task fails with that reason;
+2. a task that already finished is acked and not run (``workers.dedup``);
+3. the task is counted into the intake until its requests are in the engine
    (``workers.intake``: the next fetch waits for that);
-3. Celery's default strategy takes it from there (reserve, pool, ack late).
+4. Celery's default strategy takes it from there (reserve, pool, ack late).
 
 ``die_before_ack`` is a fault for tests (``RQ_FAULT_DIE_BEFORE_ACK``): the
 process kills itself with SIGKILL when it would ack a task it ran, its result
@@ -16,17 +21,86 @@ already stored.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from celery import signals
 from celery.worker.strategy import default as default_strategy
 
+from rollout_queue.tasks.errors import PoisonMessage
+from rollout_queue.tasks.generate import (
+    FIRST_PROMPT_HEADER,
+    MIN_VERSION_HEADER,
+    ON_NEW_WEIGHTS,
+    ON_NEW_WEIGHTS_HEADER,
+    SENT_AT_HEADER,
+    SEQUENCES_HEADER,
+    SIGNATURE_HEADER,
+)
+from rollout_queue.tasks.streaming import STREAM_HEADER
 from rollout_queue.workers.dedup import DuplicateGuard
 from rollout_queue.workers.intake import Intake
 
 log = logging.getLogger(__name__)
+
+# What a task message may carry for a generate task to follow: never read from the wire.
+LINKS = ("callbacks", "errbacks", "chain", "chord")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _time_limits(value: Any) -> bool:
+    """Celery's ``timelimit`` header: ``[hard, soft]``, each seconds or null."""
+    return isinstance(value, list | tuple) and len(value) == 2 and all(
+        v is None or (_is_number(v) and v >= 0) for v in value)
+
+
+# Header → (is it valid?, what it must be). Absent or null: the default.
+HEADER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    SIGNATURE_HEADER: (lambda v: isinstance(v, str), "a string"),
+    SENT_AT_HEADER: (_is_number, "a unix time (a number)"),
+    MIN_VERSION_HEADER: (_count, "a weight version (an integer >= 0)"),
+    SEQUENCES_HEADER: (_count, "a count of sequences (an integer >= 0)"),
+    FIRST_PROMPT_HEADER: (_count, "a prompt index (an integer >= 0)"),
+    ON_NEW_WEIGHTS_HEADER: (lambda v: v in ON_NEW_WEIGHTS, f"one of {', '.join(ON_NEW_WEIGHTS)}"),
+    STREAM_HEADER: (lambda v: isinstance(v, bool | int | str), "a flag"),
+    "timelimit": (_time_limits, "[hard, soft] seconds (numbers >= 0 or null)"),
+}
+
+
+def check_headers(headers: dict[str, Any]) -> None:
+    """``PoisonMessage("bad-headers")`` naming the first header a generate task cannot use."""
+    for name, (valid, expected) in HEADER_RULES.items():
+        value = headers.get(name)
+        if value is not None and not valid(value):
+            shown = repr(value)
+            raise PoisonMessage("bad-headers", f"header {name!r} is {shown[:80]}"
+                                f"{'...' if len(shown) > 80 else ''}; it must be {expected}")
+
+
+def check_no_links(embed: Any) -> None:
+    """``PoisonMessage("links-refused")`` if the message asks for tasks to follow it."""
+    found = [name for name in LINKS if isinstance(embed, dict) and embed.get(name)]
+    if found:
+        raise PoisonMessage("links-refused", f"the message carries {', '.join(found)}: generate tasks "
+                            "run no follow-up task from the wire; send it from the caller once the "
+                            "result is in")
+
+
+def check_message(message: Any) -> None:
+    """Headers and links of a generate message, before any work (``PoisonMessage``)."""
+    check_headers(message.headers or {})
+    payload = message.payload  # decoded once: Celery's request reads the same cache
+    check_no_links(payload[2] if isinstance(payload, list | tuple) and len(payload) == 3 else None)
 
 
 def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack: bool = False) -> None:
@@ -37,6 +111,7 @@ def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack:
 
         def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                        **options: Any) -> Any:
+            check_message(message)  # PoisonMessage: dead-lettered by the consumer
             headers = message.headers or {}
             task_id = headers.get("id")
             state = guard.finished(task_id) if task_id else None

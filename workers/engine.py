@@ -244,6 +244,18 @@ def _aborted_output(prompt_ids: list[int], n: int, version: int) -> PromptOutput
     return PromptOutput(prompt_token_ids=prompt_ids, samples=[sample] * n)
 
 
+
+@functools.cache
+def refusal_types() -> tuple[type[Exception], ...]:
+    """The exceptions vLLM refuses an invalid request with: ``ValueError``, and
+    ``VLLMClientError`` in the vLLM releases that have it (0.24, the release
+    run on the GPU, does not: there a refusal is a ``ValueError``)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
 class EngineHost:
     """One vLLM engine in this process's event-loop thread."""
 
@@ -681,9 +693,7 @@ class EngineHost:
         (``prompt <i>``, its index in the task), so a sender that batched
         several requests can tell whose prompt it was.
         """
-        from vllm.exceptions import VLLMClientError
-
-        if not isinstance(exc, (ValueError, VLLMClientError)) or isinstance(
+        if not isinstance(exc, refusal_types()) or isinstance(
             exc, (InvalidRequest, PromptTooLong)
         ):
             return self._engine_error(exc)

@@ -20,8 +20,9 @@ from rollout_queue.tasks import keys
 from rollout_queue.tasks.app import app, configure
 from rollout_queue.tasks.errors import EngineError
 from rollout_queue.tasks.generate import generate
+from rollout_queue.tasks.logs import configure_logging
 from rollout_queue.weight_sync import cpu_weights
-from rollout_queue.workers import control, delivery, reliable_redis
+from rollout_queue.workers import control, delivery, reliable_redis, result_backend
 from rollout_queue.workers.engine import EngineHost
 from rollout_queue.workers.runtime import WorkerRuntime
 from rollout_queue.workers.settings import WorkerSettings
@@ -66,16 +67,20 @@ def use_reliable_fetch(node: str) -> None:
     }
 
 
-def run_worker(settings: WorkerSettings) -> int:
+def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
+    """Load the engine, then consume until shut down. ``redis_note``: what the CLI's
+    Redis check (``tasks.registry.preflight``, run before vLLM is imported) has to say."""
     refusal = settings.insecure_start_refusal()
     if refusal is not None:  # before anything loads: the operator sees it at once
         print(refusal, file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s",
-    )
+    configure_logging(settings.log_level, settings.log_format, settings.name,
+                      "%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s")
+    if redis_note is not None:
+        log.warning("%s", redis_note)
     configure(settings, worker=True)
+    # Results refused by a full Redis are retried, not lost (workers.result_backend).
+    app.conf.result_backend = result_backend.backend_url(settings.redis_url.get_secret_value())
     if settings.control_secret() is None:
         log.warning("worker %s: --insecure-control: control commands are NOT signed; any client of "
                     "this Redis can pause, sleep or sync weights into this worker", settings.name)
@@ -105,6 +110,7 @@ def run_worker(settings: WorkerSettings) -> int:
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake,
                      die_before_ack=settings.fault_die_before_ack)
+    reliable_redis.on_redis_full(keys.processing_key(settings.name), runtime.redis_full)
     if settings.intake_sequences is not None:
         # Opt-in for now: a worker gated by its engine's room can have no
         # fetch in flight when Redis goes down, and then noticed the outage

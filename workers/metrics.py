@@ -6,8 +6,8 @@ Three kinds of figures:
 - counted as tasks finish (``GenerationService.on_finished``): prompts,
   prompt and generated tokens, task latency and queueing histograms;
 - read from the runtime at scrape time (:class:`RuntimeCollector`): weight
-  version, state, tasks done/failed, in-flight and waiting requests, KV-cache
-  usage;
+  version, state, why it is fenced (``rollout_queue_fenced{reason}``),
+  tasks done/failed, in-flight and waiting requests, KV-cache usage;
 - observed as each weight sync completes: its duration histogram.
 
 Hygiene, Prometheus' way: one prefix (``rollout_queue_``; the gateway's are
@@ -37,6 +37,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from rollout_queue.tasks.schemas import GenerationResult, WorkerState
+from rollout_queue.workers.state import FenceReason
 
 if TYPE_CHECKING:
     from rollout_queue.workers.runtime import WorkerRuntime
@@ -136,6 +137,13 @@ class RuntimeCollector(Collector):
         for name in STATES:
             state.add_metric(values + [name], 1.0 if info.state == name else 0.0)
         yield state
+        fenced = GaugeMetricFamily(
+            f"{PREFIX}_fenced", "1 for why the worker is fenced (Redis full, weights behind...)",
+            labels=names + ["reason"],
+        )
+        for reason in FenceReason:
+            fenced.add_metric(values + [reason.value], 1.0 if rt.state.fence_reason is reason else 0.0)
+        yield fenced
         tasks = CounterMetricFamily(
             f"{PREFIX}_tasks", "generate tasks finished, by outcome", labels=names + ["outcome"]
         )

@@ -5,7 +5,8 @@ not an envelope object, no ``properties`` or ``delivery_tag``, a body its
 ``body_encoding`` cannot decode) or when Celery cannot make a task of the
 message (a content type the app does not accept, such as pickle; a body
 that does not deserialize; no task name, or one this worker does not know;
-a task message Celery chokes on). Before, the first kind killed the worker
+a task message Celery chokes on; a ``generate`` message with headers it
+cannot use or callbacks to follow, ``workers.delivery``). Before, the first kind killed the worker
 at every start and stalled every reaper; the second was dropped, or killed
 the worker too.
 
@@ -52,7 +53,7 @@ from pydantic import BaseModel, ConfigDict
 from vine import promise
 
 from rollout_queue.tasks import keys
-from rollout_queue.tasks.errors import PoisonMessage
+from rollout_queue.tasks.errors import InvalidRequest, PoisonMessage
 from rollout_queue.workers.metrics import DEAD_LETTERS
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,13 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]
                 return handle(message)
             except (redis.RedisError, OSError):
                 raise  # the broker's: Celery reconnects
+            except PoisonMessage as poison:  # refused by the task's strategy (workers.delivery)
+                self.dead_letter(message, poison)
+                task_id = (message.headers or {}).get("id")
+                if isinstance(task_id, str):  # the producer sees why, not a task that never ends
+                    self.app.backend.mark_as_failure(
+                        task_id, InvalidRequest(f"task message refused: {poison}; dead-lettered"))
+                return None
             except Exception as exc:  # noqa: BLE001  any message-borne error: never the loop's
                 # Not ``self.connection_errors``: kombu's Redis transport counts
                 # KeyError among them, so a task message without an id would

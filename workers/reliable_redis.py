@@ -48,6 +48,14 @@ backend's retries: such a worker would not notice a Redis restart for
 minutes. The event loop therefore also pings the broker every
 ``rq_probe_interval`` seconds (default 5); a connection error there is the
 consumer's "connection lost", and Celery reconnects as usual.
+
+Redis past its ``maxmemory`` (policy ``noeviction``) refuses the fetch's
+writes (``OutOfMemoryError``: Celery took it for an unrecoverable error and
+the worker exited). Here a refused fetch is an empty one: the transport
+fetches nothing for a while (0.5 s, doubling to 5 s), a message taken
+whose record was refused goes back to the head of its queue, and the node's
+handler (:func:`on_redis_full`, the runtime's fence) is told. Any other
+write refused for memory on the consumer's path counts as a lost connection.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from kombu.asynchronous import get_event_loop
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
@@ -82,6 +91,30 @@ for i = 1, #KEYS - 1 do
 end
 return false
 """
+
+
+# KEYS[1]: the processing list, KEYS[2]: the queue list it came from; ARGV[1]: the
+# item. A message whose record Redis refused (full) goes back where the next fetch
+# takes it. Allowed when Redis is full: the LREM frees memory before the RPUSH.
+GIVE_BACK_SCRIPT = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) > 0 then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# A fetch refused because Redis is full: no fetch for this long, doubling.
+FULL_BACKOFF_MIN_S = 0.5
+FULL_BACKOFF_MAX_S = 5.0
+
+# Processing-list key → what to tell when Redis refuses a fetch for memory.
+_FULL_HANDLERS: dict[str, Callable[[str], None]] = {}
+
+
+def on_redis_full(processing_key: str, handler: Callable[[str], None]) -> None:
+    """Call ``handler(redis_error_message)`` when Redis refuses this node's fetch for memory."""
+    _FULL_HANDLERS[processing_key] = handler
 
 
 # Processing-list key → "may this node fetch now?" (workers.intake), set by
@@ -122,6 +155,8 @@ class QoS(kombu_redis.QoS):
         message would wait in the processing list, where the reaper takes a
         fetch stuck for 30 s for a lost one).
         """
+        if not self.channel._in_poll and time.monotonic() < self.channel.rq_full_until:
+            return False  # Redis refused the last fetch for memory: wait
         has_room = self.channel.rq_has_room
         if has_room is None or self.channel._in_poll:
             return bool(super().can_consume())
@@ -155,7 +190,12 @@ class QoS(kombu_redis.QoS):
             pipe.srem(keys.handed_on(channel.rq_node), delivery_tag)  # ours again
             if raw is not None:
                 pipe.lrem(channel.rq_processing_key, 1, raw)
-            pipe.execute()
+            try:
+                pipe.execute()
+            except redis.exceptions.OutOfMemoryError:
+                if raw is not None:  # still in the processing list: the fetch gives it back
+                    channel.rq_fetched[delivery_tag] = raw
+                raise
         virtual.QoS.append(self, message, delivery_tag)
 
 
@@ -196,6 +236,9 @@ class Channel(kombu_redis.Channel):
         self.rq_delivering: str | None = None
         self._rq_pending: tuple[str, str | None] = ("EVAL", None)
         self._rq_block_next = False
+        # Redis refused a fetch for memory: none until this (monotonic) time.
+        self.rq_full_until = 0.0
+        self._rq_full_backoff = 0.0
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         """kombu's, or, once Celery has closed this channel, the ones it was opened with.
@@ -251,6 +294,9 @@ class Channel(kombu_redis.Channel):
         try:
             try:
                 reply = self.client.parse_response(self.client.connection, command, **options)
+            except redis.exceptions.OutOfMemoryError as exc:  # before: it is a connection error too
+                self._rq_redis_full(exc)
+                raise virtual.Empty() from exc
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
@@ -264,6 +310,7 @@ class Channel(kombu_redis.Channel):
                 self._rq_block_next = command == "EVAL"
                 raise virtual.Empty()
             self._rq_block_next = False
+            self._rq_full_backoff = 0.0
             return self._deliver_fetched(bytes_to_str(source), item)
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -294,9 +341,31 @@ class Channel(kombu_redis.Channel):
         self.rq_delivering = queue
         try:
             self.connection._deliver(payload, queue)
+        except redis.exceptions.OutOfMemoryError as exc:
+            tag = payload["properties"]["delivery_tag"]
+            if tag in self.rq_fetched:  # its record was refused: back to the queue
+                with self.conn_or_acquire() as client:
+                    client.eval(GIVE_BACK_SCRIPT, 2, self.rq_processing_key, source,
+                                self.rq_fetched.pop(tag))
+            else:  # recorded, refused later: the reaper restores what no task holds
+                logger.warning("delivery of %s refused by a full Redis: %s", tag, exc)
+            self._rq_redis_full(exc)
+            return False
         finally:
             self.rq_delivering = None
         return True
+
+    def _rq_redis_full(self, exc: redis.exceptions.OutOfMemoryError) -> None:
+        """Redis refused a write of the fetch for memory: back off, and tell the node."""
+        self._rq_full_backoff = min(FULL_BACKOFF_MAX_S, max(FULL_BACKOFF_MIN_S, 2 * self._rq_full_backoff))
+        self.rq_full_until = time.monotonic() + self._rq_full_backoff
+        logger.warning("Redis is full (%s): no fetch for %.1f s", exc, self._rq_full_backoff)
+        loop = get_event_loop()
+        if loop is not None:  # wakes the loop to fetch again (QoS.can_consume)
+            loop.call_later(self._rq_full_backoff, _noop)
+        handler = _FULL_HANDLERS.get(self.rq_processing_key)
+        if handler is not None:
+            handler(str(exc))
 
     def _check_fetched(self, queue: str, item: bytes) -> dict[str, Any] | None:
         """The envelope of a fetched item, or None once a poison item is dead-lettered."""
@@ -321,6 +390,11 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+    # A write refused for memory outside the fetch (declaring the queues as the
+    # consumer starts, or as the Redis-full fence lifts, on a Redis full again) is
+    # a lost connection to Celery: it reconnects, with its backoff, instead of
+    # exiting on an "unrecoverable" error. The fetch handles its own (above).
+    connection_errors = (*kombu_redis.Transport.connection_errors, redis.exceptions.OutOfMemoryError)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)

@@ -4,7 +4,9 @@ Owns the ``EngineHost``, the ``GenerationService`` that ``generate`` tasks run
 through, the ``SyncParticipant``, the ``CommandVerifier`` of signed control
 commands, the registry heartbeat (a thread writing ``WorkerInfo`` with a TTL)
 and fencing: a worker whose weights are older than the fleet's stops
-consuming the generate queue until a sync catches it up.
+consuming the generate queue until a sync catches it up; one whose writes
+Redis refuses for memory (a fetch, the registry) stops until its registry
+write goes through again (:meth:`WorkerRuntime.redis_full`).
 Its state (``workers.state.NodeState``, the engine host's) is written only
 through its transitions; the runtime follows each change, consuming its queues
 or not and publishing the registry entry.
@@ -48,6 +50,14 @@ ENGINE_LOST_EXIT = 4
 # How long a worker whose engine is lost waits for its tasks to go back to the
 # queue before it stops (they go at once: their requests fail or are cancelled).
 HAND_BACK_S = 30.0
+# KEYS[1]: the registry key; ARGV: the entry, its TTL (ms). Goes through when Redis is
+# full (its first write, the DEL, frees what the SET takes again; a script that has
+# written is not stopped midway): the registry says the worker is fenced meanwhile.
+REPLACE_ENTRY_SCRIPT = """
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
 
 
 class WorkerRuntime:
@@ -77,7 +87,8 @@ class WorkerRuntime:
             held=held_delivery_tags,
         )
         # Checks the signature of every state-changing control command (workers/control.py).
-        self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s)
+        self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s,
+                                        client=self.client)
         self.sync = SyncParticipant(host, self.node, self.client, self.state)
         self.watch = EngineWatch(host, settings.engine_answer_s)
         host.on_lost.append(self._engine_lost)
@@ -164,13 +175,38 @@ class WorkerRuntime:
         )
 
     def publish(self) -> None:
+        ttl_ms = int(self.settings.registry_ttl_s * 1000)
+        key = keys.worker_key(self.node)
         try:
-            self.client.set(
-                keys.worker_key(self.node), self.info().model_dump_json(),
-                px=int(self.settings.registry_ttl_s * 1000),
-            )
+            self.client.set(key, self.info().model_dump_json(), px=ttl_ms)
+        except redis.exceptions.OutOfMemoryError as exc:
+            self.redis_full(str(exc))
+            try:  # the entry says fenced, and lives on (other workers' reapers spare us)
+                self.client.eval(REPLACE_ENTRY_SCRIPT, 1, key, self.info().model_dump_json(), ttl_ms)
+            except redis.RedisError:
+                try:  # EXPIRE is allowed when full: the last entry at least
+                    self.client.pexpire(key, ttl_ms)
+                except redis.RedisError:
+                    pass
         except redis.RedisError as exc:
             log.warning("registry heartbeat failed: %s", exc)
+        else:
+            if self.state.fence_reason is FenceReason.REDIS_FULL:
+                log.warning("Redis has room again: %s takes tasks again", self.node)
+                self.state.lift(FenceReason.REDIS_FULL)
+
+    # ------------------------------------------------------------ Redis full
+
+    def redis_full(self, detail: str) -> None:
+        """Redis refused a write for memory (a fetch, the registry): fence until the
+        heartbeat's registry write goes through again. Tasks held run on."""
+        if self.state.fence_reason is None and self.state.current != "stopping":
+            self.state.fence(
+                FenceReason.REDIS_FULL,
+                f"Redis is full ({detail.strip()}); taking no task until it has room: free memory "
+                "or raise its maxmemory",
+            )
+            log.warning("fenced: Redis is full (%s); %s takes no task until it has room", detail, self.node)
 
     # ------------------------------------------------------------- heartbeat
 

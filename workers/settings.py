@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.keys import node_queue
+from rollout_queue.tasks.logs import LogFormat
 from rollout_queue.tasks.settings import ClientSettings
 
 
@@ -86,6 +87,8 @@ class WorkerSettings(EngineSettings):
     # A signed command is valid this long either side of its issue time.
     control_max_age_s: float = Field(30.0, gt=0.0)
     log_level: str = "INFO"
+    # "json": one JSON object per log line (time, level, logger, message, node).
+    log_format: LogFormat = "text"
     # A fault for tests (RQ_FAULT_DIE_BEFORE_ACK=1): the worker kills itself with
     # SIGKILL when it would ack a task it ran, its result already stored.
     fault_die_before_ack: bool = False

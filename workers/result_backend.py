@@ -1,0 +1,42 @@
+"""The worker's result backend: Celery's Redis backend, for which Redis full is an outage.
+
+Redis past its ``maxmemory`` (policy ``noeviction``) refuses a result's
+``SET`` with ``OutOfMemoryError``; Celery's backend retries only connection
+errors, so the result was lost (the task's message then came back and ran
+again). Here it is retried as a lost connection is: with the backend's
+retry policy (about ``RQ_RESULT_STORE_TIMEOUT`` seconds, backing off up to
+1 s between tries), and the log says Redis is full rather than that its
+connection was lost. Selected by the worker (:func:`backend_url`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.backends.redis import RedisBackend
+from redis.exceptions import OutOfMemoryError
+
+log = logging.getLogger(__name__)
+
+
+def backend_url(redis_url: str) -> str:
+    """``result_backend`` for a worker on ``redis_url``: this backend, that server."""
+    return f"{__name__}:ResultBackend+{redis_url}"
+
+
+class ResultBackend(RedisBackend):  # type: ignore[misc]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        errors: tuple[type[BaseException], ...] = tuple(getattr(self, "connection_errors", ()))
+        self.connection_errors = (*errors, OutOfMemoryError)
+
+    def on_connection_error(self, max_retries: int | None, exc: Exception, intervals: Any,
+                            retries: int) -> float:
+        if not isinstance(exc, OutOfMemoryError):
+            return float(super().on_connection_error(max_retries, exc, intervals, retries))
+        pause = float(next(intervals))
+        why = str(exc).rsplit("caused error: ", 1)[-1].strip()  # not the pipeline's whole command
+        log.error("Redis is full (%s): a result write was refused; retry %d/%s in %.1f s (free memory "
+                  "in Redis or raise its maxmemory)", why, retries, max_retries or "inf", pause)
+        return pause
