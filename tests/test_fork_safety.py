@@ -70,7 +70,7 @@ def native_threads() -> set[int]:
     return {int(tid) for tid in os.listdir("/proc/self/task")} - python_tids
 
 
-def probe_worker(report: Path, device: str, model: str, torch_work_first: bool) -> int:
+def probe_worker(report: Path, device: str, model: str, torch_work_first: bool, redis_url: str) -> int:
     """Run ``rollout-queue worker`` until it would start the engine; fork-test the process there.
 
     The engine's start (``AsyncLLM.from_engine_args``) is replaced by a probe
@@ -98,8 +98,9 @@ def probe_worker(report: Path, device: str, model: str, torch_work_first: bool) 
     if torch_work_first:  # the hazard, on purpose: proves each check sees it
         torch.ones(1 << 24).exp_()
 
+    # A Redis that answers: the worker checks it before it loads its engine.
     return main(["worker", "--model", model, "--device", device, "--insecure-control",
-                 "--redis-url", "redis://127.0.0.1:1/0", "--name", "fork-probe@tests"])
+                 "--redis-url", redis_url, "--name", "fork-probe@tests"])
 
 
 def probe_bench_model_build(report: Path, models_dir: Path) -> int:
@@ -132,9 +133,11 @@ def run_probe(tmp_path: Path, *argv: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(tmp_path: Path, device: str) -> None:
+def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(
+    tmp_path: Path, device: str, redis_url: str
+) -> None:
     # cuda is the path vLLM forks on; the probe stops before any device is touched.
-    seen = run_probe(tmp_path, "worker", device, str(tmp_path / "no-model-needed"), "clean")
+    seen = run_probe(tmp_path, "worker", device, str(tmp_path / "no-model-needed"), "clean", redis_url)
     assert seen["thread"] == "engine-loop", seen  # where EngineHost starts vLLM: the thread that forks
     assert seen["forked_torch_op"] == "finished", (
         f"a fork of the {device} worker, taken where vLLM forks its EngineCore, {seen['forked_torch_op']} "
@@ -148,8 +151,8 @@ def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(tmp_
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch starts no OpenMP pool to inherit")
-def test_the_probe_catches_torch_cpu_work_done_in_the_worker_before_its_engine(tmp_path: Path) -> None:
-    seen = run_probe(tmp_path, "worker", "cuda", str(tmp_path / "no-model-needed"), "torch-work-first")
+def test_the_probe_catches_torch_cpu_work_done_in_the_worker_before_its_engine(tmp_path: Path, redis_url: str) -> None:
+    seen = run_probe(tmp_path, "worker", "cuda", str(tmp_path / "no-model-needed"), "torch-work-first", redis_url)
     assert seen["forked_torch_op"] == "hung", seen
     assert seen["new_native_threads"], seen
 
@@ -164,6 +167,6 @@ def test_a_fork_of_a_benchmark_that_built_its_model_can_run_torch_cpu_ops(tmp_pa
 if __name__ == "__main__":
     out, what, *rest = sys.argv[1:]
     if what == "worker":
-        device, model, mode = rest
-        sys.exit(probe_worker(Path(out), device, model, torch_work_first=mode == "torch-work-first"))
+        device, model, mode, url = rest
+        sys.exit(probe_worker(Path(out), device, model, torch_work_first=mode == "torch-work-first", redis_url=url))
     sys.exit(probe_bench_model_build(Path(out), Path(rest[0])))
