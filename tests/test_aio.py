@@ -80,6 +80,9 @@ def test_py_typed_ships_in_the_built_wheel_of_every_installed_package(tmp_path: 
         shutil.copy(ROOT / name, source / name)
     for package in PACKAGES:
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    # The one installed package, which links the folders above.
+    shutil.copytree(ROOT / "rollout_queue", source / "rollout_queue", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
         cwd=source, capture_output=True, text=True, timeout=300, check=False,
@@ -87,8 +90,8 @@ def test_py_typed_ships_in_the_built_wheel_of_every_installed_package(tmp_path: 
     assert done.returncode == 0, done.stderr[-2000:]
     [wheel] = tmp_path.glob("rollout_queue-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"{package}/py.typed" for package in PACKAGES} <= names
-    assert "tasks/aio.py" in names and "tasks/results.py" in names
+    assert {f"rollout_queue/{package}/py.typed" for package in PACKAGES} | {"rollout_queue/py.typed"} <= names
+    assert "rollout_queue/tasks/aio.py" in names and "rollout_queue/tasks/results.py" in names
 
 
 TRAINER = """
