@@ -623,4 +623,5 @@ def test_compose_file_parses_and_every_service_command_resolves_to_an_entry_poin
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["worker"]["profiles"] == ["gpu"] and services["worker-cpu"]["profiles"] == ["cpu"]
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
-    assert '".[gpu' in dockerfile and '".[cpu' in dockerfile
+    # The GPU image installs the gpu extra; the CPU image the lock of the CPU worker (.[cpu]).
+    assert '".[gpu' in dockerfile and "-r constraints/quickstart.txt" in dockerfile
