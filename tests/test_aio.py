@@ -51,7 +51,9 @@ def test_tasks_imports_without_fastapi_with_the_async_client_and_its_watcher() -
     assert "as_completed" in done.stdout
 
 
-def test_a_watcher_that_cannot_reach_redis_raises_broker_unavailable_naming_the_url() -> None:
+def test_a_watcher_that_cannot_reach_redis_raises_broker_unavailable_naming_the_url(redis_url: str) -> None:
+    # redis_url: the session's Redis is configured before the app's result backend is
+    # first built here (Celery caches it: built earlier, it would read another database).
     async def start() -> None:
         await ResultWatcher("redis://127.0.0.1:1/0", celery_app.backend, namespace="aio").start()
 
