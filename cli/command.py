@@ -112,6 +112,10 @@ def _worker(args: argparse.Namespace) -> int:
     if "redis_url" in overrides:
         overrides["redis_url"] = SecretStr(overrides["redis_url"])
     settings = WorkerSettings(**overrides)
+    refusal = settings.insecure_start_refusal()
+    if refusal is not None:  # before anything else, Redis included: the operator sees it at once
+        print(refusal, file=sys.stderr)
+        return 2
     # Before vLLM is imported or the engine loads: an unreachable or evicting Redis
     # (BrokerUnavailable, RedisMayEvict: one line, exit 2, in main) costs no engine start.
     redis_note = preflight(settings)

@@ -537,13 +537,14 @@ def fuzz_counter(sec_worker: Proc, producer: Any, secure_server: RedisServer) ->
 # ---------------------------------------------------------------------------
 
 
-def _worker_cli(*flags: str, secret: str | None = None, timeout: float = 120) -> tuple[int, str, float]:
+def _worker_cli(*flags: str, secret: str | None = None, timeout: float = 120,
+                redis_url: str = "redis://127.0.0.1:1/0") -> tuple[int, str, float]:
     env = {k: v for k, v in os.environ.items() if k not in ("RQ_WEIGHT_SYNC_SECRET", "RQ_INSECURE_CONTROL")}
     if secret is not None:
         env["RQ_WEIGHT_SYNC_SECRET"] = secret
     argv = [python(), "-m", "rollout_queue.cli", "worker", "--model", "/nonexistent/model", "--device", "cpu",
             "--name", "nosecret@tests", "--queues", "nosecret", "--pool", "nosecret",
-            "--redis-url", "redis://127.0.0.1:1/0", *flags]
+            "--redis-url", redis_url, *flags]
     t = time.monotonic()
     out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t
@@ -560,7 +561,7 @@ def test_a_worker_without_a_secret_exits_2_before_loading_the_engine() -> None:
 
 
 def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_secret(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, redis_url: str,
 ) -> None:
     from rollout_queue.cli.command import parser
 
@@ -575,8 +576,9 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
     assert WorkerSettings(model="m").insecure_start_refusal() is None
     # The real CLI with the flag gets past the check to the engine (which fails
     # on the missing model: exit 3, not 2). The quickstart test starts a whole
-    # worker this way (cli/localstack.py passes --insecure-control).
-    code, output, _ = _worker_cli("--insecure-control")
+    # worker this way (cli/localstack.py passes --insecure-control). A Redis that
+    # answers: the worker checks Redis before it loads its engine.
+    code, output, _ = _worker_cli("--insecure-control", redis_url=redis_url)
     assert code == 3 and "could not load model '/nonexistent/model'" in output, output
     assert "control commands are NOT signed" in output and "RQ_WEIGHT_SYNC_SECRET is not set" not in output
 
