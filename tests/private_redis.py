@@ -135,7 +135,8 @@ def client_app(url: str, **settings: Any) -> tuple[Celery, Any]:
     from rollout_queue.tasks.generate import GenerateTask
     from rollout_queue.tasks.settings import ClientSettings
 
-    app = Celery(f"rq-client-{free_port()}")
+    # Not the current app: code that finds "the" app (a bare AsyncResult) keeps the session's.
+    app = Celery(f"rq-client-{free_port()}", set_as_current=False)
     app.conf.update(celery_config(ClientSettings(redis_url=SecretStr(url), **settings)))
     # A subclass, so binding it to this app leaves the session's task alone.
     task_cls = type("PrivateGenerateTask", (GenerateTask,), {"__module__": __name__})

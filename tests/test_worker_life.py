@@ -105,7 +105,7 @@ def test_revoke_with_terminate_aborts_a_running_generation_and_the_task_ends_rev
     assert replies, "no reply from the worker"
     reply = replies[0][NODE]
     assert "ok" in reply and "prompts aborted in the engine" in reply["ok"], reply
-    wait_for(lambda: AsyncResult(result.id).state == "REVOKED", 60, "the task to end REVOKED")
+    wait_for(lambda: AsyncResult(result.id, app=app).state == "REVOKED", 60, "the task to end REVOKED")
     wait_for(lambda: (info := registry(redis_client, NODE)) is not None and info.inflight_requests == 0, 30,
              "its engine requests to be aborted")
     with life_worker.log_path.open("rb") as log:
@@ -121,7 +121,7 @@ def test_revoke_without_terminate_drops_a_waiting_task_as_celery_does(
     app.control.revoke(result.id, reply=True, destination=[NODE], timeout=10)
     # Past its countdown Celery drops it (acked, never run) instead of running it.
     wait_for(lambda: result.id not in held_task_ids(redis_client, NODE), 30, "the revoked task to be dropped")
-    assert AsyncResult(result.id).state == "REVOKED"
+    assert AsyncResult(result.id, app=app).state == "REVOKED"
 
 
 def test_sigterm_hands_a_countdown_task_back_to_the_queue_at_once_without_counting_a_redelivery(
@@ -139,7 +139,7 @@ def test_sigterm_hands_a_countdown_task_back_to_the_queue_at_once_without_counti
     _, alive = psutil.wait_procs(cores, timeout=30)
     assert not alive, f"engine cores outlived their worker: {alive}"
     redis_client.delete(QUEUE)
-    AsyncResult(result.id).forget()
+    AsyncResult(result.id, app=app).forget()
 
 
 def test_an_engine_core_dies_with_its_worker_killed_or_terminated_during_engine_load(
