@@ -185,3 +185,18 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{what} not within {timeout:.0f}s")
+
+
+# A split call's parts in the tests (test_split, test_aio): RQ_TASK_MAX_PROMPTS for one test.
+MAX_PROMPTS = 4
+
+
+@pytest.fixture
+def max_prompts(redis_url: str) -> Iterator[int]:
+    """RQ_TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
+    from rollout_queue.tasks.app import configure, settings
+
+    before = settings()
+    configure(before.model_copy(update={"task_max_prompts": MAX_PROMPTS}))
+    yield MAX_PROMPTS
+    configure(before)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,25 +22,13 @@ from rollout_queue.tasks.errors import InvalidRequest, PromptTooLong
 from rollout_queue.tasks.schemas import GenerationResult, PromptOutput, Sample, Timing, Usage
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.split import SplitResult, join_results, plan_parts, prompts_per_task
-from tests.conftest import MAX_MODEL_LEN, wait_for
+from tests.conftest import MAX_MODEL_LEN, MAX_PROMPTS, wait_for
 from tests.procs import Proc
 
-MAX_PROMPTS = 4
 TIMEOUT = 180.0
 # 3 x MAX_PROMPTS + 1 distinct token-id prompts: four parts of 4, 3, 3, 3.
 PROMPTS = [[11 + p, 200 + 3 * p, 7, 5 + p] for p in range(3 * MAX_PROMPTS + 1)]
 GREEDY = {"temperature": 0, "max_tokens": 8}
-
-
-@pytest.fixture
-def max_prompts(redis_url: str) -> Iterator[int]:
-    """RQ_TASK_MAX_PROMPTS = 4 for one test; the session's settings again after it."""
-    from rollout_queue.tasks.app import configure, settings
-
-    before = settings()
-    configure(before.model_copy(update={"task_max_prompts": MAX_PROMPTS}))
-    yield MAX_PROMPTS
-    configure(before)
 
 
 def unsplit(prompts: list[Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -315,8 +315,6 @@ class WorkerRuntime:
     def _check_fleet_version(self) -> None:
         if self.sync.busy() or self.state.current in ("sleeping", "stopping", "starting"):
             return
-        if self.state.fence_reason is FenceReason.ENGINE_LOST:
-            return
         fleet = fleet_version(self.client, self.settings.pool)
         if fleet > self.host.weight_version:
             if self.state.fence_reason is None:
