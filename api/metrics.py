@@ -19,7 +19,7 @@ from prometheus_client import (
 
 PREFIX = "rollout_queue_api"
 _PROMPT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# The workers' task-latency buckets (workers/metrics.py): 50 ms to 30 min.
+# The workers' task-latency buckets (workers/node/metrics.py): 50 ms to 30 min.
 _SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 

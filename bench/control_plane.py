@@ -7,18 +7,18 @@ Each simulated worker node is what a worker is to Redis, without an engine:
 * a real Celery broadcast consumer: a kombu pidbox ``Node`` under its own node
   name, on a channel (its own SUBSCRIBE connection) of its process's broker
   connection, answering the real ``rq_weight_sync`` / ``rq_engine`` handlers of
-  ``workers.control`` (signature checks by ``tasks.auth`` included) and
+  ``workers.node.control`` (signature checks by ``tasks.auth`` included) and
   replying through Celery's reply path;
-* a ``workers.sync.SyncParticipant`` behind ``rq_weight_sync``, on a fake
+* a ``workers.node.sync.SyncParticipant`` behind ``rq_weight_sync``, on a fake
   engine host that pauses, loads and resumes at once: "accepted", "ready" and
   "done" acks go through the real Redis ack lists, and the trainer's decision
   is read from its real TCPStore (no process group is ever joined);
 * a registry heartbeat (``WorkerInfo`` with a TTL, and the fleet-version check,
-  as ``workers.runtime``) and the real ``workers.reaper`` passes (in-flight
+  as ``workers.node.runtime``) and the real ``workers.queue.reaper`` passes (in-flight
   ledger, own fetches, sweep), every ``heartbeat_s``;
 * a consumer of a bench queue on a connection of its own (BRPOP, prefetch 1) that
   completes each ``generate`` task with a tiny fake result in the real result
-  backend, then acks (kombu's plain Redis fetch, not ``workers.reliable_redis``).
+  backend, then acks (kombu's plain Redis fetch, not ``workers.queue.reliable_redis``).
 
 The nodes run in ``--processes`` processes: one thread drains every node's
 broadcast channel (so the control handlers run one at a time per process, as
@@ -157,8 +157,8 @@ class SimNode:
 
         from rollout_queue.tasks.auth import CommandVerifier
         from rollout_queue.tasks.registry import connect
-        from rollout_queue.workers.reaper import InflightLedger, Reaper
-        from rollout_queue.workers.sync import SyncParticipant
+        from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
+        from rollout_queue.workers.node.sync import SyncParticipant
 
         self.node = node
         self.settings = SimpleNamespace(pool=pool, queues=[queue], tensor_parallel_size=1, model=model)
@@ -213,7 +213,7 @@ class SimNode:
         message.ack()
         self.service.completed_tasks += 1
 
-    # What workers.control's handlers call on a runtime.
+    # What workers.node.control's handlers call on a runtime.
     def info(self) -> Any:
         from rollout_queue.tasks.schemas import WorkerInfo
 
@@ -253,13 +253,13 @@ class SimNode:
 def handlers_for(node: SimNode) -> dict[str, Any]:
     """Celery's command registry with the real ``rq_*`` handlers bound to ``node``.
 
-    ``workers.control`` finds its runtime in a module global (one per worker
+    ``workers.node.control`` finds its runtime in a module global (one per worker
     process); here one process holds many nodes, and its one draining thread
     runs one handler at a time, so the global is set to this node around each call.
     """
     from celery.worker.control import Panel
 
-    from rollout_queue.workers import control
+    from rollout_queue.workers.node import control
 
     def bound(handler: Any) -> Any:
         def call(state: Any, **arguments: Any) -> Any:
@@ -282,7 +282,7 @@ def run_sim_process(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     import torch.distributed  # noqa: F401  the sync threads' TCPStore client, imported once here
 
-    from rollout_queue.workers import control
+    from rollout_queue.workers.node import control
 
     configure(ClientSettings(), worker=True)
     control.restrict_celery_control(False)
@@ -359,7 +359,7 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
     from rollout_queue.tasks.schemas import SamplingParams
     from rollout_queue.tasks.settings import SyncSettings
     from rollout_queue.weight_sync.sender import WeightSender, named_tensors
-    from rollout_queue.workers.status import read_fleet, render
+    from rollout_queue.cli.status import read_fleet, render
 
     run_id = secrets.token_hex(3)
     pool, queue = f"ctlsim-{run_id}", f"ctlsim-{run_id}"

@@ -1,4 +1,4 @@
-"""What the finished-task check (``workers/dedup.py``) costs each delivery.
+"""What the finished-task check (``workers/queue/dedup.py``) costs each delivery.
 
 Stores ``generate``-shaped results of several sizes in Redis (``REDIS_URL``,
 default ``redis://localhost:6379/0``; keys under a random prefix, removed
@@ -28,7 +28,7 @@ from pydantic import SecretStr
 
 from rollout_queue.tasks.app import app, configure
 from rollout_queue.tasks.settings import ClientSettings
-from rollout_queue.workers.dedup import DuplicateGuard, quick_client
+from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
 
 
 def result_of(prompts: int, tokens: int) -> dict[str, object]:

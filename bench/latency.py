@@ -53,7 +53,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     from rollout_queue.cli.offline import offline_llm, shutdown
-    from rollout_queue.workers.engine import to_vllm_params
+    from rollout_queue.workers.engine.host import to_vllm_params
 
     direct_params = to_vllm_params(params)
     times: dict[str, list[float]] = {"queue": [], "direct": []}

@@ -46,7 +46,7 @@ from rollout_queue.tasks.app import configure
 from rollout_queue.tasks.control import engine_command
 from rollout_queue.tasks.schemas import SamplingParams
 from rollout_queue.tasks.settings import ClientSettings
-from rollout_queue.workers.progress import read_progress
+from rollout_queue.workers.engine.progress import read_progress
 
 CPU_DEFAULTS = {"prompts": 64, "output_len": 128, "prompts_per_task": 32, "rounds": 3}
 

@@ -11,7 +11,7 @@ Each leg runs a warm-up that reaches every worker it has (a task per
 worker through the worker's own queue), then ``--rounds`` measured rounds
 (at least 3); figures are medians. The two-worker leg reports each worker's
 share of the tasks and of the generated tokens (workers take tasks by engine
-room: ``workers/intake.py``).
+room: ``workers/queue/intake.py``).
 
 Prints one JSON line: one_worker_tok_s, two_workers_tok_s, ratio (medians),
 the best rounds, and shares.

@@ -141,8 +141,8 @@ def main() -> None:
     latency = SamplingParams(temperature=0, max_tokens=args.latency_tokens, ignore_eos=True)
     bulk = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
 
-    from rollout_queue.workers.engine import EngineHost
-    from rollout_queue.workers.main import cpu_environment
+    from rollout_queue.workers.engine.host import EngineHost
+    from rollout_queue.workers.node.main import cpu_environment
 
     if settings.device == "cpu":
         cpu_environment(settings.cpu_weights)  # the worker's engine environment, for the direct engine too

@@ -33,7 +33,7 @@ def queue_leg(stack: Any, chunks: list[list[list[int]]], params: SamplingParams,
 def offline_leg(llm: Any, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
     from vllm.inputs import TokensPrompt
 
-    from rollout_queue.workers.engine import to_vllm_params
+    from rollout_queue.workers.engine.host import to_vllm_params
 
     inputs = [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
     started = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Every worker flag stands for a ``WorkerSettings`` field and shows its default
 and its environment variable; a flag the worker does not know is one of
-vLLM's engine arguments (workers/engine_cli.py). A bad value, from a flag or
+vLLM's engine arguments (workers/engine/args.py). A bad value, from a flag or
 the environment, is one line per field on stderr and exit code 2.
 """
 
@@ -120,8 +120,8 @@ def _worker(args: argparse.Namespace) -> int:
     # (BrokerUnavailable, RedisMayEvict: one line, exit 2, in main) costs no engine start.
     redis_note = preflight(settings)
 
-    from rollout_queue.workers.engine_cli import parse_engine_args
-    from rollout_queue.workers.main import run_worker
+    from rollout_queue.workers.engine.args import parse_engine_args
+    from rollout_queue.workers.node.main import run_worker
 
     engine_args = parse_engine_args(args.engine_argv, f"{PROG} worker")
     if engine_args:
@@ -139,14 +139,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rollout_queue.workers.status import run_status
+    from rollout_queue.cli.status import run_status
 
     return run_status(watch=args.watch, interval=args.interval, redis_url=args.redis_url, node=args.node)
 
 
 def _dead_letters(args: argparse.Namespace) -> int:
     from rollout_queue.tasks.settings import ClientSettings
-    from rollout_queue.workers.dead_letters import run_dead_letters
+    from rollout_queue.cli.dead_letters import run_dead_letters
 
     settings = ClientSettings(redis_url=SecretStr(args.redis_url)) if args.redis_url else ClientSettings()
     return run_dead_letters(settings, queue=args.queue, requeue_id=args.requeue, drop_id=args.drop)

@@ -308,7 +308,7 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-# What a worker logs before loading its engine (workers.main): the broker it uses.
+# What a worker logs before loading its engine (workers.node.main): the broker it uses.
 BROKER_LINE = re.compile(r"worker \S+: loading .* \(broker (\S+)\)")
 
 

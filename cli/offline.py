@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_queue.workers.engine import engine_kwargs
-from rollout_queue.workers.main import cpu_environment
+from rollout_queue.workers.engine.host import engine_kwargs
+from rollout_queue.workers.node.main import cpu_environment
 from rollout_queue.workers.settings import EngineSettings
 
 

@@ -127,7 +127,7 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
         "result_extended": False,
         # Delivery: ack after the result is stored; one task prefetched at a
         # time per thread. A worker that dies is handled by the reaper
-        # (workers/reaper.py): the threads pool has no child to lose, and
+        # (workers/queue/reaper.py): the threads pool has no child to lose, and
         # kombu alone would only restore its messages after visibility_timeout.
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,

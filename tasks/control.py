@@ -1,7 +1,7 @@
 """Steering the fleet: engine control commands for trainers and operators.
 
 Each function broadcasts the workers' ``rq_engine`` remote-control command
-(``workers.control``) to every live worker in the registry (of ``pool``, if
+(``workers.node.control``) to every live worker in the registry (of ``pool``, if
 given) or to the named ``workers``, waits for one reply per worker until
 ``timeout``, and returns ``{node: result}``.
 

@@ -128,7 +128,7 @@ class RedeliveryLimitReached(RolloutError):
 
 
 class PoisonMessage(RolloutError):
-    """A queue item a worker cannot decode into a task (``workers.poison``).
+    """A queue item a worker cannot decode into a task (``workers.queue.poison``).
 
     ``kind`` is the short reason (``not-json``, ``no-delivery-tag``,
     ``content-refused``...), used as a metric label; the message says what

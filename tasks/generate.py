@@ -18,7 +18,7 @@ the ``GenerationResult`` itself. ``await generate.async_(prompts, params)`` is
 the asyncio form (``tasks.aio``).
 
 On a worker, :attr:`GenerateTask.executor` is installed at boot
-(``workers.service.GenerationService``); the task body only hands over.
+(``workers.node.service.GenerationService``); the task body only hands over.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 SIGNATURE_HEADER = "rq_signature"
 SENT_AT_HEADER = "rq_sent_at"
 MIN_VERSION_HEADER = "rq_min_weight_version"
-# Prompts x n: what the task holds of an engine's running batch (workers.intake).
+# Prompts x n: what the task holds of an engine's running batch (workers.queue.intake).
 SEQUENCES_HEADER = "rq_sequences"
 # A part of a split call: the index of its first prompt in the whole call, so
 # errors name prompts by their index in what the caller sent.
@@ -69,7 +69,7 @@ ON_NEW_WEIGHTS_HEADER = "rq_on_new_weights"
 ON_NEW_WEIGHTS = ("resume", "restart")
 # The brokers (URLs) whose eviction policy this process has checked and accepted.
 _EVICTION_CHECKED: set[str] = set()
-# Follow-up tasks Celery would send from the worker: refused (workers.delivery).
+# Follow-up tasks Celery would send from the worker: refused (workers.queue.delivery).
 LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000

@@ -74,7 +74,7 @@ def abort_key(task_id: str) -> str:
 
 
 # Messages a worker has taken off a queue but not yet recorded in kombu's
-# unacked hash (the atomic fetch of workers/reliable_redis.py): a list per node.
+# unacked hash (the atomic fetch of workers/queue/reliable_redis.py): a list per node.
 PROCESSING_KEY_PATTERN = f"{PREFIX}:processing:*"
 
 
@@ -86,7 +86,7 @@ def node_of_processing_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:processing:")
 
 
-# Queue items no worker could decode (workers/poison.py): one list per queue,
+# Queue items no worker could decode (workers/queue/poison.py): one list per queue,
 # newest first, bounded. Items whose queue cannot be read from them (a dead
 # node's processing list holds no queue name) go under UNKNOWN_QUEUE.
 DEAD_LETTERS_KEY_PATTERN = f"{PREFIX}:dead:*"
@@ -102,7 +102,7 @@ def queue_of_dead_letters_key(key: str) -> str:
 
 
 # One reaper of the fleet sweeps for dead nodes at a time: its node name,
-# renewed every pass, expiring a few passes after it stops (workers/reaper.py).
+# renewed every pass, expiring a few passes after it stops (workers/queue/reaper.py).
 REAPER_SWEEP_LEASE = f"{PREFIX}:reaper:sweep-lease"
 
 
@@ -120,7 +120,7 @@ def control_nonce(node: str, nonce: str) -> str:
 def handed_on(node: str) -> str:
     """Set of delivery tags the reaper took from ``node`` (declared dead) and put
     back in their queues: if ``node`` still runs one, it neither stores its
-    result nor acks it (``workers.handed_on``)."""
+    result nor acks it (``workers.queue.handed_on``)."""
     return f"{PREFIX}:handed-on:{node}"
 
 
@@ -151,7 +151,7 @@ def sync_manifest(digest: str) -> str:
 
 
 def progress_key(task_id: str) -> str:
-    """A running ``generate`` task's checkpointed samples (workers/progress.py):
+    """A running ``generate`` task's checkpointed samples (workers/engine/progress.py):
     a hash of ``<prompt>:<sample>`` → the sample's tokens so far; expires."""
     return f"{PREFIX}:progress:{task_id}"
 
@@ -159,7 +159,7 @@ def progress_key(task_id: str) -> str:
 # Sticky sessions (api/sessions.py): each worker also consumes a queue of its
 # own, which the gateway sends a session's next turn to; a session key names
 # the worker that served its last turn. A message in a dead worker's own queue
-# goes to the queue in its FALLBACK_QUEUE_HEADER (workers/reaper.py).
+# goes to the queue in its FALLBACK_QUEUE_HEADER (workers/queue/reaper.py).
 NODE_QUEUE_PREFIX = "rq.node."
 NODE_QUEUE_PATTERN = f"{NODE_QUEUE_PREFIX}*"
 FALLBACK_QUEUE_HEADER = "rq_fallback_queue"

@@ -29,7 +29,7 @@ def connect(
 ) -> redis.Redis:
     """A client for ``settings.redis_url``. ``give_up_at_once`` turns off
     redis-py's retries, for callers that must not block: the duplicate check
-    runs in a worker's consumer loop (``workers.dedup``)."""
+    runs in a worker's consumer loop (``workers.queue.dedup``)."""
     from rollout_queue.tasks.app import redis_tls_options
 
     retry = {"retry": Retry(NoBackoff(), 0)} if give_up_at_once else {}

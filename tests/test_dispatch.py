@@ -1,4 +1,4 @@
-"""Dispatch by engine room (``workers.intake``): a worker takes a task only
+"""Dispatch by engine room (``workers.queue.intake``): a worker takes a task only
 when its engine has room, so idle workers share a burst and a smaller one
 gets proportionally less. And sticky sessions: a conversation's next turn
 goes to the worker that served its last (``api.sessions``).
@@ -23,8 +23,8 @@ import pytest
 
 from rollout_queue.tasks.control import engine_command
 from rollout_queue.tasks.generate import generate
-from rollout_queue.workers.engine_stats import StatsSnapshot
-from rollout_queue.workers.intake import Intake
+from rollout_queue.workers.engine.stats import StatsSnapshot
+from rollout_queue.workers.queue.intake import Intake
 from tests.conftest import WorkerStarter, worker_registered
 from tests.procs import ARTIFACTS, Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway

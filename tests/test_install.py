@@ -181,7 +181,7 @@ def test_pyproject_bounds_the_engine_and_queue_packages_it_was_tested_with(proje
 
 
 def top_package(module: str) -> str:
-    """The package a module belongs to: ours by their folder name (``rollout_queue.workers.engine``
+    """The package a module belongs to: ours by their folder name (``rollout_queue.workers.engine.host``
     is ``workers``), others by their top-level name."""
     parts = module.split(".")
     return parts[1] if parts[0] == "rollout_queue" and len(parts) > 1 else parts[0]
@@ -246,7 +246,7 @@ def test_engine_refusals_work_on_vllm_024_which_has_no_vllm_client_error(monkeyp
     # Stand-in modules: importing vLLM itself would cost this test half a minute.
     import types
 
-    from rollout_queue.workers.engine import refusal_types
+    from rollout_queue.workers.engine.host import refusal_types
 
     newer, older = types.ModuleType("vllm.exceptions"), types.ModuleType("vllm.exceptions")
     newer.VLLMClientError = type("VLLMClientError", (Exception,), {})  # type: ignore[attr-defined]

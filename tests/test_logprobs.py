@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from vllm.logprobs import FlatLogprobs, Logprob
 
-from rollout_queue.workers import logprobs as lp
+from rollout_queue.workers.engine import logprobs as lp
 
 # Three positions as vLLM builds them with logprobs=2: the sampled token first
 # (rank 3 at position 1, where it is not in the top 2), then the top 2.

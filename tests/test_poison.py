@@ -34,8 +34,8 @@ from rollout_queue.cli.command import main as cli_main
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import InvalidRequest, PoisonMessage
 from rollout_queue.tasks.schemas import GenerationResult
-from rollout_queue.workers.poison import DeadLetter, check_task, dead_letter_fetched
-from rollout_queue.workers.reaper import InflightLedger, Reaper
+from rollout_queue.workers.queue.poison import DeadLetter, check_task, dead_letter_fetched
+from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import RedisServer, client_app, producer_fixture, server_fixture
 from tests.procs import ARTIFACTS, Proc, free_port
@@ -114,7 +114,7 @@ def poison(kind: str, task: Any) -> tuple[bytes, str]:
 ENVELOPE_KINDS = ["not-json", "json-of-the-wrong-shape", "bad-base64", "missing-properties",
                   "missing-delivery-tag"]  # refused before kombu reads them
 TASK_KINDS = ["pickle-content-type", "task-without-id", "body-not-args-kwargs-embed"]  # by Celery
-# Refused by the generate task's strategy (workers.delivery) before any work; the
+# Refused by the generate task's strategy (workers.queue.delivery) before any work; the
 # task fails naming what was wrong.
 HEADER_KINDS = {"signature-header-an-object": "header 'rq_signature' is",
                 "timelimit-not-numbers": "header 'timelimit' is",
@@ -482,7 +482,7 @@ def test_reclaim_own_and_a_stale_own_fetch_dead_letter_poison_instead_of_raising
 
 def test_the_dead_letter_list_is_bounded(quiet: Any) -> None:
     from rollout_queue.tasks.errors import PoisonMessage
-    from rollout_queue.workers import poison as poison_module
+    from rollout_queue.workers.queue import poison as poison_module
 
     srv, _, _ = quiet
     client = srv.client()
@@ -528,7 +528,7 @@ def test_dead_letters_cli_lists_malformed_entries_by_index_and_drops_them(
 
 
 def test_every_generate_header_a_worker_reads_is_checked_and_the_refusal_names_it() -> None:
-    from rollout_queue.workers.delivery import check_headers, check_no_links
+    from rollout_queue.workers.queue.delivery import check_headers, check_no_links
 
     good = {"rq_signature": "abc", "rq_sent_at": 1.5, "rq_min_weight_version": 0, "rq_sequences": 4,
             "rq_first_prompt": 0, "rq_on_new_weights": "restart", "rq_stream": True,

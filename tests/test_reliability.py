@@ -47,10 +47,10 @@ from rollout_queue.tasks.errors import (
     Requeue,
 )
 from rollout_queue.tasks.schemas import GenerationResult, WorkerInfo
-from rollout_queue.workers.reaper import InflightLedger, Reaper
-from rollout_queue.workers.reliable_redis import FETCH_SCRIPT
-from rollout_queue.workers.reliable_redis import Transport as ReliableTransport
-from rollout_queue.workers.service import time_limit
+from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
+from rollout_queue.workers.queue.reliable_redis import FETCH_SCRIPT
+from rollout_queue.workers.queue.reliable_redis import Transport as ReliableTransport
+from rollout_queue.workers.node.service import time_limit
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
     RedisServer,
@@ -434,7 +434,7 @@ def quiet() -> Iterator[tuple[RedisServer, Any, Any]]:
 
 
 def _reliable(srv: RedisServer, node: str) -> Connection:
-    """A kombu connection fetching the way workers do (workers.reliable_redis)."""
+    """A kombu connection fetching the way workers do (workers.queue.reliable_redis)."""
     return Connection(srv.url, transport=ReliableTransport, transport_options={
         "rq_processing_key": keys.processing_key(node), "rq_inflight_key": keys.inflight_key(node),
     })
@@ -736,7 +736,7 @@ def test_the_duplicate_check_reads_a_stored_state_from_the_first_bytes_of_any_re
     from pydantic import SecretStr
 
     from rollout_queue.tasks.settings import ClientSettings
-    from rollout_queue.workers.dedup import DuplicateGuard, quick_client
+    from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
 
     app, _ = producer
     guard = DuplicateGuard(app.backend, quick_client(ClientSettings(redis_url=SecretStr(server.url))))

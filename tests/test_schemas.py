@@ -168,7 +168,7 @@ def test_the_largest_accepted_values_cross_vllms_engine_core_encoder() -> None:
     refused the values that used to pass."""
     from vllm.v1.serial_utils import MsgpackEncoder
 
-    from rollout_queue.workers.engine import to_vllm_params
+    from rollout_queue.workers.engine.host import to_vllm_params
 
     largest = SamplingParams(max_tokens=2**31 - 1, top_k=2**31 - 1, seed=2**63 - 1,
                              stop_token_ids=[2**31 - 1])

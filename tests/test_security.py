@@ -458,7 +458,7 @@ def test_celery_state_changing_builtins_are_disabled_but_inspect_and_revoke_stay
 ) -> None:
     from celery.worker.control import Panel
 
-    from rollout_queue.workers.control import disabled_celery_commands
+    from rollout_queue.workers.node.control import disabled_celery_commands
 
     disabled = set(disabled_celery_commands(Panel.meta, Panel.data))
     assert set(CELERY_COMMANDS) <= disabled

@@ -104,7 +104,7 @@ def test_version_flag_prints_the_package_and_engine_versions(capsys: pytest.Capt
 def test_unknown_worker_flags_are_parsed_by_vllms_own_engine_argument_parser(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from rollout_queue.workers.engine_cli import parse_engine_args
+    from rollout_queue.workers.engine.args import parse_engine_args
 
     given = parse_engine_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--trust-remote-code",
                                "--revision", "v1", "--enable-lora", "--max-loras", "2"])

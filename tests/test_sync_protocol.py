@@ -273,7 +273,7 @@ def test_two_processes_exchange_packed_buckets_over_gloo() -> None:
 
 
 def test_version_spans_drop_empty_spans_and_record_each_change() -> None:
-    from rollout_queue.workers.engine import version_spans
+    from rollout_queue.workers.engine.host import version_spans
 
     assert version_spans(1, [], 5) == [(0, 1)]
     assert version_spans(1, [(0, 2)], 5) == [(0, 2)]  # nothing generated before the sync
@@ -457,7 +457,7 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     """The engine host closes intake before it pauses the engine; if the pause then
     fails, the sync must resume (reopen intake) and fence, not leave it shut."""
     from rollout_queue.workers.state import FenceReason, NodeState
-    from rollout_queue.workers.sync import SyncParticipant
+    from rollout_queue.workers.node.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses; its pause fails after closing intake
         weight_version = 0
@@ -495,7 +495,7 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
 ) -> None:
     from rollout_queue.workers.state import NodeState
-    from rollout_queue.workers.sync import SyncParticipant
+    from rollout_queue.workers.node.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses
         weight_version = 0
@@ -536,7 +536,7 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
     import threading
 
     from rollout_queue.workers.state import NodeState
-    from rollout_queue.workers.sync import SyncParticipant
+    from rollout_queue.workers.node.sync import SyncParticipant
 
     class Host:  # the engine host's surface a sync uses; the first pause waits, every pause fails
         weight_version = 0

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from rollout_queue.tasks import generate
 from rollout_queue.tasks.errors import InvalidRequest
 from rollout_queue.tasks.schemas import Conversation
-from rollout_queue.workers.tools import ToolCalls
+from rollout_queue.workers.engine.tools import ToolCalls
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
 

@@ -278,7 +278,7 @@ def test_sync_while_100_prompts_are_in_flight_loses_nothing(
                 assert sample["token_ids"] == refs[state_version[spans[0][1]]][i]
             else:
                 # keep: frozen and continued; abort: checkpointed, requeued,
-                # resumed on the new weights (workers/progress.py)
+                # resumed on the new weights (workers/engine/progress.py)
                 crossed += 1
                 (_, v0), (boundary, v1) = spans
                 assert (v0, v1) == (current, current + 1) and 0 < boundary <= len(sample["token_ids"])

@@ -7,7 +7,7 @@ import concurrent.futures
 import threading
 import time
 
-from rollout_queue.workers.liveness import EngineWatch
+from rollout_queue.workers.engine.liveness import EngineWatch
 from rollout_queue.workers.state import CAUGHT_UP, Fence, FenceReason, NodeState
 
 

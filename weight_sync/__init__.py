@@ -16,7 +16,7 @@ What lives here, one concept a module:
     bench_receiver  the receiver plus the calls only benchmarks and tests make
 
 The worker host's part (acks, pause, the engine call, commit) is
-``workers.sync``; the user's face is ``tasks.sync_weights``.
+``workers.node.sync``; the user's face is ``tasks.sync_weights``.
 
 Imports: this package may import ``tasks`` (errors, schemas, keys, settings,
 the Celery app for the sender's trigger) but never ``workers`` (which imports

@@ -4,7 +4,7 @@ Production workers load ``weight_sync.receiver.WeightReceiver``; a worker
 started with ``--worker-extension-cls weight_sync.bench_receiver.BenchReceiver``
 (``BENCH_EXTENSION``: bench/weight_transfer.py, the weight-sync tests) also
 answers the ``rq_engine`` ops ``receive_one``, ``receive_raw``,
-``last_receive`` and ``weight_checksum`` (``workers.control``).
+``last_receive`` and ``weight_checksum`` (``workers.node.control``).
 """
 
 from __future__ import annotations

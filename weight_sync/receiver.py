@@ -1,8 +1,8 @@
 """The receiving end of the weight sync, inside vLLM's worker processes.
 
 vLLM mixes :class:`WeightReceiver` into its worker class
-(``worker_extension_cls``, set by ``workers.engine``); the worker host
-(``workers.sync``) calls it on every engine rank at once with
+(``worker_extension_cls``, set by ``workers.engine.host``); the worker host
+(``workers.node.sync``) calls it on every engine rank at once with
 ``collective_rpc``. Its steps mirror the sender's and run in this order, each
 refusing to run out of turn::
 

@@ -42,7 +42,7 @@ class EngineSettings(ClientSettings):
     # are not parsed, and tool_choice "auto" is refused.
     tool_call_parser: str | None = None
     # Any other vLLM engine argument, by its EngineArgs name (the worker's
-    # unknown flags, parsed by vLLM: workers/engine_cli.py). Applied last.
+    # unknown flags, parsed by vLLM: workers/engine/args.py). Applied last.
     engine_args: dict[str, Any] = {}  # noqa: RUF012  pydantic copies defaults
 
 
@@ -52,8 +52,8 @@ class WorkerSettings(EngineSettings):
     name: str = Field(default_factory=lambda: f"worker@{socket.gethostname()}")
     max_inflight: int = Field(64, ge=1, description="tasks in flight at once (threads)")
     # The next task is fetched only while the engine's unfinished sequences
-    # are below this (workers/intake.py); None: no such gate (Celery's
-    # prefetch alone), for now: see workers/main.py.
+    # are below this (workers/queue/intake.py); None: no such gate (Celery's
+    # prefetch alone), for now: see workers/node/main.py.
     intake_sequences: int | None = Field(None, ge=1)
     queues: list[str] = [keys.GENERATE_QUEUE]  # noqa: RUF012  pydantic copies defaults
     pool: str = keys.DEFAULT_POOL
@@ -61,15 +61,15 @@ class WorkerSettings(EngineSettings):
     registry_ttl_s: float = 10.0
     # The heartbeat asks the engine a no-op question each beat; an engine that
     # has not answered for this long is lost (hung, or stopped): the worker
-    # fences itself, hands its tasks back and exits (workers/liveness.py).
+    # fences itself, hands its tasks back and exits (workers/engine/liveness.py).
     # Longer than the longest engine step (a long prefill on a slow CPU).
     engine_answer_s: float = Field(30.0, gt=0.0)
     # A node whose registry key has been gone this long is dead: the reaper
-    # puts its unacknowledged tasks back in their queues (workers/reaper.py).
+    # puts its unacknowledged tasks back in their queues (workers/queue/reaper.py).
     reap_grace_s: float = 10.0
     metrics_port: int | None = None  # Prometheus /metrics; None = off
     # Every this many generated tokens a sample's progress is saved to Redis,
-    # so a redelivered task continues from there (workers/progress.py); 0: off.
+    # so a redelivered task continues from there (workers/engine/progress.py); 0: off.
     checkpoint_tokens: int = Field(0, ge=0)
     # SIGTERM: finish in-flight tasks for at most this long, then checkpoint,
     # abort and requeue them for other workers; None: finish them (no deadline).
@@ -95,7 +95,7 @@ class WorkerSettings(EngineSettings):
     # Also consume a queue of this worker's own, where the gateway sends the
     # next turn of a session this worker served (its prefix cache holds the
     # conversation). Off by default: a worker of two queues polls the second
-    # (workers/reliable_redis.py: rq_multi_queue_block_s).
+    # (workers/queue/reliable_redis.py: rq_multi_queue_block_s).
     sticky_sessions: bool = False
 
     @field_validator("name")

@@ -20,7 +20,7 @@ still taken whole once the room is not zero (tasks are not split here), so
 the engine runs full and finishes what it holds.
 
 The rule is enforced where kombu decides whether to fetch
-(``workers.reliable_redis.QoS.can_consume``); task sizes come from the task's
+(``workers.queue.reliable_redis.QoS.can_consume``); task sizes come from the task's
 ``rq_sequences`` header (prompts x n), stamped by the producer.
 """
 
@@ -33,7 +33,7 @@ from rollout_queue.tasks.generate import SEQUENCES_HEADER
 
 
 class Engine(Protocol):
-    """What the intake reads of ``workers.engine.EngineHost``."""
+    """What the intake reads of ``workers.engine.host.EngineHost``."""
 
     def unfinished_sequences(self) -> int: ...
 

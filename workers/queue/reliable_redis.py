@@ -25,19 +25,19 @@ This transport closes that gap with the "processing list" pattern:
 
 So at every instant a message is in its queue, in a processing list, or in
 ``unacked`` with its tag in a node's in-flight set; the reaper
-(``workers.reaper``) restores what a dead node holds in either.
+(``workers.queue.reaper``) restores what a dead node holds in either.
 
-An item kombu could not make a message of (``workers.poison.check_envelope``:
+An item kombu could not make a message of (``workers.queue.poison.check_envelope``:
 not JSON, no properties or delivery tag, a body its encoding cannot decode)
 never reaches kombu: it moves from the processing list to the queue's
 dead-letter list in one script, and the fetch goes on. Messages Celery's
 consumer cannot make a task of are dead-lettered from ``unacked``
-(``rq_dead_letter_delivered``, called by ``workers.poison.DeadLetteringConsumer``). Producers,
+(``rq_dead_letter_delivered``, called by ``workers.queue.poison.DeadLetteringConsumer``). Producers,
 acks, restores and everything else are kombu's own. Selected by the worker
 (``broker_transport``), with ``rq_processing_key`` / ``rq_inflight_key``
 in the transport options; ``global_keyprefix`` is not supported.
 
-A worker fetches only while its engine has room (``workers.intake``, given
+A worker fetches only while its engine has room (``workers.queue.intake``, given
 by :func:`gate_fetches` for the node's processing list; not in the transport
 options, which Celery's ``inspect stats`` sends as JSON); a short timer on
 the event loop makes it look again as engine requests finish.
@@ -74,7 +74,7 @@ from kombu.utils.json import dumps
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import PoisonMessage
-from rollout_queue.workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
+from rollout_queue.workers.queue.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def on_redis_full(processing_key: str, handler: Callable[[str], None]) -> None:
     _FULL_HANDLERS[processing_key] = handler
 
 
-# Processing-list key → "may this node fetch now?" (workers.intake), set by
+# Processing-list key → "may this node fetch now?" (workers.queue.intake), set by
 # the worker before it consumes.
 _ROOM_CHECKS: dict[str, Callable[[], bool]] = {}
 
@@ -132,7 +132,7 @@ ROOM_CHECK_S = 0.02
 
 
 # Delivery tags whose messages the reaper handed to other workers
-# (``workers.handed_on``): acking one would drop the new holder's record.
+# (``workers.queue.handed_on``): acking one would drop the new holder's record.
 _HANDED_ON: set[str] = set()
 
 
@@ -148,7 +148,7 @@ def _noop() -> None:
 
 class QoS(kombu_redis.QoS):
     def can_consume(self) -> bool:
-        """kombu's prefetch limit, and the worker's engine has room (``workers.intake``).
+        """kombu's prefetch limit, and the worker's engine has room (``workers.queue.intake``).
 
         The room decides whether a fetch *starts*; a fetch already sent is
         read whatever the room (kombu would otherwise pause it, and its
@@ -250,7 +250,7 @@ class Channel(kombu_redis.Channel):
         restart test). With the saved parameters the ack reaches Redis on a
         fresh connection once it is back, or fails as a connection error,
         which Celery logs; the result is stored either way, and a message
-        left unacked comes back later to be acked unrun (``workers.dedup``).
+        left unacked comes back later to be acked unrun (``workers.queue.dedup``).
         """
         if self.connection is None:
             if asynchronous:

@@ -17,7 +17,7 @@ the consumer's event loop, before Celery's strategy builds the request, so a
 duplicate never writes ``STARTED`` over the stored result either.
 
 If the read fails (Redis away), the task runs: a duplicate run is better
-than a lost task. ``workers.delivery`` calls it for every delivery.
+than a lost task. ``workers.queue.delivery`` calls it for every delivery.
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ the new holder's delivery: the ack would drop that worker's record, and its
 task would be lost if it died too).
 
 The reaper names each message it takes from a node in that node's
-``rq:handed-on:<node>`` set (``workers.reaper``). :class:`HandedOn` reads it:
+``rq:handed-on:<node>`` set (``workers.queue.reaper``). :class:`HandedOn` reads it:
 
 * before a task starts (no wait: Redis away means nobody could have
   handed it on yet, as far as this worker can tell);
 * after its generation ends, waiting for Redis (the result needs Redis
   anyway): a task handed on raises Celery's ``Ignore`` (no result stored),
   and its ack clears only this process's bookkeeping
-  (``workers.reliable_redis.forget_on_ack``);
+  (``workers.queue.reliable_redis.forget_on_ack``);
 * every heartbeat (:meth:`notice`), and the first task that finds its tag
   there: a worker that finds the set logs that it was declared dead and how
   many tasks went on. Its heartbeat has already put
@@ -34,7 +34,7 @@ import redis
 from celery.exceptions import Ignore
 
 from rollout_queue.tasks import keys
-from rollout_queue.workers.reliable_redis import forget_on_ack
+from rollout_queue.workers.queue.reliable_redis import forget_on_ack
 
 log = logging.getLogger(__name__)
 

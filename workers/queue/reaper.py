@@ -6,7 +6,7 @@ queue only after ``visibility_timeout`` (hours here: it must stay above the
 longest generation, or long tasks would be handed out twice). A worker killed
 with SIGKILL (OOM killer, lost host) would hold its tasks that long. So:
 
-* a worker fetches through ``workers.reliable_redis``: a message moves
+* a worker fetches through ``workers.queue.reliable_redis``: a message moves
   atomically from its queue to the node's processing list
   ``rq:processing:<node>``, then, in one MULTI, into ``unacked`` with its
   delivery tag in the node's in-flight set ``rq:inflight:<node>``
@@ -33,7 +33,7 @@ in its in-flight set that no task of the process holds for that long
 record was written, a message Celery dropped when it closed the channel, an
 ack that never reached Redis).
 
-An item no message can be made of (``workers.poison.check_envelope``) is
+An item no message can be made of (``workers.queue.poison.check_envelope``) is
 not restored: it moves to its queue's dead-letter list, in one script. Each
 item, and each node's reap, is on its own: an error on one is logged and
 the pass goes on with the others (the item stays where it was, for the next
@@ -42,7 +42,7 @@ pass).
 A node declared dead may still be running (cut off from Redis, not dead):
 each message restored from it is also named in its ``rq:handed-on:<node>``
 set, so once back it neither stores that task's result nor acks the message,
-now another worker's (``workers.handed_on``).
+now another worker's (``workers.queue.handed_on``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from kombu.utils.json import dumps, loads
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import PoisonMessage, RedeliveryLimitReached
-from rollout_queue.workers.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
+from rollout_queue.workers.queue.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ return 0
 class InflightLedger:
     """This worker's set of delivery tags it holds (received, not yet acked).
 
-    Tags are added by the fetch itself (``workers.reliable_redis.QoS.append``,
+    Tags are added by the fetch itself (``workers.queue.reliable_redis.QoS.append``,
     in the same MULTI as kombu's unacked record); this class keeps the set
     tidy and alive.
     """
@@ -349,7 +349,7 @@ class Reaper:
         not reach Redis. Seen: one task of 24 never done after two Redis
         restarts. A restore here is not counted as a redelivery (the task did
         not kill anything); one whose result is stored comes back to be acked
-        unrun (``workers.dedup``).
+        unrun (``workers.queue.dedup``).
         """
         if self.held is None:
             return 0
@@ -464,7 +464,7 @@ class Reaper:
                     pipe.hdel(keys.KOMBU_UNACKED, tag)
                     self._push(channel, pipe, payload, exchange, routing_key)
                     pipe.srem(ledger, tag)
-                    if holder != self.node:  # it may still run it, cut off: tell it (workers.handed_on)
+                    if holder != self.node:  # it may still run it, cut off: tell it (workers.queue.handed_on)
                         pipe.sadd(keys.handed_on(holder), tag)
                         pipe.expire(keys.handed_on(holder), self.counter_ttl_s)
                     if count:

@@ -51,7 +51,7 @@ import redis
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.schemas import Sample, SamplingParams
-from rollout_queue.workers.logprobs import sample_logprobs
+from rollout_queue.workers.engine.logprobs import sample_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``rollout-queue dead-letters``: list, requeue or drop the dead-lettered items.
 
 Workers move every queue item they cannot decode into a task to
-``rq:dead:<queue>`` (``workers.poison``). This lists them (newest first),
+``rq:dead:<queue>`` (``workers.queue.poison``). This lists them (newest first),
 puts one back on its queue (``--requeue ID``: only if it now decodes, as a
 worker would check it; otherwise refused, exit 2), or deletes one
 (``--drop ID``). Each change is one Redis script, so an entry is requeued or
@@ -27,7 +27,7 @@ from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import BrokerUnavailable, DeadLetterNotFound, PoisonMessage
 from rollout_queue.tasks.registry import connect
 from rollout_queue.tasks.settings import ClientSettings
-from rollout_queue.workers.poison import DeadLetter, check_task
+from rollout_queue.workers.queue.poison import DeadLetter, check_task
 
 # KEYS: dead-letter list, queue; ARGV: the entry's exact JSON, the raw item.
 REQUEUE_SCRIPT = """

@@ -22,9 +22,12 @@ from rollout_queue.tasks.errors import EngineError
 from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.logs import configure_logging
 from rollout_queue.weight_sync import cpu_weights
-from rollout_queue.workers import control, delivery, reliable_redis, result_backend
-from rollout_queue.workers.engine import EngineHost
-from rollout_queue.workers.runtime import WorkerRuntime
+from rollout_queue.workers.node import control
+from rollout_queue.workers.queue import delivery
+from rollout_queue.workers.queue import reliable_redis
+from rollout_queue.workers.queue import result_backend
+from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.node.runtime import WorkerRuntime
 from rollout_queue.workers.settings import WorkerSettings
 
 log = logging.getLogger("rollout_queue.worker")
@@ -53,13 +56,13 @@ def cpu_environment(weights: str = "packed", *, async_engine: bool = True) -> No
 
 
 def use_reliable_fetch(node: str) -> None:
-    """Fetch through workers.reliable_redis: no message lost between queue and unacked,
-    and a poison item dead-lettered wherever it is found (workers.poison)."""
+    """Fetch through workers.queue.reliable_redis: no message lost between queue and unacked,
+    and a poison item dead-lettered wherever it is found (workers.queue.poison)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    TRANSPORT_ALIASES.setdefault("rq-redis", "rollout_queue.workers.reliable_redis:Transport")
+    TRANSPORT_ALIASES.setdefault("rq-redis", "rollout_queue.workers.queue.reliable_redis:Transport")
     app.conf.broker_transport = "rq-redis"  # logs show rq-redis://:**@host
-    app.conf.worker_consumer = "rollout_queue.workers.poison:DeadLetteringConsumer"
+    app.conf.worker_consumer = "rollout_queue.workers.queue.poison:DeadLetteringConsumer"
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
         "rq_processing_key": keys.processing_key(node),
@@ -79,7 +82,7 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
     if redis_note is not None:
         log.warning("%s", redis_note)
     configure(settings, worker=True)
-    # Results refused by a full Redis are retried, not lost (workers.result_backend).
+    # Results refused by a full Redis are retried, not lost (workers.queue.result_backend).
     app.conf.result_backend = result_backend.backend_url(settings.redis_url.get_secret_value())
     if settings.control_secret() is None:
         log.warning("worker %s: --insecure-control: control commands are NOT signed; any client of "
@@ -118,7 +121,7 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
         # pending fetch sees it at once.
         reliable_redis.gate_fetches(keys.processing_key(settings.name), runtime.intake.has_room)
     if settings.metrics_port is not None:
-        from rollout_queue.workers.metrics import start_metrics
+        from rollout_queue.workers.node.metrics import start_metrics
 
         start_metrics(runtime, settings.metrics_port, settings.metrics_host)
 

@@ -24,8 +24,8 @@ import redis
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.schemas import SampleDelta, StreamEvent
-from rollout_queue.workers.logprobs import sample_logprobs
-from rollout_queue.workers.tools import ToolStream
+from rollout_queue.workers.engine.logprobs import sample_logprobs
+from rollout_queue.workers.engine.tools import ToolStream
 
 log = logging.getLogger(__name__)
 

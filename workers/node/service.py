@@ -32,11 +32,11 @@ from rollout_queue.tasks.generate import (
 from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.streaming import STREAM_HEADER
-from rollout_queue.workers.engine import EngineHost
-from rollout_queue.workers.handed_on import HandedOn
-from rollout_queue.workers.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
-from rollout_queue.workers.streaming import DeltaPublisher
-from rollout_queue.workers.tools import ToolStream
+from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.queue.handed_on import HandedOn
+from rollout_queue.workers.engine.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
+from rollout_queue.workers.engine.streaming import DeltaPublisher
+from rollout_queue.workers.engine.tools import ToolStream
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class GenerationService:
         self.host = host
         # Reads the prompts a task's requester gave up on (keys.abort_key); None: never.
         self.client = client
-        # Writes streamed tasks' deltas (workers.streaming); None: no Redis, no streaming.
+        # Writes streamed tasks' deltas (workers.engine.streaming); None: no Redis, no streaming.
         self.streams = None if client is None else DeltaPublisher(client)
         self.node = node
         self.soft_time_limit = soft_time_limit
@@ -89,9 +89,9 @@ class GenerationService:
         self.failed_tasks = 0
         self._lock = threading.Lock()
         self.on_finished: list[Any] = []  # callbacks (metrics): (result | None, seconds)
-        # Called with the task id once its requests are in the engine (workers.intake).
+        # Called with the task id once its requests are in the engine (workers.queue.intake).
         self.on_submitted: Callable[[str], None] | None = None
-        # Checkpoints of partial generations (workers.progress); None: off.
+        # Checkpoints of partial generations (workers.engine.progress); None: off.
         self.progress: ProgressStore | None = None
         self.checkpoint_tokens = 0
         # Running tasks' prompt counts, and the tasks revoked with terminate=True
@@ -100,7 +100,7 @@ class GenerationService:
         self._terminated: set[str] = set()
 
     def terminate(self, task_ids: set[str]) -> list[str]:
-        """``revoke(terminate=True)`` of tasks this worker runs (``workers.control``):
+        """``revoke(terminate=True)`` of tasks this worker runs (``workers.node.control``):
         their prompts are aborted in the engine the way a gone client's are
         (``keys.abort_key``, read by the running task), and the task ends
         REVOKED; returns the ids of those already generating."""

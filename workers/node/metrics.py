@@ -2,7 +2,7 @@
 
 Three kinds of figures:
 - counted where it happens: queue items moved to a dead-letter list
-  (``rollout_queue_dead_letters_total{queue,reason}``, ``workers.poison``);
+  (``rollout_queue_dead_letters_total{queue,reason}``, ``workers.queue.poison``);
 - counted as tasks finish (``GenerationService.on_finished``): prompts,
   prompt and generated tokens, task latency and queueing histograms;
 - read from the runtime at scrape time (:class:`RuntimeCollector`): weight
@@ -40,19 +40,15 @@ from rollout_queue.tasks.schemas import GenerationResult, WorkerState
 from rollout_queue.workers.state import FenceReason
 
 if TYPE_CHECKING:
-    from rollout_queue.workers.runtime import WorkerRuntime
+    from rollout_queue.workers.node.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 PREFIX = "rollout_queue"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-# Module level, in the default registry that /metrics serves: the reliable
-# fetch, Celery's consumer and the reaper count into it (workers.poison).
-DEAD_LETTERS = Counter(
-    f"{PREFIX}_dead_letters", "Queue items no task could be decoded from, moved to rq:dead:<queue>",
-    ["queue", "reason"],
-)
+# rollout_queue_dead_letters_total is counted where items are dead-lettered
+# (workers.queue.poison), in the default registry that /metrics serves.
 STATES: tuple[str, ...] = get_args(WorkerState)
 
 
@@ -152,7 +148,7 @@ class RuntimeCollector(Collector):
         yield tasks
         duplicates = CounterMetricFamily(
             f"{PREFIX}_duplicate_deliveries",
-            "Deliveries of tasks already finished: acked without running (workers/dedup.py)",
+            "Deliveries of tasks already finished: acked without running (workers/queue/dedup.py)",
             labels=names,
         )
         duplicates.add_metric(values, rt.duplicates.duplicate_deliveries)

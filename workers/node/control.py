@@ -33,7 +33,7 @@ from celery.worker.control import Panel, control_command, ok
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import ControlRefused
-from rollout_queue.workers.runtime import WorkerRuntime
+from rollout_queue.workers.node.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

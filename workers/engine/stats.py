@@ -79,7 +79,7 @@ def stat_logger_factory(stats: EngineStats) -> Callable[[Any, int], Any]:
     """A per-engine stat-logger factory for ``AsyncLLM`` that feeds ``stats``.
 
     The ``StatLoggerBase`` subclass is defined here, not at module level, so
-    that importing this module (and ``workers.engine``) does not import vLLM.
+    that importing this module (and ``workers.engine.host``) does not import vLLM.
     """
     from vllm.v1.metrics.loggers import StatLoggerBase
 

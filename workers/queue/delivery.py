@@ -6,11 +6,11 @@ the consumer's event loop for every message before Celery builds a request:
 1. its headers are checked (:func:`check_headers`) and it may carry no
    callbacks, errbacks, chain or chord (:func:`check_no_links`): a message
    that fails either is refused before any work, dead-lettered with a reason
-   naming what was wrong (``workers.poison.DeadLetteringConsumer``), and its
+   naming what was wrong (``workers.queue.poison.DeadLetteringConsumer``), and its
    task fails with that reason;
-2. a task that already finished is acked and not run (``workers.dedup``);
+2. a task that already finished is acked and not run (``workers.queue.dedup``);
 3. the task is counted into the intake until its requests are in the engine
-   (``workers.intake``: the next fetch waits for that);
+   (``workers.queue.intake``: the next fetch waits for that);
 4. Celery's default strategy takes it from there (reserve, pool, ack late).
 
 ``die_before_ack`` is a fault for tests (``RQ_FAULT_DIE_BEFORE_ACK``): the
@@ -41,8 +41,8 @@ from rollout_queue.tasks.generate import (
     SIGNATURE_HEADER,
 )
 from rollout_queue.tasks.streaming import STREAM_HEADER
-from rollout_queue.workers.dedup import DuplicateGuard
-from rollout_queue.workers.intake import Intake
+from rollout_queue.workers.queue.dedup import DuplicateGuard
+from rollout_queue.workers.queue.intake import Intake
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 
 from rollout_queue.tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
-from rollout_queue.workers import logprobs as lp
-from rollout_queue.workers import orphans
-from rollout_queue.workers.engine_stats import EngineStats, stat_logger_factory
-from rollout_queue.workers.progress import (
+from rollout_queue.workers.engine import logprobs as lp
+from rollout_queue.workers.engine import orphans
+from rollout_queue.workers.engine.stats import EngineStats, stat_logger_factory
+from rollout_queue.workers.engine.progress import (
     SampleKey,
     SampleProgress,
     TaskCheckpointer,
@@ -39,7 +39,7 @@ from rollout_queue.workers.progress import (
 )
 from rollout_queue.workers.settings import EngineSettings
 from rollout_queue.workers.state import NodeState
-from rollout_queue.workers.tools import ToolCalls, render
+from rollout_queue.workers.engine.tools import ToolCalls, render
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,7 +123,7 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
     if params.top_k is not None:
         kwargs["top_k"] = params.top_k
     if (params.logprobs is not None or params.prompt_logprobs is not None) and _takes("flat_logprobs"):
-        kwargs["flat_logprobs"] = True  # a few lists per request, not objects per token (workers.logprobs)
+        kwargs["flat_logprobs"] = True  # a few lists per request, not objects per token (workers.engine.logprobs)
     if every is not None and every > 1 and per_request_stream_interval():
         kwargs["stream_interval"] = every
     structured = None
@@ -142,7 +142,7 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
 
 def _merge(whole: Any, out: Any) -> None:
     """``whole.add(out, aggregate=True)`` (vLLM's merge of a delta output), with
-    flat logprobs appended list by list (``workers.logprobs.extend``) rather
+    flat logprobs appended list by list (``workers.engine.logprobs.extend``) rather
     than by vLLM's ``FlatLogprobs.extend``, which builds a dict per position."""
     mine = {completion.index: completion for completion in whole.outputs}
     for completion in out.outputs:
@@ -196,7 +196,7 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kwargs["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.device == "cpu":
         kwargs.update(_whole_prefills(settings))
-    kwargs.update(settings.engine_args)  # vLLM's own flags (workers/engine_cli.py)
+    kwargs.update(settings.engine_args)  # vLLM's own flags (workers/engine/args.py)
     return kwargs
 
 
@@ -318,7 +318,7 @@ class EngineHost:
             if problem is not None:
                 raise EngineError(problem)
         # An engine core a dead worker left holds memory this one needs: name
-        # it; and this worker's own engine core dies with it (workers.orphans).
+        # it; and this worker's own engine core dies with it (workers.engine.orphans).
         orphans.report_stale_engines(self.settings.device)
         orphans.tie_engine_core()
         self._thread.start()
@@ -430,8 +430,8 @@ class EngineHost:
         ``first_index``: see :meth:`prompt_token_ids`.
 
         ``checkpoint``: save the samples' progress as they grow, and continue
-        those in ``saved`` from their saved tokens (``workers.progress``).
-        ``on_output``: a streamed task's hook (``workers.streaming``), called
+        those in ``saved`` from their saved tokens (``workers.engine.progress``).
+        ``on_output``: a streamed task's hook (``workers.engine.streaming``), called
         on the engine loop with the prompt's index and each delta output as it
         comes (a streamed task is not checkpointed).
         """

@@ -1,6 +1,6 @@
 """The worker's side of a weight sync, driven from the host process.
 
-The trigger arrives as a remote-control command (``workers.control``), which
+The trigger arrives as a remote-control command (``workers.node.control``), which
 checks its signature (``tasks.auth``) and calls :meth:`SyncParticipant.accept`
 in Celery's consumer loop: it checks the plan and the manifest, answers at
 once, and hands the rest to a thread (:meth:`SyncParticipant.sync`), which
@@ -53,8 +53,8 @@ from rollout_queue.weight_sync.protocol import (
     UpdateRequest,
     UpdateResult,
 )
-from rollout_queue.workers.checkpoint import checkpoint_shapes
-from rollout_queue.workers.engine import EngineHost
+from rollout_queue.workers.node.weight_files import checkpoint_shapes
+from rollout_queue.workers.engine.host import EngineHost
 from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)

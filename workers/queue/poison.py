@@ -6,7 +6,7 @@ not an envelope object, no ``properties`` or ``delivery_tag``, a body its
 message (a content type the app does not accept, such as pickle; a body
 that does not deserialize; no task name, or one this worker does not know;
 a task message Celery chokes on; a ``generate`` message with headers it
-cannot use or callbacks to follow, ``workers.delivery``). Before, the first kind killed the worker
+cannot use or callbacks to follow, ``workers.queue.delivery``). Before, the first kind killed the worker
 at every start and stalled every reaper; the second was dropped, or killed
 the worker too.
 
@@ -14,15 +14,15 @@ Each poison item moves, in one Redis script, from where the worker holds it
 to the bounded list ``rq:dead:<queue>`` (newest first, ``DEAD_LETTERS_MAX``
 per queue), as a :class:`DeadLetter`: the raw item, the reason, the time,
 the node and an id. It is logged once, counted
-(``rollout_queue_dead_letters_total{queue,reason}``, ``workers.metrics``),
+(``rollout_queue_dead_letters_total{queue,reason}``, ``workers.node.metrics``),
 acknowledged, and the worker serves on. ``rollout-queue dead-letters``
-(``workers.dead_letters``) lists, requeues and drops them.
+(``cli.dead_letters``) lists, requeues and drops them.
 
 Each check sits where the decoding happens, so nothing is decoded twice:
 
 * the envelope, before kombu builds a message from it:
   :func:`check_envelope`, called by the reliable fetch
-  (``workers.reliable_redis``) and by the reaper (``workers.reaper``) on a
+  (``workers.queue.reliable_redis``) and by the reaper (``workers.queue.reaper``) on a
   processing list's items; the item moves from the processing list
   (:func:`dead_letter_fetched`);
 * the body and the task protocol, in Celery's consumer, which decodes the
@@ -49,18 +49,24 @@ from kombu.exceptions import ContentDisallowed
 from kombu.serialization import loads, prepare_accept_content
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads as json_loads
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict
 from vine import promise
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import InvalidRequest, PoisonMessage
-from rollout_queue.workers.metrics import DEAD_LETTERS
 
 log = logging.getLogger(__name__)
 
 # Per queue; past it the oldest entries are trimmed (a flood of poison must
 # not fill Redis, whose noeviction policy would then refuse real tasks).
 DEAD_LETTERS_MAX = 10_000
+# In the default registry, which a worker's /metrics serves (workers.node.metrics):
+# the reliable fetch, Celery's consumer and the reaper count into it.
+DEAD_LETTERS = Counter(
+    "rollout_queue_dead_letters", "Queue items no task could be decoded from, moved to rq:dead:<queue>",
+    ["queue", "reason"],
+)
 
 # KEYS: processing list, dead-letter list; ARGV: item, entry, bound.
 # Moves only an item still there (another reaper may have moved it).
@@ -245,7 +251,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]
     does not expect while reading one (a task message without an id, a body
     that is not ``[args, kwargs, embed]``) escapes its event loop and stops
     the worker. Here each moves to the dead letters and is acked. Selected
-    by the worker (``worker_consumer``, ``workers.main``); the message's
+    by the worker (``worker_consumer``, ``workers.node.main``); the message's
     channel is the reliable transport's (``rq_dead_letter_delivered``).
     """
 
@@ -257,7 +263,7 @@ class DeadLetteringConsumer(Consumer):  # type: ignore[misc]
                 return handle(message)
             except (redis.RedisError, OSError):
                 raise  # the broker's: Celery reconnects
-            except PoisonMessage as poison:  # refused by the task's strategy (workers.delivery)
+            except PoisonMessage as poison:  # refused by the task's strategy (workers.queue.delivery)
                 self.dead_letter(message, poison)
                 task_id = (message.headers or {}).get("id")
                 if isinstance(task_id, str):  # the producer sees why, not a task that never ends

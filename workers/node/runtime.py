@@ -10,7 +10,7 @@ write goes through again (:meth:`WorkerRuntime.redis_full`).
 Its state (``workers.state.NodeState``, the engine host's) is written only
 through its transitions; the runtime follows each change, consuming its queues
 or not and publishing the registry entry.
-It also owns the in-flight ledger and the reaper (``workers.reaper``) that
+It also owns the in-flight ledger and the reaper (``workers.queue.reaper``) that
 redeliver a dead worker's tasks.
 """
 
@@ -30,16 +30,16 @@ from rollout_queue.tasks.app import app
 from rollout_queue.tasks.auth import CommandVerifier
 from rollout_queue.tasks.registry import connect, fleet_version
 from rollout_queue.tasks.schemas import WorkerInfo
-from rollout_queue.workers.dedup import DuplicateGuard, quick_client
-from rollout_queue.workers.engine import EngineHost, per_request_stream_interval
-from rollout_queue.workers.intake import Intake
-from rollout_queue.workers.liveness import EngineWatch
-from rollout_queue.workers.progress import ProgressStore
-from rollout_queue.workers.reaper import InflightLedger, Reaper
-from rollout_queue.workers.service import GenerationService
+from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
+from rollout_queue.workers.engine.host import EngineHost, per_request_stream_interval
+from rollout_queue.workers.queue.intake import Intake
+from rollout_queue.workers.engine.liveness import EngineWatch
+from rollout_queue.workers.engine.progress import ProgressStore
+from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
+from rollout_queue.workers.node.service import GenerationService
 from rollout_queue.workers.settings import WorkerSettings
 from rollout_queue.workers.state import CAUGHT_UP, FenceReason, NodeState
-from rollout_queue.workers.sync import SyncParticipant
+from rollout_queue.workers.node.sync import SyncParticipant
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class WorkerRuntime:
             ledger=self.ledger,
             held=held_delivery_tags,
         )
-        # Checks the signature of every state-changing control command (workers/control.py).
+        # Checks the signature of every state-changing control command (workers/node/control.py).
         self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s,
                                         client=self.client)
         self.sync = SyncParticipant(host, self.node, self.client, self.state)

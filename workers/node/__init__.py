@@ -1,0 +1,1 @@
+"""The node: a worker assembled from its engine and queue rooms, and run."""

@@ -1,0 +1,1 @@
+"""The queue side: fetching from Redis without loss, redelivery, poison, dedup, intake."""
