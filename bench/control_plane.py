@@ -157,8 +157,8 @@ class SimNode:
 
         from rollout_queue.tasks.auth import CommandVerifier
         from rollout_queue.tasks.registry import connect
-        from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
         from rollout_queue.workers.node.sync import SyncParticipant
+        from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 
         self.node = node
         self.settings = SimpleNamespace(pool=pool, queues=[queue], tensor_parallel_size=1, model=model)
@@ -353,13 +353,13 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
     import torch
     from rich.console import Console
 
+    from rollout_queue.cli.status import read_fleet, render
     from rollout_queue.tasks import control
     from rollout_queue.tasks.generate import generate
     from rollout_queue.tasks.registry import connect
     from rollout_queue.tasks.schemas import SamplingParams
     from rollout_queue.tasks.settings import SyncSettings
     from rollout_queue.weight_sync.sender import WeightSender, named_tensors
-    from rollout_queue.cli.status import read_fleet, render
 
     run_id = secrets.token_hex(3)
     pool, queue = f"ctlsim-{run_id}", f"ctlsim-{run_id}"

@@ -145,8 +145,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _dead_letters(args: argparse.Namespace) -> int:
-    from rollout_queue.tasks.settings import ClientSettings
     from rollout_queue.cli.dead_letters import run_dead_letters
+    from rollout_queue.tasks.settings import ClientSettings
 
     settings = ClientSettings(redis_url=SecretStr(args.redis_url)) if args.redis_url else ClientSettings()
     return run_dead_letters(settings, queue=args.queue, requeue_id=args.requeue, drop_id=args.drop)

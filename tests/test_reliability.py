@@ -47,10 +47,10 @@ from rollout_queue.tasks.errors import (
     Requeue,
 )
 from rollout_queue.tasks.schemas import GenerationResult, WorkerInfo
+from rollout_queue.workers.node.service import time_limit
 from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 from rollout_queue.workers.queue.reliable_redis import FETCH_SCRIPT
 from rollout_queue.workers.queue.reliable_redis import Transport as ReliableTransport
-from rollout_queue.workers.node.service import time_limit
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
     RedisServer,

@@ -456,8 +456,8 @@ class AckLists:
 def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     """The engine host closes intake before it pauses the engine; if the pause then
     fails, the sync must resume (reopen intake) and fence, not leave it shut."""
-    from rollout_queue.workers.state import FenceReason, NodeState
     from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.state import FenceReason, NodeState
 
     class Host:  # the engine host's surface a sync uses; its pause fails after closing intake
         weight_version = 0
@@ -494,8 +494,8 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
 
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
 ) -> None:
-    from rollout_queue.workers.state import NodeState
     from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.state import NodeState
 
     class Host:  # the engine host's surface a sync uses
         weight_version = 0
@@ -535,8 +535,8 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
     epoch is refused, and the epoch in hand heard again is ignored (its acks stand)."""
     import threading
 
-    from rollout_queue.workers.state import NodeState
     from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.state import NodeState
 
     class Host:  # the engine host's surface a sync uses; the first pause waits, every pause fails
         weight_version = 0

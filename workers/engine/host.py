@@ -28,7 +28,6 @@ from rollout_queue.tasks.errors import EngineError, GenerationTimeout, InvalidRe
 from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
 from rollout_queue.workers.engine import logprobs as lp
 from rollout_queue.workers.engine import orphans
-from rollout_queue.workers.engine.stats import EngineStats, stat_logger_factory
 from rollout_queue.workers.engine.progress import (
     SampleKey,
     SampleProgress,
@@ -37,9 +36,10 @@ from rollout_queue.workers.engine.progress import (
     join,
     plan_units,
 )
+from rollout_queue.workers.engine.stats import EngineStats, stat_logger_factory
+from rollout_queue.workers.engine.tools import ToolCalls, render
 from rollout_queue.workers.settings import EngineSettings
 from rollout_queue.workers.state import NodeState
-from rollout_queue.workers.engine.tools import ToolCalls, render
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -22,12 +22,10 @@ from rollout_queue.tasks.errors import EngineError
 from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.logs import configure_logging
 from rollout_queue.weight_sync import cpu_weights
-from rollout_queue.workers.node import control
-from rollout_queue.workers.queue import delivery
-from rollout_queue.workers.queue import reliable_redis
-from rollout_queue.workers.queue import result_backend
 from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.node import control
 from rollout_queue.workers.node.runtime import WorkerRuntime
+from rollout_queue.workers.queue import delivery, reliable_redis, result_backend
 from rollout_queue.workers.settings import WorkerSettings
 
 log = logging.getLogger("rollout_queue.worker")

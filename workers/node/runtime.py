@@ -30,16 +30,16 @@ from rollout_queue.tasks.app import app
 from rollout_queue.tasks.auth import CommandVerifier
 from rollout_queue.tasks.registry import connect, fleet_version
 from rollout_queue.tasks.schemas import WorkerInfo
-from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
 from rollout_queue.workers.engine.host import EngineHost, per_request_stream_interval
-from rollout_queue.workers.queue.intake import Intake
 from rollout_queue.workers.engine.liveness import EngineWatch
 from rollout_queue.workers.engine.progress import ProgressStore
-from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 from rollout_queue.workers.node.service import GenerationService
+from rollout_queue.workers.node.sync import SyncParticipant
+from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
+from rollout_queue.workers.queue.intake import Intake
+from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 from rollout_queue.workers.settings import WorkerSettings
 from rollout_queue.workers.state import CAUGHT_UP, FenceReason, NodeState
-from rollout_queue.workers.node.sync import SyncParticipant
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, Timin
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.streaming import STREAM_HEADER
 from rollout_queue.workers.engine.host import EngineHost
-from rollout_queue.workers.queue.handed_on import HandedOn
 from rollout_queue.workers.engine.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
 from rollout_queue.workers.engine.streaming import DeltaPublisher
 from rollout_queue.workers.engine.tools import ToolStream
+from rollout_queue.workers.queue.handed_on import HandedOn
 
 log = logging.getLogger(__name__)
 

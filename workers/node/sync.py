@@ -53,8 +53,8 @@ from rollout_queue.weight_sync.protocol import (
     UpdateRequest,
     UpdateResult,
 )
-from rollout_queue.workers.node.weight_files import checkpoint_shapes
 from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.node.weight_files import checkpoint_shapes
 from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
