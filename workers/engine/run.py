@@ -310,21 +310,29 @@ class GenerationRun:
 
     def _generate(self, units: list[Unit], rids: list[str]) -> tuple[Futures, set[int]]:
         """Submit and wait for every unit; the futures, and the prompts stopped on the way."""
+        futures = self._submit(units, rids) if units else []
+        stopped = self._wait([unit.prompt for unit in units], rids, futures)
+        self._check(futures, rids)
+        return futures, stopped
+
+    def _submit(self, units: list[Unit], rids: list[str]) -> Futures:
+        """Every unit into the engine, its outputs drained into the run's sinks."""
         if self.checkpoint is not None:
             for rid, unit in zip(rids, units):
                 self.checkpoint.watch(rid, unit)
-        futures: Futures = []
-        if units:
-            sinks = self.sinks
+        sinks = self.sinks
 
-            def drain(rid: str, queue: Any) -> Any:
-                return collect(queue, rid, sinks)
+        def drain(rid: str, queue: Any) -> Any:
+            return collect(queue, rid, sinks)
 
-            futures = self.host.submit(
-                rids, [unit.engine_prompt for unit in units], self._samplings(units),
-                self.options.deadline, self.options.on_submitted, drain,
-            )
-        stopped = self._wait([unit.prompt for unit in units], rids, futures)
+        return self.host.submit(
+            rids, [unit.engine_prompt for unit in units], self._samplings(units),
+            self.options.deadline, self.options.on_submitted, drain,
+        )
+
+    def _check(self, futures: Futures, rids: list[str]) -> None:
+        """Raise what ended the requests other than their own finish: an engine
+        error, a lost engine, a sync's abort, the worker's leaving."""
         errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
         if errors:
             raise self.host.engine_error(errors[0])
@@ -335,7 +343,6 @@ class GenerationRun:
         if any(live.handed_off for live in lives):
             raise HandedOff("this worker is leaving; the task goes back to the queue (its samples' "
                             "progress saved where it is checkpointed)", countdown=0.0)
-        return futures, stopped
 
     def _wait(self, indices: list[int], rids: list[str], futures: Futures) -> set[int]:
         """Wait for every request, aborting those ``aborted`` names; returns their indices.
@@ -343,29 +350,36 @@ class GenerationRun:
         Raises at the first failed request, or ``GenerationTimeout`` at the
         deadline (every request still running is aborted first).
         """
-        by_index: dict[int, list[concurrent.futures.Future[Any]]] = {}
-        rids_of: dict[int, list[str]] = {}
+        by_prompt: dict[int, list[tuple[str, concurrent.futures.Future[Any]]]] = {}
         for index, rid, future in zip(indices, rids, futures):
-            by_index.setdefault(index, []).append(future)
-            rids_of.setdefault(index, []).append(rid)
+            by_prompt.setdefault(index, []).append((rid, future))
         stopped: set[int] = set()
         stopped_at = 0.0
         pending = set(futures)
         while pending:
             pending = self._wait_once(pending, rids)
-            if not pending or self.options.aborted is None:
-                continue
-            newly = {i for i in self.options.aborted() if i in by_index and i not in stopped}
-            if newly:
-                self.host.abort([rid for i in newly for rid in rids_of[i]])
-                stopped |= newly
-                stopped_at = time.time()
-            elif stopped and time.time() - stopped_at > ABORT_GRACE_S:
-                # vLLM answers an abort with a final output; should one never
-                # come, stop waiting for it rather than hold the task.
-                for future in (future for i in stopped for future in by_index[i]):
-                    future.cancel()
+            if pending and self.options.aborted is not None:
+                stopped_at = self._stop_aborted(self.options.aborted, by_prompt, stopped, stopped_at)
         return stopped
+
+    def _stop_aborted(
+        self, aborted: Callable[[], set[int]],
+        by_prompt: dict[int, list[tuple[str, concurrent.futures.Future[Any]]]],
+        stopped: set[int], stopped_at: float,
+    ) -> float:
+        """Abort the requests of prompts newly given up (added to ``stopped``);
+        returns when the last ones were."""
+        newly = {i for i in aborted() if i in by_prompt and i not in stopped}
+        if newly:
+            self.host.abort([rid for i in newly for rid, _ in by_prompt[i]])
+            stopped |= newly
+            return time.time()
+        if stopped and time.time() - stopped_at > ABORT_GRACE_S:
+            # vLLM answers an abort with a final output; should one never
+            # come, stop waiting for it rather than hold the task.
+            for _, future in (request for i in stopped for request in by_prompt[i]):
+                future.cancel()
+        return stopped_at
 
     def _wait_once(
         self, pending: set[concurrent.futures.Future[Any]], rids: list[str]

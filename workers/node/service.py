@@ -81,6 +81,7 @@ class GenerationService:
         soft_time_limit: float,
         hard_time_limit: float | None = None,
         client: redis.Redis | None = None,
+        handed_on: HandedOn | None = None,
     ) -> None:
         self.host = host
         # Reads the prompts a task's requester gave up on (keys.abort_key); None: never.
@@ -91,7 +92,7 @@ class GenerationService:
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
         # Tasks the fleet handed on while this worker was cut off: not stored, not acked.
-        self.handed_on = HandedOn(client, node) if client is not None else None
+        self.handed_on = handed_on
         self.inflight_tasks = 0
         self.completed_tasks = 0
         self.failed_tasks = 0
@@ -212,8 +213,18 @@ class GenerationService:
             self.progress.writer.submit(self.progress.drop, task.request.id)
         self._finish_samples(request, outputs)
         done = time.time()
+        result = self._result(task, request, outputs, version, started, done)
+        for callback in self.on_finished:
+            callback(result, done - started)
+        return result.model_dump(mode="json")
+
+    def _result(
+        self, task: Task, request: GenerateRequest, outputs: list[PromptOutput], version: int,
+        started: float, done: float,
+    ) -> GenerationResult:
+        headers = task.request.headers or {}
         sent_at = float(headers.get(SENT_AT_HEADER) or getattr(task.request, SENT_AT_HEADER, None) or started)
-        result = GenerationResult(
+        return GenerationResult(
             signature=headers.get(SIGNATURE_HEADER) or signature(request.params),
             weight_version=version,
             worker=self.node,
@@ -224,9 +235,6 @@ class GenerationService:
             ),
             timing=Timing(queued_s=max(0.0, started - sent_at), generate_s=done - started),
         )
-        for callback in self.on_finished:
-            callback(result, done - started)
-        return result.model_dump(mode="json")
 
     def _admit(self, task: Task, request: GenerateRequest) -> None:
         """Refuse a task this worker must not serve now (requeued) or at all."""
