@@ -310,7 +310,7 @@ class EngineHost:
         collected = []
         for rid, queue in zip(rids, queues):
             future = asyncio.run_coroutine_threadsafe(drain(rid, queue), self._loop)
-            future.add_done_callback(lambda _, rid=rid: self._finished(rid))
+            future.add_done_callback(functools.partial(self._finished, rid))
             with self._lock:
                 self._live[rid].future = future
             collected.append(future)
@@ -348,7 +348,7 @@ class EngineHost:
                     raise self._refused(rids, len(queues), exc) from exc
                 return queues
 
-    def _finished(self, rid: str) -> None:
+    def _finished(self, rid: str, future: concurrent.futures.Future[Any] | None = None) -> None:
         with self._lock:
             live = self._live.get(rid)
             if live is not None:

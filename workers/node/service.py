@@ -39,8 +39,8 @@ from rollout_queue.tasks.schemas import (
 )
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.streaming import STREAM_HEADER
-from rollout_queue.workers.engine.host import EngineHost
 from rollout_queue.workers.engine.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
+from rollout_queue.workers.engine.protocols import GenerationHost
 from rollout_queue.workers.engine.run import RunOptions
 from rollout_queue.workers.engine.streaming import DeltaPublisher, TaskStream
 from rollout_queue.workers.engine.tools import ToolStream
@@ -76,7 +76,7 @@ def first_prompt(headers: dict[str, Any]) -> int:
 class GenerationService:
     def __init__(
         self,
-        host: EngineHost,
+        host: GenerationHost,
         node: str,
         soft_time_limit: float,
         hard_time_limit: float | None = None,
