@@ -419,8 +419,9 @@ def _print_invalid(exc: ValidationError, command: str) -> None:
     from rollout_queue.tasks.settings import ClientSettings, describe_invalid
     from rollout_queue.workers.settings import WorkerSettings
 
-    model, prefix = {"ApiSettings": (ApiSettings, "RQ_API_"),
-                     "ClientSettings": (ClientSettings, "RQ_")}.get(exc.title, (WorkerSettings, "RQ_"))
+    models: dict[str, tuple[type[BaseSettings], str]] = {
+        "ApiSettings": (ApiSettings, "RQ_API_"), "ClientSettings": (ClientSettings, "RQ_")}
+    model, prefix = models.get(exc.title, (WorkerSettings, "RQ_"))
     sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     chosen = sub.choices.get(command)
     flagged = {a.dest for a in chosen._actions if a.option_strings} if chosen else set()

@@ -78,7 +78,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The tensors are float32 now; only the GGUF marker stays, and
     # transformers refuses to save a model marked quantized.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # typed as set, cleared here
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

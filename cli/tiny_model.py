@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with tools and tool calls rendered the Hermes way (Qwen's): the
@@ -87,13 +88,18 @@ QWEN2_SHAPES = {
 }
 
 
+# What the config files this writes have always said (transformers' stubs know only ``dtype``).
+FLOAT32: dict[str, Any] = {"torch_dtype": "float32"}
+
+
 def qwen2_config(kind: str, dtype: str = "bfloat16"):  # type: ignore[no-untyped-def]
     from transformers import Qwen2Config
 
-    return Qwen2Config(
-        **QWEN2_SHAPES[kind], max_position_embeddings=4096, initializer_range=0.02,
-        bos_token_id=31996, eos_token_id=31997, torch_dtype=dtype,
-    )
+    options: dict[str, Any] = {
+        **QWEN2_SHAPES[kind], "max_position_embeddings": 4096, "initializer_range": 0.02,
+        "bos_token_id": 31996, "eos_token_id": 31997, "torch_dtype": dtype,
+    }
+    return Qwen2Config(**options)
 
 
 def make_tiny_model(
@@ -128,9 +134,10 @@ def make_tiny_model(
             tie_word_embeddings=True,
             bos_token_id=tok.token_to_id("<|bos|>"),
             eos_token_id=tok.token_to_id("<|eos|>"),
-            torch_dtype="float32",
+            **FLOAT32,
         )
-        model_cls, torch_dtype = LlamaForCausalLM, torch.float32
+        model_cls: Any = LlamaForCausalLM
+        torch_dtype = torch.float32
     elif kind in QWEN2_SHAPES:
         from transformers import Qwen2ForCausalLM
 

@@ -29,14 +29,17 @@ if TYPE_CHECKING:
         SyncReport,
         WeightSyncError,
         WorkerInfo,
-        app,
         configure,
         control,
-        generate,
         generate_many,
-        signature,
         sync_weights,
     )
+
+    # From their own modules: ``app``, ``generate`` and ``signature`` also name
+    # modules of ``rollout_queue.tasks``, which mypy would take them for.
+    from rollout_queue.tasks.app import app
+    from rollout_queue.tasks.generate import generate
+    from rollout_queue.tasks.signature import signature
 
 __all__ = [
     "GenerationResult",

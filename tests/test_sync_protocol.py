@@ -431,6 +431,24 @@ def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
         assert torch.equal(view, state[name]), name
 
 
+class EngineHostFake:
+    """The engine host's surface a sync uses (``SyncHost``) that these tests do not
+    drive: no engine, no checkpoint to compare with, awake."""
+
+    weight_version = 0
+    settings: Any = None
+    dtype = "float32"
+
+    def is_sleeping(self) -> bool:
+        return False
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise AssertionError("a sync of an awake engine wakes nothing")
+
+    def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
+        raise AssertionError(f"no engine to call {method}")
+
+
 class AckLists:
     """The Redis surface a sync participant pushes its acks through, as lists in memory."""
 
@@ -459,15 +477,10 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     from rollout_queue.workers.node.sync import SyncParticipant
     from rollout_queue.workers.state import FenceReason, NodeState
 
-    class Host:  # the engine host's surface a sync uses; its pause fails after closing intake
-        weight_version = 0
-
+    class Host(EngineHostFake):  # the engine host's surface a sync uses; its pause fails after closing intake
         def __init__(self) -> None:
             self.calls: list[Any] = []
             self.state = NodeState()
-
-        def is_sleeping(self) -> bool:
-            return False
 
         def pause(self, mode: str, timeout: float) -> None:
             self.calls.append(("pause", mode))
@@ -480,7 +493,7 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
 
     host, acks = Host(), AckLists()
     host.state.ready()
-    participant = SyncParticipant(host, "w@h", acks, host.state)  # type: ignore[arg-type]
+    participant = SyncParticipant(host, "w@h", acks, host.state)  # type: ignore[arg-type]  # acks: a fake Redis
     with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers
         plan = _plan(sync_id=f"pause-fails-{time.time()}", store_port=store.getsockname()[1])
         participant.sync(plan)
@@ -497,14 +510,9 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
     from rollout_queue.workers.node.sync import SyncParticipant
     from rollout_queue.workers.state import NodeState
 
-    class Host:  # the engine host's surface a sync uses
-        weight_version = 0
-
+    class Host(EngineHostFake):  # the engine host's surface a sync uses
         def __init__(self) -> None:
             self.calls: list[Any] = []
-
-        def is_sleeping(self) -> bool:
-            return False
 
         def pause(self, mode: str, timeout: float) -> None:
             self.calls.append(("pause", mode))
@@ -516,7 +524,7 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
         closed_port = taken.getsockname()[1]  # nothing listens there once closed
     host, acks, state = Host(), AckLists(), NodeState()
     state.ready()
-    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]
+    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
     plan = _plan(sync_id=f"unreachable-{time.time()}", store_port=closed_port)
     started = time.monotonic()
     participant.sync(plan)
@@ -538,15 +546,10 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
     from rollout_queue.workers.node.sync import SyncParticipant
     from rollout_queue.workers.state import NodeState
 
-    class Host:  # the engine host's surface a sync uses; the first pause waits, every pause fails
-        weight_version = 0
-
+    class Host(EngineHostFake):  # the engine host's surface a sync uses; the first pause waits, every pause fails
         def __init__(self) -> None:
             self.calls: list[Any] = []
             self.first_pause = threading.Event()
-
-        def is_sleeping(self) -> bool:
-            return False
 
         def pause(self, mode: str, timeout: float) -> None:
             self.calls.append("pause")
@@ -559,7 +562,7 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
 
     host, acks, state = Host(), AckLists(), NodeState()
     state.ready()
-    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]
+    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
     empty = Manifest(tensors=[], bucket_sizes=[])
     participant._manifests[empty.wire()[1]] = empty  # as if read from Redis before
     participant._shapes_loaded = True  # no checkpoint to compare with

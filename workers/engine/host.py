@@ -3,7 +3,11 @@
 Every prompt of every task becomes one engine request on the same
 ``AsyncLLM``; requests from concurrent tasks join the running batch
 (continuous batching). Celery task threads call :meth:`EngineHost.generate`,
-which blocks on ``concurrent.futures`` futures resolved by the loop thread.
+which runs a ``GenerationRun`` (``workers.engine.run``: tokenizing, the
+requests' plan, waiting, the outputs); the run blocks on
+``concurrent.futures`` futures resolved by the loop thread. The host keeps
+the engine: its life, submitting and aborting requests, the requests live
+in it, and whether it still answers.
 
 The host also owns what a weight sync needs from the engine: closing intake,
 pausing in one of three modes, RPCs into the engine's worker processes,
@@ -19,53 +23,35 @@ import functools
 import logging
 import threading
 import time
-import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rollout_queue.tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
-from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput, Sample, SamplingParams
-from rollout_queue.workers.engine import logprobs as lp
+from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput
 from rollout_queue.workers.engine import orphans
-from rollout_queue.workers.engine.progress import (
-    SampleKey,
-    SampleProgress,
-    TaskCheckpointer,
-    finished_sample,
-    join,
-    plan_units,
-)
+from rollout_queue.workers.engine.errors import AbortedForSync, EngineLost, HandedOff
+from rollout_queue.workers.engine.run import Drain, GenerationRun, RunOptions, prompt_of, version_spans
+from rollout_queue.workers.engine.sampling import per_request_stream_interval, to_vllm_params
 from rollout_queue.workers.engine.stats import EngineStats, stat_logger_factory
-from rollout_queue.workers.engine.tools import ToolCalls, render
+from rollout_queue.workers.engine.tools import ToolCalls
 from rollout_queue.workers.settings import EngineSettings
 from rollout_queue.workers.state import NodeState
+
+# Named here too: where the worker, its tests and the benchmarks have long found them.
+__all__ = [
+    "AbortedForSync", "EngineHost", "EngineLost", "HandedOff", "LiveRequest", "RunOptions",
+    "engine_kwargs", "per_request_stream_interval", "refusal_types", "to_vllm_params", "version_spans",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 EXTENSION_CLS = "rollout_queue.weight_sync.receiver.WeightReceiver"
-# How often a running task reads which of its prompts were given up by their
-# client, and how long an aborted request may take to hand back its output.
-ABORT_POLL_S = 0.2
-ABORT_GRACE_S = 10.0
-
-
-class AbortedForSync(Requeue):
-    """In-flight requests were aborted by a ``pause="abort"`` sync: requeue the task."""
-
-
-class HandedOff(Requeue):
-    """The worker is leaving (SIGTERM past its drain deadline): requeue the task at once."""
-
-
-class EngineLost(Requeue):
-    """The engine died or stopped answering: the task goes back to the queue at
-    once, for another worker (nothing was wrong with it; the worker leaves)."""
 
 
 @dataclass
-class _Live:
+class LiveRequest:
     """A request in the engine, and the weight versions its samples crossed."""
 
     version: int
@@ -75,82 +61,6 @@ class _Live:
     sequences: int = 1  # the request's samples (n): what it holds of max_num_seqs
     finished: bool = False  # its final output is in (the task may still wait for others)
     future: concurrent.futures.Future[Any] | None = None  # its final output; cancelled if the engine is lost
-
-
-def per_request_stream_interval() -> bool:
-    """Whether this vLLM's ``SamplingParams`` take a ``stream_interval`` (0.32 does)."""
-    return _takes("stream_interval")
-
-
-@functools.cache
-def _takes(name: str) -> bool:
-    """Whether this vLLM's ``SamplingParams`` have the field ``name``."""
-    from vllm import SamplingParams as VllmSamplingParams
-
-    return name in getattr(VllmSamplingParams, "__struct_fields__", ())
-
-
-def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | None = None) -> Any:
-    """Our validated params → ``vllm.SamplingParams``. ``kind``: the output
-    vLLM sends: ``final`` only, or each step's ``delta`` (streamed tasks,
-    checkpoints). ``every``: deltas only each ``every`` tokens (and the
-    first and last), where vLLM has per-request ``stream_interval`` (0.32
-    does; older versions send every step): a checkpoint reads one output per
-    interval, and an output for every request at every step is what
-    checkpoints cost (0.70x the throughput on an H200 batch of 1024, with
-    cumulative outputs at every step)."""
-    from vllm import SamplingParams as VllmSamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-    kwargs: dict[str, Any] = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "max_tokens": params.max_tokens,
-        "min_tokens": params.min_tokens,
-        "n": params.n,
-        "stop": params.stop,
-        "stop_token_ids": params.stop_token_ids,
-        "seed": params.seed,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "repetition_penalty": params.repetition_penalty,
-        "logprobs": params.logprobs,
-        "prompt_logprobs": params.prompt_logprobs,
-        "ignore_eos": params.ignore_eos,
-        "output_kind": {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA}[kind],
-    }
-    if params.top_k is not None:
-        kwargs["top_k"] = params.top_k
-    if (params.logprobs is not None or params.prompt_logprobs is not None) and _takes("flat_logprobs"):
-        kwargs["flat_logprobs"] = True  # a few lists per request, not objects per token (workers.engine.logprobs)
-    if every is not None and every > 1 and per_request_stream_interval():
-        kwargs["stream_interval"] = every
-    structured = None
-    if params.json_schema is not None:
-        structured = StructuredOutputsParams(json=params.json_schema, disable_any_whitespace=True)
-    elif params.json_object:
-        structured = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
-    elif params.regex is not None:
-        structured = StructuredOutputsParams(regex=params.regex)
-    elif params.choice is not None:
-        structured = StructuredOutputsParams(choice=params.choice)
-    if structured is not None:
-        kwargs["structured_outputs"] = structured
-    return VllmSamplingParams(**kwargs)
-
-
-def _merge(whole: Any, out: Any) -> None:
-    """``whole.add(out, aggregate=True)`` (vLLM's merge of a delta output), with
-    flat logprobs appended list by list (``workers.engine.logprobs.extend``) rather
-    than by vLLM's ``FlatLogprobs.extend``, which builds a dict per position."""
-    mine = {completion.index: completion for completion in whole.outputs}
-    for completion in out.outputs:
-        into = mine.get(completion.index)
-        if into is not None and lp.is_flat(into.logprobs) and lp.is_flat(completion.logprobs):
-            lp.extend(into.logprobs, completion.logprobs)
-            completion.logprobs = None  # merged: vLLM's add skips it
-    whole.add(out, aggregate=True)
 
 
 def _structured_outputs_config() -> Any:
@@ -221,30 +131,6 @@ def _whole_prefills(settings: EngineSettings) -> dict[str, Any]:
     return whole
 
 
-def version_spans(first: int, changes: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """``[[first_token_index, version], ...]`` with empty spans dropped.
-
-    A change at token ``k`` means tokens ``k…`` came from the new weights; a
-    change at 0 (the request had generated nothing yet) replaces the first span.
-    """
-    spans = [(0, first)]
-    for start, version in sorted(changes):
-        if start >= length and start > 0:
-            break  # nothing generated after the change
-        if start == spans[-1][0]:
-            spans[-1] = (start, version)
-        elif version != spans[-1][1]:
-            spans.append((start, version))
-    return spans
-
-
-def _aborted_output(prompt_ids: list[int], n: int, version: int) -> PromptOutput:
-    """The output of a prompt aborted before the engine produced any: n empty samples."""
-    sample = Sample(text="", token_ids=[], finish_reason="abort", weight_versions=[(0, version)])
-    return PromptOutput(prompt_token_ids=prompt_ids, samples=[sample] * n)
-
-
-
 @functools.cache
 def refusal_types() -> tuple[type[Exception], ...]:
     """The exceptions vLLM refuses an invalid request with: ``ValueError``, and
@@ -275,7 +161,7 @@ class EngineHost:
         self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
         self._submit_lock = threading.Lock()
         self._pending_counts: dict[tuple[str, int], int] = {}
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._lock = threading.Lock()
         self._keep_pause = False
         # Set when pause() found the engine idle and left it running: its
@@ -368,194 +254,15 @@ class EngineHost:
 
     # ------------------------------------------------------------ generation
 
-    def prompt_token_ids(self, request: GenerateRequest, first_index: int = 0) -> list[list[int]]:
-        """Tokenize (chat template for conversations) and check every prompt fits.
-
-        Errors name a prompt by its index in the caller's call: ``first_index``
-        is where this task's prompts start in it (a part of a split call)."""
-        tok = self.tokenizer
-        ids: list[list[int]] = []
-        for i, prompt in enumerate(request.prompts, start=first_index):
-            if request.kind == "text":
-                tokens = list(tok(prompt).input_ids)
-            elif request.kind == "chat":
-                conversation = request.conversation(i - first_index)
-                self.tool_calls.check(conversation)
-                text = render(tok, conversation)
-                tokens = list(tok(text, add_special_tokens=False).input_ids)
-            else:
-                tokens = list(prompt)  # type: ignore[arg-type]
-                bad = [t for t in tokens if t >= self.vocab_size]
-                if bad:
-                    raise InvalidRequest(
-                        f"prompt {i} has token id {bad[0]}; this model's vocabulary has "
-                        f"{self.vocab_size} tokens (ids 0..{self.vocab_size - 1})"
-                    )
-            if not tokens:
-                raise InvalidRequest(f"prompt {i} tokenizes to nothing; send at least one token")
-            if len(tokens) >= self.max_model_len:
-                raise PromptTooLong(
-                    f"prompt {i} has {len(tokens)} tokens; this worker's max_model_len is "
-                    f"{self.max_model_len} (prompt plus at least one generated token must fit)"
-                )
-            ids.append(tokens)
-        return ids
-
     def wait_for_intake(self, deadline: float) -> None:
         """Block while a weight sync holds intake closed."""
         if not self.state.wait_for_intake(deadline - time.time()):
             raise GenerationTimeout("the task's time limit passed while a weight sync held intake")
 
-    def generate(
-        self,
-        request: GenerateRequest,
-        deadline: float,
-        aborted: Callable[[], set[int]] | None = None,
-        on_submitted: Callable[[], None] | None = None,
-        first_index: int = 0,
-        checkpoint: TaskCheckpointer | None = None,
-        saved: dict[SampleKey, SampleProgress] | None = None,
-        on_output: Callable[[int, Any], None] | None = None,
-    ) -> tuple[list[PromptOutput], int]:
-        """Run every prompt as one engine request; returns outputs and the final version.
-
-        ``aborted``: the indices of prompts nobody waits for any more (their
-        client went away), read before submitting and every ``ABORT_POLL_S``
-        while generating. Those prompts are not started, or their engine
-        requests are aborted; their outputs end with ``finish_reason="abort"``
-        and hold what was generated until then.
-
-        ``on_submitted`` is called once every request is in the engine (the
-        worker's intake then counts them there, not as waiting to go in);
-        ``first_index``: see :meth:`prompt_token_ids`.
-
-        ``checkpoint``: save the samples' progress as they grow, and continue
-        those in ``saved`` from their saved tokens (``workers.engine.progress``).
-        ``on_output``: a streamed task's hook (``workers.engine.streaming``), called
-        on the engine loop with the prompt's index and each delta output as it
-        comes (a streamed task is not checkpointed).
-        """
-        prompt_ids = self.prompt_token_ids(request, first_index)
-        if checkpoint is not None and on_output is None:
-            return self._generate_checkpointed(
-                request, prompt_ids, deadline, aborted, on_submitted, checkpoint, saved or {}
-            )
-        sampling = to_vllm_params(request.params, "delta" if on_output is not None else "final")
-        batch = uuid.uuid4().hex[:12]
-        skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
-        run = [i for i in range(len(prompt_ids)) if i not in skipped]
-        rids = [f"{batch}-{i}" for i in run]
-        try:
-            futures = (
-                self._submit(rids, [prompt_ids[i] for i in run], sampling, deadline, on_submitted, on_output=on_output)
-                if run else []
-            )
-            stopped = self._wait(run, rids, futures, deadline, aborted)
-            errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
-            if errors:
-                raise self._engine_error(errors[0])
-            self._raise_if_lost()
-            with self._lock:
-                lives = {i: self._live[rid] for i, rid in zip(run, rids)}
-            if any(live.aborted_for_sync for live in lives.values()):
-                raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
-            if any(live.handed_off for live in lives.values()):
-                raise HandedOff("this worker is leaving; the task goes back to the queue", countdown=0.0)
-            finished = {i: f for i, f in zip(run, futures) if not f.cancelled()}
-            outputs = [
-                self._to_output(finished[i].result(), lives[i], request.params)
-                if i in finished
-                else _aborted_output(prompt_ids[i], request.params.n, self.weight_version)
-                for i in range(len(prompt_ids))
-            ]
-            if skipped or stopped:
-                log.info("aborted %d of %d prompts: their client went away or the task was revoked",
-                         len(skipped | stopped), len(prompt_ids))
-            version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
-            return outputs, version
-        finally:
-            with self._lock:
-                for rid in rids:
-                    self._live.pop(rid, None)
-
-    def _generate_checkpointed(
-        self,
-        request: GenerateRequest,
-        prompt_ids: list[list[int]],
-        deadline: float,
-        aborted: Callable[[], set[int]] | None,
-        on_submitted: Callable[[], None] | None,
-        checkpoint: TaskCheckpointer,
-        saved: dict[SampleKey, SampleProgress],
-    ) -> tuple[list[PromptOutput], int]:
-        """:meth:`generate` with checkpoints: one request per :class:`Unit` of
-        ``plan_units`` (a prompt's n samples, or one sample resumed from
-        ``saved``); the samples' parts are joined into whole samples."""
-        params = request.params
-        skipped = {i for i in (aborted() if aborted else set()) if 0 <= i < len(prompt_ids)}
-        units, complete = plan_units(prompt_ids, params, saved, skipped)
-        batch = uuid.uuid4().hex[:12]
-        # "<batch>.<unit>-<prompt>": the prompt index stays last (see _refused).
-        rids = [f"{batch}.{k}-{unit.prompt}" for k, unit in enumerate(units)]
-        for rid, unit in zip(rids, units):
-            checkpoint.watch(rid, unit)
-        samplings = [to_vllm_params(unit.params, "delta", checkpoint.interval) for unit in units]
-        try:
-            futures = (
-                self._submit(
-                    rids, [unit.engine_prompt for unit in units], samplings, deadline, on_submitted,
-                    checkpoint.observe,
-                )
-                if units else []
-            )
-            self._wait([unit.prompt for unit in units], rids, futures, deadline, aborted)
-            errors = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
-            if errors:
-                raise self._engine_error(errors[0])
-            self._raise_if_lost()
-            with self._lock:
-                lives = {rid: self._live[rid] for rid in rids}
-            if any(live.aborted_for_sync for live in lives.values()):
-                checkpoint.save_now()  # the next run continues from here, on the new weights
-                raise AbortedForSync("in-flight requests were aborted by a weight sync; requeue")
-            if any(live.handed_off for live in lives.values()):
-                checkpoint.save_now()  # the next worker continues from here
-                raise HandedOff(
-                    "this worker is leaving; the task goes back to the queue with its samples' "
-                    "progress saved", countdown=0.0,
-                )
-            decode = self._decode
-            samples: dict[SampleKey, Sample] = {key: finished_sample(p, decode) for key, p in complete.items()}
-            prompt_lps: dict[int, list[float | None] | None] = {}
-            for rid, unit, future in zip(rids, units, futures):
-                if future.cancelled():
-                    continue
-                out = self._to_output(future.result(), lives[rid], unit.params)
-                if unit.prompt not in prompt_lps and out.prompt_logprobs is not None:
-                    prompt_lps[unit.prompt] = out.prompt_logprobs[: len(prompt_ids[unit.prompt])]
-                for index, sample in enumerate(out.samples):
-                    samples[(unit.prompt, unit.samples[index])] = join(unit.prefix, sample, checkpoint.node, decode)
-            missing = Sample(text="", token_ids=[], finish_reason="abort", weight_versions=[(0, self.weight_version)])
-            outputs = [
-                PromptOutput(
-                    prompt_token_ids=ids,
-                    prompt_logprobs=prompt_lps.get(i),
-                    samples=[samples.get((i, s), missing) for s in range(params.n)],
-                )
-                for i, ids in enumerate(prompt_ids)
-            ]
-            version = max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
-            return outputs, version
-        except EngineLost:
-            checkpoint.save_now()  # the next worker continues from here
-            raise
-        finally:
-            with self._lock:
-                for rid in rids:
-                    self._live.pop(rid, None)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+    def generate(self, request: GenerateRequest, options: RunOptions) -> tuple[list[PromptOutput], int]:
+        """Run every prompt of ``request``; returns outputs and the final version
+        (``workers.engine.run``; ``options`` says how)."""
+        return GenerationRun(self, request, options).result()
 
     def spans_of(self, rid: str, index: int, length: int) -> list[tuple[int, int]]:
         """The weight-version spans of a running request's sample ``index``."""
@@ -565,108 +272,45 @@ class EngineHost:
                 return [(0, self.weight_version)]
             return version_spans(live.version, list(live.spans.get(index, [])), length)
 
-    def _wait(
-        self,
-        indices: list[int],
-        rids: list[str],
-        futures: list[concurrent.futures.Future[Any]],
-        deadline: float,
-        aborted: Callable[[], set[int]] | None,
-    ) -> set[int]:
-        """Wait for every request, aborting those ``aborted`` names; returns their indices.
+    def live(self, rids: list[str]) -> Mapping[str, LiveRequest]:
+        """The requests ``rids`` (submitted, not yet released)."""
+        with self._lock:
+            return {rid: self._live[rid] for rid in rids}
 
-        Raises at the first failed request, or ``GenerationTimeout`` at the
-        deadline (every request still running is aborted first).
-        """
-        by_index: dict[int, list[tuple[str, concurrent.futures.Future[Any]]]] = {}
-        for index, rid, future in zip(indices, rids, futures):
-            by_index.setdefault(index, []).append((rid, future))
-        stopped: set[int] = set()
-        stopped_at = 0.0
-        pending = set(futures)
-        while pending:
-            remaining = deadline - time.time()
-            if remaining <= 0:
-                self._abort(rids)
-                raise GenerationTimeout(
-                    f"{len(pending)} of {len(rids)} prompts unfinished at the task's time limit; "
-                    "their engine requests were aborted"
-                )
-            poll = min(remaining, ABORT_POLL_S) if aborted else remaining
-            done, pending = concurrent.futures.wait(
-                pending, timeout=poll, return_when=concurrent.futures.FIRST_EXCEPTION
-            )
-            failed = [f for f in done if not f.cancelled() and f.exception() is not None]
-            if failed:
-                self._abort(rids)
-                raise self._engine_error(failed[0].exception())
-            if not pending or aborted is None:
-                continue
-            newly = {i for i in aborted() if i in by_index and i not in stopped}
-            if newly:
-                self._abort([rid for i in newly for rid, _ in by_index[i]])
-                stopped |= newly
-                stopped_at = time.time()
-            elif stopped and time.time() - stopped_at > ABORT_GRACE_S:
-                # vLLM answers an abort with a final output; should one never
-                # come, stop waiting for it rather than hold the task.
-                for i in stopped:
-                    for _, future in by_index[i]:
-                        future.cancel()
-        return stopped
+    def release(self, rids: list[str]) -> None:
+        """Forget the requests ``rids`` (their run is over)."""
+        with self._lock:
+            for rid in rids:
+                self._live.pop(rid, None)
 
-    def _submit(
-        self, rids: list[str], prompt_ids: list[list[int]], sampling: Any, deadline: float,
-        on_submitted: Callable[[], None] | None = None,
-        observe: Callable[[str, Any], None] | None = None,
-        on_output: Callable[[int, Any], None] | None = None,
+    def count_finished(self, tokens: int) -> None:
+        """A request finished with ``tokens`` generated (the worker's counters)."""
+        self.generated_tokens += tokens
+        self.finished_requests += 1
+
+    def submit(
+        self, rids: list[str], prompt_ids: list[list[int]], samplings: list[Any], deadline: float,
+        on_submitted: Callable[[], None] | None, drain: Drain,
     ) -> list[concurrent.futures.Future[Any]]:
-        """Add every request to the engine while intake is open; returns result futures.
+        """Add every request to the engine while intake is open; returns their
+        final outputs' futures, each ``drain(rid, queue)`` run on the loop.
 
         Adding happens under the submit lock, which a sync's pause also takes:
         a request is either in the engine before the pause (and the pause mode
         decides what happens to it) or waits for the sync to finish, so the
         version stamped on it is always the one that generates it.
-
-        ``sampling``: one ``vllm.SamplingParams`` for all, or a list (one per
-        request); ``observe(rid, completion)`` sees each sample of a
-        checkpointed request as it grows (see ``_collect``).
         """
-        samplings = sampling if isinstance(sampling, list) else [sampling] * len(rids)
-        self._raise_if_lost()
-        while True:
-            self.wait_for_intake(deadline)
-            with self._submit_lock:
-                if not self.state.intake_open:
-                    continue
-                with self._lock:
-                    for rid, one in zip(rids, samplings):
-                        self._live[rid] = _Live(
-                            version=self.weight_version, sequences=one.n, handed_off=self._handing_off
-                        )
-                adds = [
-                    asyncio.run_coroutine_threadsafe(self._add(rid, ids, one), self._loop)
-                    for rid, ids, one in zip(rids, prompt_ids, samplings)
-                ]
-                queues = []
-                try:
-                    for add in adds:
-                        queues.append(add.result(timeout=max(1.0, deadline - time.time())))
-                except BaseException as exc:
-                    self._abort(rids)
-                    raise self._refused(rids, len(queues), exc) from exc
-                break
+        self.raise_if_lost()
+        queues = self._add_all(rids, prompt_ids, samplings, deadline)
         if self._handing_off:  # hand_off() ran while these were being added
             with self._lock:
                 for rid in rids:
                     self._live[rid].handed_off = True
-            self._abort(rids)
+            self.abort(rids)
         collected = []
         for rid, queue in zip(rids, queues):
-            watch = None if observe is None else functools.partial(observe, rid)
-            hook = None if on_output is None else functools.partial(on_output, int(rid.rsplit("-", 1)[1]))
-            future = asyncio.run_coroutine_threadsafe(self._collect(queue, watch, hook), self._loop)
-            future.add_done_callback(lambda _, rid=rid: self._finished(rid))
+            future = asyncio.run_coroutine_threadsafe(drain(rid, queue), self._loop)
+            future.add_done_callback(functools.partial(self._finished, rid))
             with self._lock:
                 self._live[rid].future = future
             collected.append(future)
@@ -677,7 +321,34 @@ class EngineHost:
             on_submitted()
         return collected
 
-    def _finished(self, rid: str) -> None:
+    def _add_all(
+        self, rids: list[str], prompt_ids: list[list[int]], samplings: list[Any], deadline: float,
+    ) -> list[Any]:
+        """Add the requests under the submit lock, once intake is open; their output queues."""
+        while True:
+            self.wait_for_intake(deadline)
+            with self._submit_lock:
+                if not self.state.intake_open:
+                    continue
+                with self._lock:
+                    for rid, one in zip(rids, samplings):
+                        self._live[rid] = LiveRequest(
+                            version=self.weight_version, sequences=one.n, handed_off=self._handing_off
+                        )
+                adds = [
+                    asyncio.run_coroutine_threadsafe(self._add(rid, ids, one), self._loop)
+                    for rid, ids, one in zip(rids, prompt_ids, samplings)
+                ]
+                queues: list[Any] = []
+                try:
+                    for add in adds:
+                        queues.append(add.result(timeout=max(1.0, deadline - time.time())))
+                except BaseException as exc:
+                    self.abort(rids)
+                    raise self._refused(rids, len(queues), exc) from exc
+                return queues
+
+    def _finished(self, rid: str, future: concurrent.futures.Future[Any] | None = None) -> None:
         with self._lock:
             live = self._live.get(rid)
             if live is not None:
@@ -696,13 +367,12 @@ class EngineHost:
         if not isinstance(exc, refusal_types()) or isinstance(
             exc, (InvalidRequest, PromptTooLong)
         ):
-            return self._engine_error(exc)
+            return self.engine_error(exc)
         if position == 0:
             return InvalidRequest(f"the engine refused the request: {exc}")
-        index = rids[position].rsplit("-", 1)[1]
-        return InvalidRequest(f"prompt {index} was refused by the engine: {exc}")
+        return InvalidRequest(f"prompt {prompt_of(rids[position])} was refused by the engine: {exc}")
 
-    def _engine_error(self, exc: BaseException | None) -> Exception:
+    def engine_error(self, exc: BaseException | None) -> Exception:
         """The error a task raises for a request that failed with ``exc``: the
         request's own fault as it was, ``EngineLost`` when the engine is dead
         (it fails every request; the task goes to another worker), else
@@ -740,7 +410,7 @@ class EngineHost:
     def _lost_error(self) -> EngineLost:
         return EngineLost(f"{self.lost}; the task goes back to the queue for another worker", countdown=0.0)
 
-    def _raise_if_lost(self) -> None:
+    def raise_if_lost(self) -> None:
         if self.lost is not None:
             raise self._lost_error()
 
@@ -754,87 +424,11 @@ class EngineHost:
 
         return await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
 
-    @staticmethod
-    async def _collect(
-        queue: Any,
-        observe: Callable[[Any], None] | None = None,
-        on_output: Callable[[Any], None] | None = None,
-    ) -> Any:
-        """The request's final output (as ``AsyncLLM.generate`` drains its queue).
-
-        With ``observe`` (checkpoints) the request sends deltas, every
-        checkpoint interval where vLLM can (``to_vllm_params``' ``every``):
-        each is merged into the first output, and ``observe`` gets the merged
-        sample it touched (its tokens so far). Deltas, not cumulative
-        outputs: vLLM copies a cumulative output's whole token list at each
-        output, quadratic in its length. With ``on_output`` the request
-        streams (delta outputs): each delta goes to it, then is merged the
-        same way.
-        """
-        if observe is not None:
-            whole = None
-            while True:
-                out = queue.get_nowait() or await queue.get()
-                if whole is None:
-                    whole = out
-                else:
-                    _merge(whole, out)
-                by_index = {completion.index: completion for completion in whole.outputs}
-                for completion in out.outputs:
-                    observe(by_index[completion.index])
-                if out.finished:
-                    whole.outputs.sort(key=lambda completion: completion.index)
-                    return whole
-        merged = None
-        while True:
-            out = queue.get_nowait() or await queue.get()
-            if on_output is not None:
-                try:
-                    on_output(out)
-                except Exception:  # a stream's trouble must not fail the generation
-                    log.exception("could not publish a delta output")
-                if merged is None:
-                    merged = out
-                else:
-                    _merge(merged, out)
-            if out.finished:
-                return out if merged is None else merged
-
-    def _abort(self, rids: list[str]) -> None:
+    def abort(self, rids: list[str]) -> None:
         try:
             self.call(self.engine.abort(rids), timeout=10)
         except Exception:  # best effort: the requests may have finished meanwhile
             log.warning("abort of %d requests failed", len(rids), exc_info=True)
-
-    def _to_output(self, out: Any, live: _Live, params: SamplingParams) -> PromptOutput:
-        samples = []
-        for comp in sorted(out.outputs, key=lambda c: c.index):
-            token_ids = list(comp.token_ids)
-            logprobs = top = None
-            if params.logprobs is not None and comp.logprobs is not None:
-                logprobs, top = lp.sample_logprobs(comp.logprobs, token_ids, params.logprobs)
-            spans = version_spans(live.version, live.spans.get(comp.index, []), len(token_ids))
-            samples.append(
-                Sample(
-                    text=comp.text,
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    top_logprobs=top,
-                    finish_reason=comp.finish_reason,
-                    stop_reason=comp.stop_reason,
-                    weight_versions=spans,
-                )
-            )
-            self.generated_tokens += len(token_ids)
-        self.finished_requests += 1
-        prompt_ids = list(out.prompt_token_ids or [])
-        prompt_lps = prompt_top = None
-        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            prompt_lps, prompt_top = lp.prompt_logprobs(out.prompt_logprobs, prompt_ids, params.prompt_logprobs)
-        return PromptOutput(
-            prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
-            samples=samples,
-        )
 
     # ------------------------------------------------------- sync and control
 
@@ -848,7 +442,7 @@ class EngineHost:
             for rid in rids:
                 self._live[rid].handed_off = True
         if rids:
-            self._abort(rids)
+            self.abort(rids)
         return len(rids)
 
     def inflight_requests(self) -> int:

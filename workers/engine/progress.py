@@ -134,13 +134,13 @@ def read_progress(raw: dict[Any, Any]) -> dict[SampleKey, SampleProgress]:
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring an unreadable checkpoint entry %r: %s", name, exc)
     saved: dict[SampleKey, SampleProgress] = {}
-    for key, parts in chunks.items():
-        sample = SampleProgress(token_ids=[], logprobs=[], top_logprobs=[])
-        for start, chunk in sorted(parts, key=lambda part: part[0]):
-            if not chunk.continues(start, sample):
+    for key, pieces in chunks.items():
+        chain = SampleProgress(token_ids=[], logprobs=[], top_logprobs=[])
+        for start, chunk in sorted(pieces, key=lambda piece: piece[0]):
+            if not chunk.continues(start, chain):
                 break
-            sample.extend(chunk)
-        saved[key] = sample
+            chain.extend(chunk)
+        saved[key] = chain
     return saved
 
 

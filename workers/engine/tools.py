@@ -93,10 +93,10 @@ class ToolCalls:
     def _parser(self, conversation: Conversation) -> tuple[Any, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        request = ChatCompletionRequest(
-            model="rollout-queue", tools=conversation.tools, tool_choice=conversation.tool_choice,
-            messages=[m.model_dump(exclude_none=True) for m in conversation.messages],
-        )
+        request = ChatCompletionRequest.model_validate({
+            "model": "rollout-queue", "tools": conversation.tools, "tool_choice": conversation.tool_choice,
+            "messages": [m.model_dump(exclude_none=True) for m in conversation.messages],
+        })
         return self._parser_class(self.tokenizer, request.tools), request
 
     def parse(self, conversation: Conversation, sample: Sample) -> None:

@@ -18,7 +18,7 @@ Who may send what:
   replaces them with a refusal unless ``--allow-celery-control``. ``revoke``
   stays: it is how producers cancel tasks, and it only drops tasks. With
   ``terminate=True`` a running task's prompts are aborted in the engine
-  (:func:`revoke`): the threads pool cannot kill a task's thread.
+  (:meth:`ControlPanel.revoke`): the threads pool cannot kill a task's thread.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
-from celery.worker.control import Panel, control_command, ok
+from celery.worker.control import Panel, ok
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import ControlRefused
@@ -49,143 +49,173 @@ READ_ONLY_OPS = frozenset({"info", "stats", "world_size", "weight_checksum", "la
 # unless the worker runs with --allow-celery-control.
 CELERY_CONTROL_KEPT = frozenset({"revoke", "revoke_by_stamped_headers", "enable_events", "heartbeat"})
 
-_runtime: WorkerRuntime | None = None
+# Celery's own revoke (the built-in the panel's revoke calls first).
+CELERY_REVOKE: Callable[..., dict[str, Any]] = Panel.data["revoke"]
+
+EngineOp = Callable[[WorkerRuntime, dict[str, Any]], Any]
 
 
-def install(runtime: WorkerRuntime) -> None:
-    global _runtime
-    _runtime = runtime
-    if Panel.data.get("revoke") is not revoke:  # the consumer reads Panel.data when it starts
-        global _celery_revoke
-        _celery_revoke = Panel.data["revoke"]
-        Panel.data["revoke"] = revoke
+def _stats(runtime: WorkerRuntime, args: dict[str, Any]) -> dict[str, Any]:
+    info, engine = runtime.info(), runtime.host.stats.snapshot()
+    return {
+        "weight_version": info.weight_version,
+        "state": info.state,
+        "inflight_requests": info.inflight_requests,
+        "inflight_tasks": info.inflight_tasks,
+        "generated_tokens": info.generated_tokens,
+        "tokens_per_s": info.tokens_per_s,
+        "kv_cache_usage": info.kv_cache_usage,
+        "waiting_requests": info.waiting_requests,
+        "running_requests": engine.running_requests,
+        "prefix_cache_queries": engine.prefix_cache_queries,
+        "prefix_cache_hits": engine.prefix_cache_hits,
+        "unfinished_sequences": runtime.host.unfinished_sequences(),
+        "intake_sequences": runtime.intake.budget,
+        "intake_peak_sequences": runtime.intake.peak_sequences,
+        "completed_tasks": runtime.service.completed_tasks,
+        "failed_tasks": runtime.service.failed_tasks,
+        "last_sync_error": runtime.sync.last_error,
+    }
 
 
-def _rt() -> WorkerRuntime:
-    if _runtime is None:
-        raise RuntimeError("worker runtime not installed")
-    return _runtime
+def _pause(runtime: WorkerRuntime, args: dict[str, Any]) -> str:
+    runtime.state.pause()
+    return runtime.state.current
 
 
-@control_command(  # type: ignore[misc]
-    name=keys.CONTROL_SYNC, args=[("plan", dict), ("auth", dict)], signature="<plan> <auth>")
-def rq_weight_sync(state: Any, plan: dict[str, Any], auth: dict[str, Any] | None = None) -> dict[str, Any]:
-    runtime = _rt()
-    try:
-        runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
-    except ControlRefused as exc:
-        # No "accepted" ack for a command we cannot trust: a forger replaying a
-        # real sync's id must not be able to drop a worker from that sync.
-        epoch = plan.get("epoch", -1) if isinstance(plan, dict) else -1
-        log.warning("weight sync epoch %s refused: %s", epoch, exc)
-        return {"ok": False, "node": runtime.node, "error": f"ControlRefused: {exc}"}
-    return runtime.sync.accept(plan)
+def _resume(runtime: WorkerRuntime, args: dict[str, Any]) -> str:
+    # Lifts only the operator's pause: a worker fenced for stale weights
+    # or asleep stays out until a sync or a wake-up brings it back.
+    runtime.state.resume()
+    return runtime.state.current
+
+
+def _sleep(runtime: WorkerRuntime, args: dict[str, Any]) -> bool:
+    runtime.host.sleep(int(args.get("level", 1)))  # the host's state is asleep from before the engine sleeps
+    return True
+
+
+def _wake_up(runtime: WorkerRuntime, args: dict[str, Any]) -> bool:
+    runtime.host.wake_up(args.get("tags"))  # awake again once the KV cache is
+    return True
+
+
+# The rq_engine ops: name -> what it does on the worker's runtime.
+ENGINE_OPS: dict[str, EngineOp] = {
+    "info": lambda runtime, args: runtime.info().model_dump(mode="json"),
+    "stats": _stats,
+    # The most sequences held after taking a task, since the last call.
+    "intake_peak": lambda runtime, args: runtime.intake.reset_peak(),
+    # From the next task on; answers the previous interval.
+    "checkpoint_tokens": lambda runtime, args: runtime.set_checkpoint_tokens(int(args["tokens"])),
+    "world_size": lambda runtime, args: runtime.settings.tensor_parallel_size,
+    "reset_prefix_cache": lambda runtime, args: runtime.host.reset_prefix_cache(),
+    "pause": _pause,
+    "resume": _resume,
+    "sleep": _sleep,
+    "wake_up": _wake_up,
+    "weight_checksum": lambda runtime, args: runtime.host.collective_rpc("rq_weight_checksum", 120.0),
+}
+
+
+def register_engine_op(name: str, op: EngineOp) -> None:
+    """Answer ``rq_engine`` op ``name`` with ``op`` (signed, unless in ``READ_ONLY_OPS``).
+
+    The seam for ops only benchmarks send: they belong with the benchmark
+    that sends them, registered from there."""
+    ENGINE_OPS[name] = op
+
+
+# Bench-only ops, answered by the bench receiver's RPCs (weight_sync/bench_receiver.py):
+# bench/weight_transfer.py's per-tensor baseline and raw broadcast. To move
+# beside that benchmark (register_engine_op) with the bench receiver.
+register_engine_op("receive_one", lambda runtime, args: runtime.host.collective_rpc(
+    "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0))
+register_engine_op("receive_raw", lambda runtime, args: runtime.host.collective_rpc(
+    "rq_receive_raw", 300.0, args["sizes"], 120.0))
+register_engine_op("last_receive", lambda runtime, args: runtime.host.collective_rpc("rq_last_receive", 60.0))
 
 
 def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
-    host = runtime.host
-    if op == "info":
-        return runtime.info().model_dump(mode="json")
-    if op == "stats":
-        info = runtime.info()
-        return {
-            "weight_version": info.weight_version,
-            "state": info.state,
-            "inflight_requests": info.inflight_requests,
-            "inflight_tasks": info.inflight_tasks,
-            "generated_tokens": info.generated_tokens,
-            "tokens_per_s": info.tokens_per_s,
-            "kv_cache_usage": info.kv_cache_usage,
-            "waiting_requests": info.waiting_requests,
-            "running_requests": host.stats.snapshot().running_requests,
-            "prefix_cache_queries": host.stats.snapshot().prefix_cache_queries,
-            "prefix_cache_hits": host.stats.snapshot().prefix_cache_hits,
-            "unfinished_sequences": host.unfinished_sequences(),
-            "intake_sequences": runtime.intake.budget,
-            "intake_peak_sequences": runtime.intake.peak_sequences,
-            "completed_tasks": runtime.service.completed_tasks,
-            "failed_tasks": runtime.service.failed_tasks,
-            "last_sync_error": runtime.sync.last_error,
-        }
-    if op == "intake_peak":  # the most sequences held after taking a task, since the last call
-        return runtime.intake.reset_peak()
-    if op == "checkpoint_tokens":  # from the next task on; answers the previous interval
-        return runtime.set_checkpoint_tokens(int(args["tokens"]))
-    if op == "world_size":
-        return runtime.settings.tensor_parallel_size
-    if op == "reset_prefix_cache":
-        return host.reset_prefix_cache()
-    if op == "pause":
-        runtime.state.pause()
-        return runtime.state.current
-    if op == "resume":
-        # Lifts only the operator's pause: a worker fenced for stale weights
-        # or asleep stays out until a sync or a wake-up brings it back.
-        runtime.state.resume()
-        return runtime.state.current
-    if op == "sleep":  # the host's state is asleep from before the engine sleeps
-        host.sleep(int(args.get("level", 1)))
-        return True
-    if op == "wake_up":  # awake again once the KV cache is
-        host.wake_up(args.get("tags"))
-        return True
-    if op == "receive_one":  # the per-tensor baseline of bench/weight_transfer.py
-        return host.collective_rpc(
-            "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0
-        )
-    if op == "receive_raw":  # bench/weight_transfer.py: raw broadcast into the engine's process
-        return host.collective_rpc("rq_receive_raw", 300.0, args["sizes"], 120.0)
-    if op == "weight_checksum":
-        return host.collective_rpc("rq_weight_checksum", 120.0)
-    if op == "last_receive":
-        return host.collective_rpc("rq_last_receive", 60.0)
-    raise ValueError(f"unknown engine operation {op!r}")
+    known = ENGINE_OPS.get(op)
+    if known is None:
+        raise ValueError(f"unknown engine operation {op!r}")
+    return known(runtime, args)
 
 
-@control_command(  # type: ignore[misc]
-    name=keys.CONTROL_ENGINE, args=[("op", str), ("args", dict), ("auth", dict)], signature="<op> <args> <auth>")
-def rq_engine(
-    state: Any, op: str, args: dict[str, Any] | None = None, auth: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    runtime = _rt()
-    try:
-        if op not in READ_ONLY_OPS:
-            runtime.verifier.verify(keys.CONTROL_ENGINE, {"op": op, "args": args}, auth, what=op)
-        return {"ok": True, "node": runtime.node, "result": engine_op(runtime, op, args or {})}
-    except ControlRefused as exc:
-        log.warning("engine op %s refused: %s", op, exc)
-        return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
-    except Exception as exc:  # noqa: BLE001  answered to the caller, who raises naming this node
-        log.warning("engine op %s failed: %s", op, exc)
-        return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
+class ControlPanel:
+    """The worker's remote-control commands, bound to its runtime.
+
+    Celery finds control commands in one process-wide registry
+    (``Panel.data``, read by the consumer when it starts): :func:`install`
+    puts these there; a process of many simulated nodes gives each node's
+    mailbox its own :meth:`handlers` instead.
+    """
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    def handlers(self) -> dict[str, Callable[..., dict[str, Any]]]:
+        return {keys.CONTROL_SYNC: self.weight_sync, keys.CONTROL_ENGINE: self.engine, "revoke": self.revoke}
+
+    def weight_sync(self, state: Any, plan: dict[str, Any], auth: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Accept a signed weight-sync plan (its work runs on the sync's thread)."""
+        runtime = self.runtime
+        try:
+            runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
+        except ControlRefused as exc:
+            # No "accepted" ack for a command we cannot trust: a forger replaying a
+            # real sync's id must not be able to drop a worker from that sync.
+            epoch = plan.get("epoch", -1) if isinstance(plan, dict) else -1
+            log.warning("weight sync epoch %s refused: %s", epoch, exc)
+            return {"ok": False, "node": runtime.node, "error": f"ControlRefused: {exc}"}
+        return runtime.sync.accept(plan)
+
+    def engine(
+        self, state: Any, op: str, args: dict[str, Any] | None = None, auth: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """An engine operation (signed unless it only reads), answered inline."""
+        runtime = self.runtime
+        try:
+            if op not in READ_ONLY_OPS:
+                runtime.verifier.verify(keys.CONTROL_ENGINE, {"op": op, "args": args}, auth, what=op)
+            return {"ok": True, "node": runtime.node, "result": engine_op(runtime, op, args or {})}
+        except ControlRefused as exc:
+            log.warning("engine op %s refused: %s", op, exc)
+            return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001  answered to the caller, who raises naming this node
+            log.warning("engine op %s failed: %s", op, exc)
+            return {"ok": False, "node": runtime.node, "error": f"{type(exc).__name__}: {exc}"}
+
+    def revoke(self, state: Any, task_id: Any, terminate: bool = False, signal: str | None = None,
+               **kwargs: Any) -> dict[str, Any]:
+        """Celery's ``revoke`` (queued and reserved tasks are dropped, their results
+        REVOKED); with ``terminate``, the tasks this worker runs have their prompts
+        aborted in the engine and end REVOKED. Celery's own terminate kills a pool
+        process; on the threads pool it answered ``NotImplementedError`` and the
+        generation ran on."""
+        reply = CELERY_REVOKE(state, task_id, terminate=False, signal=signal, **kwargs)
+        if not terminate:
+            return reply
+        ids = set(maybe_list(task_id) or [])
+        running = {request.id for request in tuple(worker_state.active_requests)} & ids
+        if not running:
+            return ok("terminate: tasks unknown")
+        generating = self.runtime.service.terminate(running)
+        return ok(f"terminate: {', '.join(sorted(running))} (prompts aborted in the engine: "
+                  f"{', '.join(generating) or 'none yet'})")
 
 
-# ---------------------------------------------------------------------------
-# Celery's built-in control commands
-# ---------------------------------------------------------------------------
-
-_celery_revoke: Callable[..., dict[str, Any]] | None = None  # Celery's, replaced by install()
-
-
-def revoke(state: Any, task_id: Any, terminate: bool = False, signal: str | None = None,
-           **kwargs: Any) -> dict[str, Any]:
-    """Celery's ``revoke`` (queued and reserved tasks are dropped, their results
-    REVOKED); with ``terminate``, the tasks this worker runs have their prompts
-    aborted in the engine and end REVOKED. Celery's own terminate kills a pool
-    process; on the threads pool it answered ``NotImplementedError`` and the
-    generation ran on."""
-    if _celery_revoke is None:
-        raise RuntimeError("worker control not installed")
-    reply = _celery_revoke(state, task_id, terminate=False, signal=signal, **kwargs)
-    if not terminate:
-        return reply
-    ids = set(maybe_list(task_id) or [])
-    running = {request.id for request in tuple(worker_state.active_requests)} & ids
-    if not running:
-        return ok("terminate: tasks unknown")
-    generating = _rt().service.terminate(running)
-    return ok(f"terminate: {', '.join(sorted(running))} (prompts aborted in the engine: "
-              f"{', '.join(generating) or 'none yet'})")
+def install(runtime: WorkerRuntime) -> ControlPanel:
+    """Register the worker's commands, bound to ``runtime``, in Celery's registry
+    (before the consumer starts, which reads it then)."""
+    panel = ControlPanel(runtime)
+    Panel.register(name=keys.CONTROL_SYNC, args=[("plan", dict), ("auth", dict)],
+                   signature="<plan> <auth>")(panel.weight_sync)
+    Panel.register(name=keys.CONTROL_ENGINE, args=[("op", str), ("args", dict), ("auth", dict)],
+                   signature="<op> <args> <auth>")(panel.engine)
+    Panel.data["revoke"] = panel.revoke  # its meta (arguments, help) stays Celery's
+    return panel
 
 
 def disabled_celery_commands(meta: Mapping[str, Any], data: Mapping[str, Callable[..., Any]]) -> list[str]:

@@ -53,13 +53,17 @@ def cpu_environment(weights: str = "packed", *, async_engine: bool = True) -> No
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def use_reliable_fetch(node: str) -> None:
+def use_reliable_fetch(node: str, hooks: reliable_redis.FetchHooks) -> None:
     """Fetch through workers.queue.reliable_redis: no message lost between queue and unacked,
-    and a poison item dead-lettered wherever it is found (workers.queue.poison)."""
+    and a poison item dead-lettered wherever it is found (workers.queue.poison).
+    ``hooks``: the node's side of the fetch (room to fetch, Redis full, handed-on tags)."""
     from kombu.transport import TRANSPORT_ALIASES
 
-    TRANSPORT_ALIASES.setdefault("rq-redis", "rollout_queue.workers.queue.reliable_redis:Transport")
+    # kombu builds the transport from a name; an alias may be a callable giving
+    # the class, which is how the node's hooks reach it (no object is passed).
+    TRANSPORT_ALIASES["rq-redis"] = lambda: reliable_redis.Transport.bound(hooks)  # type: ignore[assignment]
     app.conf.broker_transport = "rq-redis"  # logs show rq-redis://:**@host
+    # Celery names its consumer class by import string; it needs nothing of the node.
     app.conf.worker_consumer = "rollout_queue.workers.queue.poison:DeadLetteringConsumer"
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
@@ -70,26 +74,18 @@ def use_reliable_fetch(node: str) -> None:
 
 def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
     """Load the engine, then consume until shut down. ``redis_note``: what the CLI's
-    Redis check (``tasks.registry.preflight``, run before vLLM is imported) has to say."""
+    Redis check (``tasks.registry.preflight``, run before vLLM is imported) has to say.
+
+    The one place the node is assembled: its parts are built once (the engine
+    host, the runtime holding the rest) and handed to the Celery adapters
+    (:func:`adapt_celery`)."""
     refusal = settings.insecure_start_refusal()
     if refusal is not None:  # before anything loads: the operator sees it at once
         print(refusal, file=sys.stderr)
         return 2
-    configure_logging(settings.log_level, settings.log_format, settings.name,
-                      "%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s")
-    if redis_note is not None:
-        log.warning("%s", redis_note)
-    configure(settings, worker=True)
-    # Results refused by a full Redis are retried, not lost (workers.queue.result_backend).
-    app.conf.result_backend = result_backend.backend_url(settings.redis_url.get_secret_value())
-    if settings.control_secret() is None:
-        log.warning("worker %s: --insecure-control: control commands are NOT signed; any client of "
-                    "this Redis can pause, sleep or sync weights into this worker", settings.name)
-    refused = control.restrict_celery_control(settings.allow_celery_control)
-    if refused:
-        log.info("Celery control commands disabled (--allow-celery-control enables them): %s",
-                 ", ".join(refused))
-    use_reliable_fetch(settings.name)
+    configure_worker_app(settings, redis_note)
+    fetch = reliable_redis.FetchHooks()
+    use_reliable_fetch(settings.name, fetch)
     if settings.device == "cpu":
         cpu_environment(settings.cpu_weights)
     log.info("worker %s: loading %s on %s (broker %s)", settings.name, settings.model,
@@ -106,18 +102,46 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
     # interpreter exit took 15-25 s on a loaded 2-core machine).
     gc.collect()
     gc.freeze()
-    runtime = WorkerRuntime(settings, host)
+    runtime = WorkerRuntime(settings, host, fetch.forget_on_ack)
+    adapt_celery(settings, runtime, fetch)
+    return consume(settings, runtime)
+
+
+def configure_worker_app(settings: WorkerSettings, redis_note: str | None) -> None:
+    """Logging, the Celery app's worker config, and which control commands it answers."""
+    configure_logging(settings.log_level, settings.log_format, settings.name,
+                      "%(asctime)s %(levelname)s %(name)s [%(processName)s] %(message)s")
+    if redis_note is not None:
+        log.warning("%s", redis_note)
+    configure(settings, worker=True)
+    # Results refused by a full Redis are retried, not lost (workers.queue.result_backend).
+    app.conf.result_backend = result_backend.backend_url(settings.redis_url.get_secret_value())
+    if settings.control_secret() is None:
+        log.warning("worker %s: --insecure-control: control commands are NOT signed; any client of "
+                    "this Redis can pause, sleep or sync weights into this worker", settings.name)
+    refused = control.restrict_celery_control(settings.allow_celery_control)
+    if refused:
+        log.info("Celery control commands disabled (--allow-celery-control enables them): %s",
+                 ", ".join(refused))
+
+
+def adapt_celery(settings: WorkerSettings, runtime: WorkerRuntime, fetch: reliable_redis.FetchHooks) -> None:
+    """Hand the node's parts to Celery's extension points, before the worker starts.
+
+    Celery keeps control commands in a process-wide registry and tasks as
+    registry singletons: the control panel is bound to the runtime there, and
+    the task is given its executor; the strategy and the fetch hooks are
+    built from the node's parts."""
     control.install(runtime)
     generate.executor = runtime.service
-    delivery.install(generate, runtime.duplicates, runtime.intake,
-                     die_before_ack=settings.fault_die_before_ack)
-    reliable_redis.on_redis_full(keys.processing_key(settings.name), runtime.redis_full)
+    delivery.install(generate, runtime.duplicates, runtime.intake, die_before_ack=settings.fault_die_before_ack)
+    fetch.on_full = runtime.redis_full
     if settings.intake_sequences is not None:
         # Opt-in for now: a worker gated by its engine's room can have no
         # fetch in flight when Redis goes down, and then noticed the outage
         # only late (a Redis-restart test: over 60 s). Without the gate a
         # pending fetch sees it at once.
-        reliable_redis.gate_fetches(keys.processing_key(settings.name), runtime.intake.has_room)
+        fetch.has_room = runtime.intake.has_room
     if settings.metrics_port is not None:
         from rollout_queue.workers.node.metrics import start_metrics
 
@@ -135,6 +159,10 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
 
     signals.worker_ready.connect(on_ready, weak=False)
     signals.worker_shutting_down.connect(on_shutdown, weak=False)
+
+
+def consume(settings: WorkerSettings, runtime: WorkerRuntime) -> int:
+    """Run Celery's worker on the threads pool until it stops; the exit code."""
     runtime.start()
     worker = app.Worker(
         hostname=settings.name,
@@ -154,8 +182,8 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
         # A worker given a drain deadline is racing a notice: its requests are
         # all finished or handed off, so the engine's processes get 1 s.
         # A lost engine's core may be stopped or hung: it is not waited for.
-        leaving = settings.drain_timeout is not None or host.lost is not None
-        host.shutdown(timeout=1.0 if leaving else None)
+        leaving = settings.drain_timeout is not None or runtime.host.lost is not None
+        runtime.host.shutdown(timeout=1.0 if leaving else None)
     if runtime.exit_code is not None:
         return runtime.exit_code
     return int(worker.exitcode or 0)

@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -36,6 +37,7 @@ from rollout_queue.workers.engine.progress import ProgressStore
 from rollout_queue.workers.node.service import GenerationService
 from rollout_queue.workers.node.sync import SyncParticipant
 from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
+from rollout_queue.workers.queue.handed_on import HandedOn
 from rollout_queue.workers.queue.intake import Intake
 from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 from rollout_queue.workers.settings import WorkerSettings
@@ -61,15 +63,20 @@ return 1
 
 
 class WorkerRuntime:
-    def __init__(self, settings: WorkerSettings, host: EngineHost) -> None:
+    def __init__(
+        self, settings: WorkerSettings, host: EngineHost, forget_on_ack: Callable[[str], None],
+    ) -> None:
+        """``forget_on_ack``: the transport's (``FetchHooks``), for tasks the
+        fleet handed on while this worker was cut off."""
         self.settings = settings
         self.host = host
         self.node = settings.name
         self.client: redis.Redis = connect(settings)
         self.state = host.state
         self.started_at = time.time()
+        handed_on = HandedOn(self.client, self.node, forget_on_ack)
         self.service = GenerationService(
-            host, self.node, settings.task_soft_time_limit, settings.task_time_limit, self.client
+            host, self.node, settings.task_soft_time_limit, settings.task_time_limit, self.client, handed_on
         )
         self.duplicates = DuplicateGuard(app.backend, quick_client(settings))
         budget = settings.intake_sequences or host.max_num_seqs

@@ -29,12 +29,20 @@ from rollout_queue.tasks.generate import (
     SENT_AT_HEADER,
     SIGNATURE_HEADER,
 )
-from rollout_queue.tasks.schemas import GenerateRequest, GenerationResult, Timing, Usage, validation_summary
+from rollout_queue.tasks.schemas import (
+    GenerateRequest,
+    GenerationResult,
+    PromptOutput,
+    Timing,
+    Usage,
+    validation_summary,
+)
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.streaming import STREAM_HEADER
-from rollout_queue.workers.engine.host import EngineHost
 from rollout_queue.workers.engine.progress import ProgressStore, SampleKey, SampleProgress, TaskCheckpointer
-from rollout_queue.workers.engine.streaming import DeltaPublisher
+from rollout_queue.workers.engine.protocols import GenerationHost
+from rollout_queue.workers.engine.run import RunOptions
+from rollout_queue.workers.engine.streaming import DeltaPublisher, TaskStream
 from rollout_queue.workers.engine.tools import ToolStream
 from rollout_queue.workers.queue.handed_on import HandedOn
 
@@ -68,11 +76,12 @@ def first_prompt(headers: dict[str, Any]) -> int:
 class GenerationService:
     def __init__(
         self,
-        host: EngineHost,
+        host: GenerationHost,
         node: str,
         soft_time_limit: float,
         hard_time_limit: float | None = None,
         client: redis.Redis | None = None,
+        handed_on: HandedOn | None = None,
     ) -> None:
         self.host = host
         # Reads the prompts a task's requester gave up on (keys.abort_key); None: never.
@@ -83,7 +92,7 @@ class GenerationService:
         self.soft_time_limit = soft_time_limit
         self.hard_time_limit = hard_time_limit if hard_time_limit is not None else soft_time_limit
         # Tasks the fleet handed on while this worker was cut off: not stored, not acked.
-        self.handed_on = HandedOn(client, node) if client is not None else None
+        self.handed_on = handed_on
         self.inflight_tasks = 0
         self.completed_tasks = 0
         self.failed_tasks = 0
@@ -190,83 +199,32 @@ class GenerationService:
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
-        try:
-            request = GenerateRequest.model_validate({"prompts": prompts, "params": params})
-        except ValidationError as exc:
-            # Sent around the producer's checks (send_task, another client):
-            # refused with what was wrong, not pydantic's error (which Celery
-            # cannot rebuild on the producer, so its message was lost).
-            raise InvalidRequest(f"generate task refused: {validation_summary(exc)}") from exc
-        needed = request.params.min_weight_version
-        refusal = self.host.state.refusal()
-        if refusal is not None:
-            raise Requeue(f"{self.node} is fenced ({refusal}); requeued", countdown=1.0)
-        if needed > self.host.weight_version:
-            raise Requeue(
-                f"task needs weight_version >= {needed}; {self.node} has {self.host.weight_version}",
-                countdown=1.0,
-            )
-        self._check_vocabulary(request)
-        if self.handed_on is not None:
-            self.handed_on.check(task, wait=False)
+        request = parse_request(prompts, params)
+        self._admit(task, request)
         headers = task.request.headers or {}
-        sent_at = float(headers.get(SENT_AT_HEADER) or getattr(task.request, SENT_AT_HEADER, None) or started)
-        deadline = started + time_limit(
-            task.request.timelimit, self.soft_time_limit, self.hard_time_limit
-        )
-        task_id = task.request.id
-        with self._lock:
-            self.inflight_tasks += 1
-            if task_id:
-                self._running[task_id] = len(request.prompts)
-        ok = False
-        callback = self.on_submitted
-        submitted = None if callback is None else functools.partial(callback, task_id)
-        checkpoint = None
-        stream = None
-        if headers.get(STREAM_HEADER) and self.streams is not None and task_id:
-            tools = functools.partial(self._tool_stream, request) if request.kind == "chat" else None
-            stream = self.streams.open(task_id, self.node, request.params.logprobs, tools)
-        try:
-            self._end_if_terminated(task)  # revoked while it waited to start
-            if self.progress is not None:
-                # A task requeued by a pause="abort" sync comes back while the sync
-                # still runs: decide what to keep against the weights it will run on.
-                self.host.wait_for_intake(deadline)
-            # A streamed task is not checkpointed: its client reads the tokens as they come.
-            checkpoint, saved = (None, {}) if stream is not None else self._checkpoint(task_id, headers)
-            outputs, version = self.host.generate(
-                request, deadline, self._aborted_reader(task.request.id), submitted,
-                first_prompt(headers), checkpoint, saved,
-                None if stream is None else stream.on_output,
-            )
-            self._end_if_terminated(task)
-            ok = True
-            if stream is not None:
-                stream.end()
-        finally:
-            with self._lock:
-                self._running.pop(task_id, None)
-                self._terminated.discard(task_id)
-                self.inflight_tasks -= 1
-                self.completed_tasks += ok
-                self.failed_tasks += not ok
+        deadline = started + time_limit(task.request.timelimit, self.soft_time_limit, self.hard_time_limit)
+        outputs, version, checkpointed = self._tracked(task, request, headers, deadline)
         if self.handed_on is not None:
             # Handed on while cut off: the new holder's run counts (its
             # checkpoint included), this one is dropped unstored.
             self.handed_on.check(task, wait=True)
-        if checkpoint is not None and self.progress is not None:
+        if checkpointed and self.progress is not None:
             # After any write still queued on the writer thread.
-            self.progress.writer.submit(self.progress.drop, task_id)
-        for index, output in enumerate(outputs):
-            conversation = request.conversation(index) if request.kind == "chat" else None
-            for sample in output.samples:
-                if not sample.workers:
-                    sample.workers = [(0, self.node)]
-                if conversation is not None:
-                    self.host.tool_calls.parse(conversation, sample)
+            self.progress.writer.submit(self.progress.drop, task.request.id)
+        self._finish_samples(request, outputs)
         done = time.time()
-        result = GenerationResult(
+        result = self._result(task, request, outputs, version, started, done)
+        for callback in self.on_finished:
+            callback(result, done - started)
+        return result.model_dump(mode="json")
+
+    def _result(
+        self, task: Task, request: GenerateRequest, outputs: list[PromptOutput], version: int,
+        started: float, done: float,
+    ) -> GenerationResult:
+        headers = task.request.headers or {}
+        sent_at = float(headers.get(SENT_AT_HEADER) or getattr(task.request, SENT_AT_HEADER, None) or started)
+        return GenerationResult(
             signature=headers.get(SIGNATURE_HEADER) or signature(request.params),
             weight_version=version,
             worker=self.node,
@@ -277,6 +235,97 @@ class GenerationService:
             ),
             timing=Timing(queued_s=max(0.0, started - sent_at), generate_s=done - started),
         )
-        for callback in self.on_finished:
-            callback(result, done - started)
-        return result.model_dump(mode="json")
+
+    def _admit(self, task: Task, request: GenerateRequest) -> None:
+        """Refuse a task this worker must not serve now (requeued) or at all."""
+        refusal = self.host.state.refusal()
+        if refusal is not None:
+            raise Requeue(f"{self.node} is fenced ({refusal}); requeued", countdown=1.0)
+        needed = request.params.min_weight_version
+        if needed > self.host.weight_version:
+            raise Requeue(
+                f"task needs weight_version >= {needed}; {self.node} has {self.host.weight_version}",
+                countdown=1.0,
+            )
+        self._check_vocabulary(request)
+        if self.handed_on is not None:
+            self.handed_on.check(task, wait=False)
+
+    def _tracked(
+        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float
+    ) -> tuple[list[PromptOutput], int, bool]:
+        """:meth:`_generate`, counted in the worker's task counters while it runs."""
+        task_id = task.request.id
+        with self._lock:
+            self.inflight_tasks += 1
+            if task_id:
+                self._running[task_id] = len(request.prompts)
+        ok = False
+        try:
+            generated = self._generate(task, request, headers, deadline)
+            ok = True
+            return generated
+        finally:
+            with self._lock:
+                self._running.pop(task_id, None)
+                self._terminated.discard(task_id)
+                self.inflight_tasks -= 1
+                self.completed_tasks += ok
+                self.failed_tasks += not ok
+
+    def _generate(
+        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float
+    ) -> tuple[list[PromptOutput], int, bool]:
+        """Run the task's prompts: outputs, final version, whether it was checkpointed."""
+        task_id = task.request.id
+        stream = self._open_stream(task_id, request, headers)
+        self._end_if_terminated(task)  # revoked while it waited to start
+        if self.progress is not None:
+            # A task requeued by a pause="abort" sync comes back while the sync
+            # still runs: decide what to keep against the weights it will run on.
+            self.host.wait_for_intake(deadline)
+        # A streamed task is not checkpointed: its client reads the tokens as they come.
+        checkpoint, saved = (None, {}) if stream is not None else self._checkpoint(task_id, headers)
+        callback = self.on_submitted
+        options = RunOptions(
+            deadline=deadline,
+            aborted=self._aborted_reader(task_id),
+            on_submitted=None if callback is None else functools.partial(callback, task_id),
+            first_index=first_prompt(headers),
+            checkpoint=checkpoint,
+            saved=saved,
+            on_output=None if stream is None else stream.on_output,
+        )
+        outputs, version = self.host.generate(request, options)
+        self._end_if_terminated(task)
+        if stream is not None:
+            stream.end()
+        return outputs, version, checkpoint is not None
+
+    def _open_stream(self, task_id: str | None, request: GenerateRequest, headers: dict[str, Any]) -> TaskStream | None:
+        """The task's stream of deltas, when its producer asked for one."""
+        if not headers.get(STREAM_HEADER) or self.streams is None or not task_id:
+            return None
+        tools = functools.partial(self._tool_stream, request) if request.kind == "chat" else None
+        return self.streams.open(task_id, self.node, request.params.logprobs, tools)
+
+    def _finish_samples(self, request: GenerateRequest, outputs: list[PromptOutput]) -> None:
+        """Name this node on samples it made whole, and parse chat samples' tool calls."""
+        for index, output in enumerate(outputs):
+            conversation = request.conversation(index) if request.kind == "chat" else None
+            for sample in output.samples:
+                if not sample.workers:
+                    sample.workers = [(0, self.node)]
+                if conversation is not None:
+                    self.host.tool_calls.parse(conversation, sample)
+
+
+def parse_request(prompts: Any, params: Any) -> GenerateRequest:
+    """The task's wire arguments, parsed (the one place they are)."""
+    try:
+        return GenerateRequest.model_validate({"prompts": prompts, "params": params})
+    except ValidationError as exc:
+        # Sent around the producer's checks (send_task, another client):
+        # refused with what was wrong, not pydantic's error (which Celery
+        # cannot rebuild on the producer, so its message was lost).
+        raise InvalidRequest(f"generate task refused: {validation_summary(exc)}") from exc

@@ -53,7 +53,7 @@ from rollout_queue.weight_sync.protocol import (
     UpdateRequest,
     UpdateResult,
 )
-from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.engine.protocols import SyncHost
 from rollout_queue.workers.node.weight_files import checkpoint_shapes
 from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
@@ -67,7 +67,7 @@ DECISION_GRACE_S = 5.0
 class SyncParticipant:
     def __init__(
         self,
-        host: EngineHost,
+        host: SyncHost,
         node: str,
         client: redis.Redis,
         state: NodeState,

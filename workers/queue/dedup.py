@@ -66,7 +66,7 @@ class DuplicateGuard:
         head = self.client.getrange(key, 0, HEAD_BYTES - 1)
         if not head:
             return None
-        state = _status_of_head(bytes(head))
+        state = _status_of_head(head if isinstance(head, bytes) else head.encode())
         if state is None:  # an encoding this fast path does not read: decode it all
             raw = self.client.get(key)
             meta = self.backend.decode_result(raw) if raw else {}

@@ -17,7 +17,7 @@ The reaper names each message it takes from a node in that node's
 * after its generation ends, waiting for Redis (the result needs Redis
   anyway): a task handed on raises Celery's ``Ignore`` (no result stored),
   and its ack clears only this process's bookkeeping
-  (``workers.queue.reliable_redis.forget_on_ack``);
+  (``workers.queue.reliable_redis.FetchHooks.forget_on_ack``);
 * every heartbeat (:meth:`notice`), and the first task that finds its tag
   there: a worker that finds the set logs that it was declared dead and how
   many tasks went on. Its heartbeat has already put
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from celery.exceptions import Ignore
 
 from rollout_queue.tasks import keys
-from rollout_queue.workers.queue.reliable_redis import forget_on_ack
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,13 @@ WAIT_FOR_REDIS_S = 300.0
 
 
 class HandedOn:
-    def __init__(self, client: redis.Redis, node: str, wait_s: float = WAIT_FOR_REDIS_S) -> None:
+    def __init__(
+        self, client: redis.Redis, node: str, forget_on_ack: Callable[[str], None],
+        wait_s: float = WAIT_FOR_REDIS_S,
+    ) -> None:
         self.client = client
+        # The transport's: the next ack of a tag only clears this process's bookkeeping.
+        self.forget_on_ack = forget_on_ack
         self.node = node
         self.key = keys.handed_on(node)
         self.wait_s = wait_s
@@ -77,7 +82,7 @@ class HandedOn:
                 self._declared_dead(int(self.client.scard(self.key)))  # type: ignore[arg-type]
             except redis.RedisError:
                 pass
-        forget_on_ack(str(tag))
+        self.forget_on_ack(str(tag))
         try:
             self.client.srem(self.key, tag)
         except redis.RedisError:

@@ -38,9 +38,9 @@ acks, restores and everything else are kombu's own. Selected by the worker
 in the transport options; ``global_keyprefix`` is not supported.
 
 A worker fetches only while its engine has room (``workers.queue.intake``, given
-by :func:`gate_fetches` for the node's processing list; not in the transport
-options, which Celery's ``inspect stats`` sends as JSON); a short timer on
-the event loop makes it look again as engine requests finish.
+in the node's :class:`FetchHooks`; not in the transport options, which
+Celery's ``inspect stats`` sends as JSON); a short timer on the event loop
+makes it look again as engine requests finish.
 
 A worker whose prefetch is full sends nothing to the broker until a task
 ends, and a task that ends while Redis is down waits in the result
@@ -54,7 +54,7 @@ writes (``OutOfMemoryError``: Celery took it for an unrecoverable error and
 the worker exited). Here a refused fetch is an empty one: the transport
 fetches nothing for a while (0.5 s, doubling to 5 s), a message taken
 whose record was refused goes back to the head of its queue, and the node's
-handler (:func:`on_redis_full`, the runtime's fence) is told. Any other
+handler (``FetchHooks.on_full``, the runtime's fence) is told. Any other
 write refused for memory on the consumer's path counts as a lost connection.
 """
 
@@ -63,6 +63,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -108,38 +109,32 @@ return 0
 FULL_BACKOFF_MIN_S = 0.5
 FULL_BACKOFF_MAX_S = 5.0
 
-# Processing-list key → what to tell when Redis refuses a fetch for memory.
-_FULL_HANDLERS: dict[str, Callable[[str], None]] = {}
-
-
-def on_redis_full(processing_key: str, handler: Callable[[str], None]) -> None:
-    """Call ``handler(redis_error_message)`` when Redis refuses this node's fetch for memory."""
-    _FULL_HANDLERS[processing_key] = handler
-
-
-# Processing-list key → "may this node fetch now?" (workers.queue.intake), set by
-# the worker before it consumes.
-_ROOM_CHECKS: dict[str, Callable[[], bool]] = {}
-
-
-def gate_fetches(processing_key: str, has_room: Callable[[], bool]) -> None:
-    """Fetch for the node of ``processing_key`` only while ``has_room()``."""
-    _ROOM_CHECKS[processing_key] = has_room
-
-
 # How often a worker gated by its engine's room looks again (see Transport).
 ROOM_CHECK_S = 0.02
 
 
-# Delivery tags whose messages the reaper handed to other workers
-# (``workers.queue.handed_on``): acking one would drop the new holder's record.
-_HANDED_ON: set[str] = set()
+@dataclass
+class FetchHooks:
+    """What the worker's node tells its transport, and the transport it: built
+    once by the worker (``workers.node.main``) and bound to the transport class
+    (:meth:`Transport.bound`; kombu builds transports from a class, never from
+    an object).
 
+    ``has_room``: may the next message be fetched (``workers.queue.intake``)?
+    None: kombu's prefetch alone. ``on_full``: told the Redis error when
+    Redis refuses a fetch for memory (the runtime's fence). ``handed_on``:
+    delivery tags whose messages the reaper handed to other workers
+    (``workers.queue.handed_on``): acking one would drop the new holder's record.
+    """
 
-def forget_on_ack(delivery_tag: str) -> None:
-    """The next ack (or reject) of ``delivery_tag`` only clears this process's own
-    bookkeeping: Redis is left alone."""
-    _HANDED_ON.add(delivery_tag)
+    has_room: Callable[[], bool] | None = None
+    on_full: Callable[[str], None] | None = None
+    handed_on: set[str] = field(default_factory=set)
+
+    def forget_on_ack(self, delivery_tag: str) -> None:
+        """The next ack (or reject) of ``delivery_tag`` only clears this process's own
+        bookkeeping: Redis is left alone."""
+        self.handed_on.add(delivery_tag)
 
 
 def _noop() -> None:
@@ -162,16 +157,22 @@ class QoS(kombu_redis.QoS):
             return bool(super().can_consume())
         return bool(super().can_consume() and has_room())
 
+    def _handed_on(self, delivery_tag: str) -> bool:
+        """Whether the tag's message went to another worker (forgotten here now)."""
+        handed_on = self.channel.connection.hooks.handed_on
+        if delivery_tag not in handed_on:
+            return False
+        handed_on.discard(delivery_tag)
+        return True
+
     def ack(self, delivery_tag: str) -> None:
-        if delivery_tag in _HANDED_ON:
-            _HANDED_ON.discard(delivery_tag)
+        if self._handed_on(delivery_tag):
             virtual.QoS.ack(self, delivery_tag)
             return
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        if delivery_tag in _HANDED_ON:
-            _HANDED_ON.discard(delivery_tag)
+        if self._handed_on(delivery_tag):
             virtual.QoS.ack(self, delivery_tag)
             return
         super().reject(delivery_tag, requeue=requeue)
@@ -224,7 +225,7 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)
         if not self.rq_processing_key:
             raise ValueError("the reliable Redis transport needs the rq_processing_key option")
-        self.rq_has_room = _ROOM_CHECKS.get(self.rq_processing_key)
+        self.rq_has_room = self.connection.hooks.has_room
         self._rq_connparams = super()._connparams(asynchronous=False)
         if self.global_keyprefix:
             raise ValueError("the reliable Redis transport does not support global_keyprefix")
@@ -363,7 +364,7 @@ class Channel(kombu_redis.Channel):
         loop = get_event_loop()
         if loop is not None:  # wakes the loop to fetch again (QoS.can_consume)
             loop.call_later(self._rq_full_backoff, _noop)
-        handler = _FULL_HANDLERS.get(self.rq_processing_key)
+        handler = self.connection.hooks.on_full
         if handler is not None:
             handler(str(exc))
 
@@ -395,10 +396,16 @@ class Transport(kombu_redis.Transport):
     # a lost connection to Celery: it reconnects, with its backoff, instead of
     # exiting on an "unrecoverable" error. The fetch handles its own (above).
     connection_errors = (*kombu_redis.Transport.connection_errors, redis.exceptions.OutOfMemoryError)
+    hooks = FetchHooks()  # no node's: kombu's prefetch alone (see bound())
+
+    @classmethod
+    def bound(cls, hooks: FetchHooks) -> type[Transport]:
+        """This transport class, with the node's ``hooks``."""
+        return type("NodeTransport", (cls,), {"hooks": hooks})
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
-        cycle = self.cycle
+        cycle: Any = self.cycle  # kombu's MultiChannelPoller (typed None until registered)
         old = getattr(cycle, "_rq_probe_tref", None)
         if old is not None:
             old.cancel()  # a reconnect registers again
@@ -408,7 +415,7 @@ class Transport(kombu_redis.Transport):
         old = getattr(cycle, "_rq_room_tref", None)
         if old is not None:
             old.cancel()
-        if connection.client.transport_options.get("rq_processing_key") in _ROOM_CHECKS:
+        if self.hooks.has_room is not None:
             # Room comes back as engine requests finish, which wakes nothing
             # on this loop: a short timer makes it look again (each loop tick
             # asks QoS.can_consume before fetching).
@@ -419,7 +426,8 @@ class Transport(kombu_redis.Transport):
 
         Connection errors propagate to the consumer (the hub re-raises them).
         """
-        for channel in list(self.cycle._channels):
+        cycle: Any = self.cycle
+        for channel in list(cycle._channels):
             try:
                 with channel.conn_or_acquire() as client:
                     client.ping()
