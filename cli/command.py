@@ -238,6 +238,8 @@ def _worker_parser(sub: Any) -> None:
             "the next turn of a session it served (its prefix cache holds the conversation)")
     _switch(w, "--allow-celery-control", "accept Celery's unsigned state-changing control commands "
             "(shutdown, pool_restart, add_consumer...)")
+    _switch(w, "--skip-warm-up", "serve at once, without first running the engine through the shapes "
+            "of its first tasks (they then wait for vLLM's lazy compiles)")
     w.set_defaults(func=_worker)
     from rollout_queue.workers.settings import WorkerSettings
 

@@ -126,6 +126,9 @@ def stop_module_workers() -> Iterator[None]:
 def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[WorkerStarter]:
     """Start a CPU worker subprocess; waits until it registers as serving.
 
+    Its engine serves without a warm-up (``warm_up``: with one): the suite's
+    tasks are few per worker, and a warm-up costs each start seconds.
+
     It stops at the end of the module that started it (``stop_module_workers``)
     unless ``for_session``."""
     procs: list[Proc] = []
@@ -143,6 +146,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
         wait: bool = True,
         timeout: float = 240.0,
         for_session: bool = False,
+        warm_up: bool = False,
     ) -> Proc:
         argv = [
             python(), "-m", "rollout_queue.cli", "worker",
@@ -150,7 +154,7 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.1",
             "--name", name, "--max-inflight", str(max_inflight),
             "--queues", queue, "--pool", pool, *ENGINE_FLAGS,
-        ] + (extra or [])
+        ] + ([] if warm_up else ["--skip-warm-up"]) + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
                     env={**redis_url_env(url or redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
         procs.append(proc)

@@ -63,8 +63,27 @@ def orphan() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def life_worker(start_worker: WorkerStarter, model_a: Path, orphan: int) -> Proc:
-    return start_worker(model_a, NODE, queue=QUEUE, pool=POOL, max_inflight=8)
+def life_start(start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis,
+               orphan: int) -> tuple[Proc, str]:
+    """The module's worker, and its log as it was when the registry first said it serves."""
+    proc = start_worker(model_a, NODE, queue=QUEUE, pool=POOL, max_inflight=8, wait=False,
+                        warm_up=True)
+    seen: list[str] = []
+
+    def serving() -> bool:
+        entry = registry(redis_client, NODE)
+        if entry is None or entry.state != "serving":
+            return False
+        seen.append(proc.log_path.read_text(errors="replace"))
+        return True
+
+    proc.wait_until(serving, 240, f"{NODE} to serve")
+    return proc, seen[0]
+
+
+@pytest.fixture(scope="module")
+def life_worker(life_start: tuple[Proc, str]) -> Proc:
+    return life_start[0]
 
 
 def registry(client: redis_lib.Redis, node: str) -> WorkerInfo | None:
@@ -89,6 +108,12 @@ def held_task_ids(client: redis_lib.Redis, node: str) -> set[str]:
 def test_a_starting_worker_names_an_orphaned_engine_core_in_its_log(life_worker: Proc, orphan: int) -> None:
     log = life_worker.log_path.read_text(errors="replace")  # the pid is this run's
     assert f"pid {orphan} (VLLM::EngineCore, orphaned" in log, life_worker.tail()
+
+
+def test_the_registry_says_a_worker_serves_only_after_its_engine_warmed_up(life_start: tuple[Proc, str]) -> None:
+    proc, log_when_serving = life_start
+    assert "engine warmed up in" in log_when_serving, proc.tail()
+    assert log_when_serving.index("warming up the engine") < log_when_serving.index("engine warmed up in")
 
 
 def test_revoke_with_terminate_aborts_a_running_generation_and_the_task_ends_revoked(

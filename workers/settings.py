@@ -97,6 +97,10 @@ class WorkerSettings(EngineSettings):
     # conversation). Off by default: a worker of two queues polls the second
     # (workers/queue/reliable_redis.py: rq_multi_queue_block_s).
     sticky_sessions: bool = False
+    # Serve without first running the engine through the shapes of its first
+    # tasks (workers/engine/warm_up.py): those tasks then wait for vLLM's
+    # lazy compiles (seconds to a minute on CPU).
+    skip_warm_up: bool = False
 
     @field_validator("name")
     @classmethod

@@ -23,6 +23,7 @@ from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.logs import configure_logging
 from rollout_queue.weight_sync import cpu_weights
 from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.engine.warm_up import warm_up
 from rollout_queue.workers.node import control
 from rollout_queue.workers.node.runtime import WorkerRuntime
 from rollout_queue.workers.queue import delivery, reliable_redis, result_backend
@@ -97,6 +98,9 @@ def run_worker(settings: WorkerSettings, redis_note: str | None = None) -> int:
         print(f"rollout-queue worker: {exc}", file=sys.stderr)
         host.shutdown()
         return 3
+    if not settings.skip_warm_up:  # before it consumes and the registry says it serves
+        log.info("worker %s: warming up the engine (workers/engine/warm_up.py)", settings.name)
+        log.info("worker %s: engine warmed up in %.1f s", settings.name, warm_up(host))
     # What is loaded now lives as long as the process: keep it out of the
     # collector's full passes (they stall the task threads, and the one at
     # interpreter exit took 15-25 s on a loaded 2-core machine).

@@ -22,6 +22,14 @@ The reaper names each message it takes from a node in that node's
   there: a worker that finds the set logs that it was declared dead and how
   many tasks went on. Its heartbeat has already put
   it back in the registry, so it serves again.
+
+The tasks' two reads are off the hot path while the heartbeat vouches for
+them: no reaper hands on a message of this node while the node's registry
+entry lives (nor for ``reap_grace_s`` after). A heartbeat read that finds the
+set empty reads the entry's remaining TTL in the same round trip; until that
+much time has passed, a task's check reads nothing. A heartbeat that fails
+(Redis away) vouches for nothing, so a task that ends as the link returns
+reads the set as before.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ class HandedOn:
         self.key = keys.handed_on(node)
         self.wait_s = wait_s
         self.seen = 0  # tags already reported by notice()
+        # Until this time.monotonic(), nothing of this node can have been handed
+        # on (the heartbeat found the set empty and the registry entry alive).
+        self.clear_until = 0.0
 
     def check(self, task: Any, *, wait: bool) -> None:
         """Raise ``Ignore`` when the reaper handed ``task``'s message to another worker.
@@ -64,7 +75,7 @@ class HandedOn:
         # Celery's task context carries the message's properties, where kombu's
         # Redis transport keeps the delivery tag (not in ``delivery_info``).
         tag = (getattr(task.request, "properties", None) or {}).get("delivery_tag")
-        if not tag:
+        if not tag or time.monotonic() < self.clear_until:
             return
         deadline = time.monotonic() + (self.wait_s if wait else 0.0)
         while True:
@@ -94,11 +105,17 @@ class HandedOn:
         raise Ignore()
 
     def notice(self) -> None:
-        """Log once per new batch when the fleet declared this worker dead."""
-        count = int(self.client.scard(self.key))  # type: ignore[arg-type]
+        """Log once per new batch when the fleet declared this worker dead; vouch for the
+        tasks' checks while this node's registry entry lives, when nothing was handed on."""
+        read_at = time.monotonic()
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.scard(self.key)
+            pipe.pttl(keys.worker_key(self.node))  # -2: no entry; -1: no TTL (not ours)
+            count, entry_ms = (int(value) for value in pipe.execute())
         if count > self.seen:
             self._declared_dead(count)
         self.seen = count
+        self.clear_until = read_at + entry_ms / 1000 if count == 0 and entry_ms > 0 else 0.0
 
     def _declared_dead(self, count: int) -> None:
         self.seen = count
