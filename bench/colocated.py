@@ -140,10 +140,12 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
     awake = engine_mib()
     sleeping: dict[str, Any] = {}
     for level in (1, 2):
+        free_awake = torch.cuda.mem_get_info(0)[0]
         t0 = time.perf_counter()
         sync_weights.sleep(level, pool=stack.tag)
         slept_s = time.perf_counter() - t0
         asleep = engine_mib()
+        freed_gib = (torch.cuda.mem_get_info(0)[0] - free_awake) / (1 << 30)
         t0 = time.perf_counter()
         if level == 1:
             sync_weights.wake(pool=stack.tag)
@@ -152,6 +154,7 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
         woke_s = time.perf_counter() - t0
         sleeping[f"level{level}"] = {
             "awake_mib": awake, "asleep_mib": asleep, "freed_fraction": round(1 - asleep / max(awake, 1), 4),
+            "device_freed_gib": round(freed_gib, 2),
             "sleep_s": round(slept_s, 4), ("wake_s" if level == 1 else "wake_with_handoff_s"): round(woke_s, 4),
         }
         log(f"sleep level {level}: {sleeping[f'level{level}']}")
