@@ -358,8 +358,8 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
     from rollout_queue.tasks.generate import generate
     from rollout_queue.tasks.registry import connect
     from rollout_queue.tasks.schemas import SamplingParams
-    from rollout_queue.tasks.settings import SyncSettings
     from rollout_queue.weight_sync.sender import WeightSender, named_tensors
+    from rollout_queue.weight_sync.settings import SyncSettings
 
     run_id = secrets.token_hex(3)
     pool, queue = f"ctlsim-{run_id}", f"ctlsim-{run_id}"

@@ -33,9 +33,9 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
 
     from bench.weight_transfer import state_dict
     from rollout_queue.tasks.schemas import WorkerInfo
-    from rollout_queue.tasks.settings import SyncSettings
     from rollout_queue.weight_sync import wire
     from rollout_queue.weight_sync.sender import WeightSender
+    from rollout_queue.weight_sync.settings import SyncSettings
 
     cuda = args.device == "cuda"
     device = f"cuda:{1 - rank}" if cuda else "cpu"  # trainer on GPU 1, receiver on GPU 0
@@ -48,14 +48,15 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
 
     weights = state_dict(args.shape, dtype, device)
     sender = WeightSender(SyncSettings(direct_bytes=args.direct_mib << 20))
-    sender.group = group
+    sending = sender.transport(backend)
+    sending.group = group  # type: ignore[attr-defined]  # a GroupSender
     member = WorkerInfo(node="receiver", model="bench", device=args.device, dtype=dtype)
     manifest, tensors = sender.manifest(list(weights.items()), [member], backend)
     raw = [torch.empty(size, dtype=torch.uint8, device=device) for size in manifest.bucket_sizes]
 
     def pattern() -> None:
         if rank == 0:
-            sender.send_buckets(manifest, tensors, torch.device(device), 300.0)
+            sending.send_buckets(manifest, tensors, torch.device(device), 300.0)  # type: ignore[attr-defined]
             return
         works = []
         for bucket in wire.iter_buckets(manifest):  # grouped per bucket as the worker does

@@ -101,9 +101,10 @@ def main() -> int:
         from rollout_queue.tasks.app import configure
         from rollout_queue.tasks.app import settings as client_settings
         from rollout_queue.tasks.auth import signed_arguments
-        from rollout_queue.tasks.settings import ClientSettings, SyncSettings
+        from rollout_queue.tasks.settings import ClientSettings
         from rollout_queue.weight_sync import wire
         from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
+        from rollout_queue.weight_sync.settings import SyncSettings
 
         configure(ClientSettings())
         worker_env = {"CUDA_VISIBLE_DEVICES": str(args.worker_gpu)} if cuda else {}
@@ -215,7 +216,7 @@ def main() -> int:
         raw_worker_times = []
         for _ in range(args.iters):
             seconds, worker_side = raw_leg(
-                sender.group, lambda: engine_op("receive_raw", {"sizes": sizes_b}, 300))
+                sender.transport(backend).group, lambda: engine_op("receive_raw", {"sizes": sizes_b}, 300))
             raw_worker_times.append(seconds)
             benchlib_log(f"raw into worker: {raw_worker_times[-1]:.4f}s (worker side {worker_side})")
 
@@ -223,7 +224,7 @@ def main() -> int:
         t0 = time.perf_counter()
         for spec in manifest.tensors:
             flat = weights[spec.name].reshape(-1).view(torch.uint8)
-            work = wire.broadcast(sender.group, flat)
+            work = wire.broadcast(sender.transport(backend).group, flat)
             engine_op("receive_one", {"name": spec.name, "dtype": spec.dtype, "shape": spec.shape}, 120)
             wire.wait(work, 300.0)
         if cuda:

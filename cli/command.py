@@ -202,6 +202,8 @@ def _worker_parser(sub: Any) -> None:
     _add_setting(w, "--seed", "engine seed (vLLM)", type=int)
     _switch(w, "--enforce-eager", "no CUDA graphs (vLLM)")
     _switch(w, "--enable-sleep-mode", "allow the sleep/wake control commands (vLLM)")
+    _switch(w, "--colocated", "the trainer shares this host (CPU) or GPU (CUDA): weight syncs are handed "
+            "over in place (shared memory, CUDA IPC); on CUDA also --enable-sleep-mode")
     _add_setting(w, "--weight-load-mode", "how a weight sync loads: layerwise reload or direct "
                  "load_weights (auto: layerwise on CPU with packed weights)",
                  choices=["auto", "layerwise", "direct"])

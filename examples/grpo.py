@@ -644,7 +644,7 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
     from rollout_queue.cli.localstack import LocalStack, WorkerSpec
     from rollout_queue.cli.quickstart_model import ensure_quickstart_model
     from rollout_queue.tasks.app import configure
-    from rollout_queue.tasks.settings import SyncSettings
+    from rollout_queue.weight_sync.settings import SyncSettings
 
     with LocalStack(ROOT / ".run" / "grpo", prefix="grpo") as stack:
         url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())

@@ -11,13 +11,20 @@
 Owns what producers, trainers and workers agree on: the ``generate`` task and
 its schemas, its asyncio client (``aio``), the Celery app and client settings, Redis key and task names
 (``keys``), the error tree (``errors``), the worker registry, control commands
-and their signing, and the user's face of the weight sync (``sync_weights``;
-the protocol itself is ``weight_sync``). Imports celery, kombu, redis and
+and their signing. The weight sync (``sync_weights``, ``SyncReport``) lives
+in ``weight_sync``, which imports this package; the two names are handed out
+here on first use (``__getattr__``) so that ``from rollout_queue.tasks import
+sync_weights`` keeps working without an import from here into ``weight_sync``. Imports celery, kombu, redis and
 pydantic; never ``workers``, ``api``, ``cli`` or vLLM, and torch only lazily
 where a sync sends tensors: a trainer or a pipeline imports it on any host.
 """
 
-from rollout_queue.tasks import control, sync_weights
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from rollout_queue.tasks import control
 from rollout_queue.tasks.app import app, configure
 from rollout_queue.tasks.errors import RolloutError, WeightSyncError
 from rollout_queue.tasks.generate import generate
@@ -25,7 +32,16 @@ from rollout_queue.tasks.producer import generate_many
 from rollout_queue.tasks.schemas import GenerationResult, SampleDelta, SamplingParams, WorkerInfo
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.split import SplitResult
-from rollout_queue.weight_sync.protocol import SyncReport
+
+if TYPE_CHECKING:
+    from rollout_queue.weight_sync import sync_weights
+    from rollout_queue.weight_sync.protocol import SyncReport
+
+# Names of the weight sync handed out from here (the package above this one).
+_FROM_WEIGHT_SYNC = {
+    "sync_weights": ("rollout_queue.weight_sync.sync_weights", None),
+    "SyncReport": ("rollout_queue.weight_sync.protocol", "SyncReport"),
+}
 
 __all__ = [
     "GenerationResult",
@@ -44,3 +60,12 @@ __all__ = [
     "signature",
     "sync_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``sync_weights`` and ``SyncReport``, from ``weight_sync`` on first use."""
+    if name in _FROM_WEIGHT_SYNC:
+        module_name, attribute = _FROM_WEIGHT_SYNC[name]
+        module = importlib.import_module(module_name)
+        return module if attribute is None else getattr(module, attribute)
+    raise AttributeError(f"module 'rollout_queue.tasks' has no attribute {name!r}")

@@ -7,7 +7,7 @@ argument, a :class:`~tasks.schemas.ControlAuth`::
     hmac = HMAC-SHA256(RQ_WEIGHT_SYNC_SECRET,
                        canonical JSON of {command, arguments, issued_at, nonce, destination})
 
-Senders (``tasks.control``, ``tasks.sync_weights``) build it with
+Senders (``tasks.control``, ``weight_sync.sync_weights``) build it with
 :func:`signed_arguments`; each worker checks it with its
 :class:`CommandVerifier`, which refuses a command that is unsigned, signed
 with another key, issued outside ``max_age_s`` of the worker's clock, carrying

@@ -142,6 +142,12 @@ def sync_decision(sync_id: str) -> str:
     return f"rq/decision/{sync_id}"
 
 
+def sync_handoff(sync_id: str, transport: str, bucket: int) -> str:
+    """Key, in the trainer's rendezvous store, of where bucket ``bucket`` of a
+    handoff transport waits for the colocated workers (set once it is packed)."""
+    return f"rq/handoff/{sync_id}/{transport}/{bucket}"
+
+
 MANIFEST_TTL_S = 24 * 3600  # refreshed by every sync that uses it
 
 

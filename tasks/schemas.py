@@ -496,6 +496,11 @@ class WorkerInfo(_Message):
     heartbeat_s: float = Field(2.0, gt=0.0)
     # When the engine last answered the heartbeat's no-op question (0: not yet asked).
     engine_answered_at: float = 0.0
+    # Started with --colocated: it shares its host (CPU) or GPU (CUDA) with the
+    # trainer, which then hands it the weights in place (weight_sync/transports).
+    colocated: bool = False
+    host_id: str = ""  # weight_sync.locality.host_id() of the worker's host
+    device_uuids: list[str] = []  # UUIDs of its engine ranks' GPUs (colocated CUDA workers)
 
     @property
     def ranks(self) -> int:

@@ -102,7 +102,7 @@ class Agent:
         before the trainer writes its decision to go ahead."""
         from safetensors.torch import load_file
 
-        from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
+        from rollout_queue.weight_sync.settings import SyncSettings, SyncTimeouts
 
         key = f"{pool}/{rendezvous_host}/{sorted(timeouts.items())}"
         if key not in self.senders:
@@ -154,7 +154,7 @@ class Agent:
 def _sender_class() -> type:
     import subprocess
 
-    from rollout_queue.tasks.sync_weights import WeightSender
+    from rollout_queue.weight_sync.sync_weights import WeightSender
 
     class CuttingSender(WeightSender):
         """The real sender, with hooks where a fault goes: between ready and the
@@ -194,7 +194,7 @@ def main(argv: list[str]) -> None:
         return
     import safetensors.torch  # noqa: F401  imported before any command, so answers time the work alone
 
-    import rollout_queue.tasks.sync_weights  # noqa: F401
+    import rollout_queue.weight_sync.sync_weights  # noqa: F401
     print(json.dumps({"ok": "ready"}), flush=True)
     for line in sys.stdin:
         print(json.dumps(agent.answer(line)), flush=True)

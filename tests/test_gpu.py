@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 
 from rollout_queue.tasks import app, control, generate, keys, sync_weights
 from rollout_queue.tasks.schemas import WorkerInfo
-from rollout_queue.tasks.settings import SyncSettings
 from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
+from rollout_queue.weight_sync.settings import SyncSettings
 from tests.conftest import MODELS, WorkerStarter, wait_for
 from tests.procs import Proc, engine_cores
 
@@ -261,3 +261,73 @@ def test_kill_9_of_a_cuda_worker_takes_its_engine_core_and_its_gpu_memory_with_i
     gone, _ = psutil.wait_procs([core], timeout=60)
     assert gone, f"engine core {core.pid} outlived its worker"
     wait_for(lambda: core.pid not in gpu_compute_pids(), 60, "the core's GPU memory to be freed")
+
+
+# ---------------------------------------------------------------------------
+# Colocated: trainer and worker on GPU 0, the weights handed over by CUDA IPC
+# ---------------------------------------------------------------------------
+
+COLO = "gpu-colocated"
+
+
+def gpu_worker(start_worker: WorkerStarter, model: Path, name: str, queue: str, extra: list[str]) -> Proc:
+    return start_worker(
+        model, name, queue=queue, pool=queue, timeout=600,
+        extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
+               "--max-model-len", "2048", *extra],
+        env={"CUDA_VISIBLE_DEVICES": "0"},
+    )
+
+
+def test_colocated_cuda_ipc_handoff_matches_a_fresh_engine_and_survives_three_sleep_step_wake_cycles(
+    start_worker: WorkerStarter, redis_client: Any,
+) -> None:
+    from rollout_queue.tasks.registry import live_workers
+    from rollout_queue.weight_sync.transports.cuda_ipc import device_uuid
+
+    torch.cuda.set_device(0)
+    node = "gpu-colo@tests"
+    gpu_worker(start_worker, qwen(1), node, COLO, ["--colocated", "--worker-extension-cls", BENCH_EXTENSION])
+    (info,) = [w for w in live_workers(redis_client, COLO)]
+    assert info.colocated and info.device_uuids == [device_uuid(0)]
+    _, lps_a, _ = worker_prompt_logprobs(COLO)
+
+    # The trainer's weights: model B, on the worker's GPU, as parameters an optimizer steps.
+    params = {k: torch.nn.Parameter(v.to("cuda:0", torch.float32))
+              for k, v in load_file(str(qwen(2) / "model.safetensors")).items()}
+    sender = sync_weights.sender(COLO, SyncSettings(bucket_bytes=256 << 20))
+    first = sender.sync(params, version=1, timeout=300)
+    assert first.backend == "cuda_ipc" and first.workers == [node]
+    as_bf16 = {k: p.detach().to(torch.bfloat16) for k, p in params.items()}
+    assert checksums([node])[node] == pytest.approx(expected_sum(as_bf16), rel=1e-6)
+    _, lps_worker, served = worker_prompt_logprobs(COLO)
+    assert served == {node}
+
+    # A fresh engine on model B, beside it on the same GPU.
+    reference = gpu_worker(start_worker, qwen(2), "gpu-refb@tests", "gpu-refb", [])
+    _, lps_fresh, _ = worker_prompt_logprobs("gpu-refb")
+    reference.stop()
+    moved, error = mean_abs(lps_a, lps_fresh), mean_abs(lps_worker, lps_fresh)
+    print(f"[colocated] prompt-logprob distance A to B {moved:.4f}; worker after handoff vs fresh B {error:.4f}; "
+          f"first handoff {first.seconds:.3f}s phases {first.phases}")
+    assert error < 0.05 and error < moved / 5
+
+    optimizer = torch.optim.SGD(params.values(), lr=1e-2)
+    for cycle, level in enumerate([1, 2, 1], start=2):
+        sync_weights.sleep(level, pool=COLO)
+        waiting = generate.apply_async((PROMPTS[:2], {"temperature": 0.0, "max_tokens": 4}), queue=COLO)
+        optimizer.zero_grad()
+        loss = sum((p.float() * torch.randn_like(p)).mean() for p in params.values())
+        loss.backward()
+        optimizer.step()
+        assert not waiting.ready(), "a task ran while the pool slept"
+        report = sync_weights.wake(params, version=cycle, pool=COLO)
+        assert report is not None and report.backend == "cuda_ipc" and report.version == cycle
+        as_bf16 = {k: p.detach().to(torch.bfloat16) for k, p in params.items()}
+        assert checksums([node])[node] == pytest.approx(expected_sum(as_bf16), rel=1e-6), f"cycle {cycle}"
+        result = waiting.get(timeout=300)
+        assert result["worker"] == node and result["weight_version"] == cycle
+        assert all(len(o["samples"][0]["token_ids"]) == 4 for o in result["outputs"])
+        print(f"[colocated] cycle {cycle} (sleep level {level}): handoff {report.seconds:.3f}s "
+              f"phases {report.phases} worker {report.worker_phases}")
+    sync_weights.close(COLO)

@@ -24,7 +24,7 @@ from vllm.logprobs import Logprob
 
 from rollout_queue.tasks import generate, keys, sync_weights
 from rollout_queue.tasks.schemas import Sample, SamplingParams, WorkerInfo
-from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
+from rollout_queue.weight_sync.settings import SyncSettings, SyncTimeouts
 from rollout_queue.workers.engine.progress import (
     ProgressStore,
     SampleProgress,

@@ -34,7 +34,7 @@ from examples.grpo import (
 )
 from rollout_queue.tasks import generate, sync_weights
 from rollout_queue.tasks.errors import RolloutError
-from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
+from rollout_queue.weight_sync.settings import SyncSettings, SyncTimeouts
 from tests.conftest import CONTROL_SECRET, WorkerStarter
 from tests.procs import ROOT
 

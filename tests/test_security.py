@@ -591,8 +591,8 @@ def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_s
 def test_the_rendezvous_store_listens_only_on_the_configured_address() -> None:
     import socket
 
-    from rollout_queue.tasks.settings import SyncSettings
     from rollout_queue.weight_sync import wire
+    from rollout_queue.weight_sync.settings import SyncSettings
 
     assert SyncSettings().rendezvous_host == "127.0.0.1"  # not 0.0.0.0 unless configured
     store = wire.connect_store("127.0.0.1", 0, 5.0, is_master=True)

@@ -287,7 +287,7 @@ def test_receive_buffers_are_reused_only_once_no_pending_layer_holds_them() -> N
 
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    from rollout_queue.weight_sync.receiver import _BufferPool
+    from rollout_queue.weight_sync.transports.groups import _BufferPool
 
     pool = _BufferPool(keep=2)
     cpu = torch.device("cpu")
@@ -400,7 +400,8 @@ def test_only_tensors_loaded_by_one_whole_copy_into_a_parameter_are_received_in_
 
 
 def test_a_bucket_buffer_holds_only_the_pieces_not_received_in_place() -> None:
-    from rollout_queue.weight_sync.receiver import _buffer_layout, _buffer_offsets
+    from rollout_queue.weight_sync.transports.groups import buffer_layout as _buffer_layout
+    from rollout_queue.weight_sync.transports.groups import buffer_offsets as _buffer_offsets
 
     gen = torch.Generator().manual_seed(3)
     sizes = {"a": 40, "big1": 300, "b": 90, "c": 50, "big2": 260, "d": 30}  # float32 elements
@@ -593,3 +594,135 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
     for epoch in (5, 6):
         (done,) = acks.acks(keys.sync_acks(plans[epoch].sync_id, "done"))
         assert not done.ok and done.error is not None and "did not pause" in done.error.message
+
+
+# --------------------------------------------------------------- transports
+
+
+def _member(node: str, *, colocated: bool, host: str, device: str = "cpu", uuids: list[str] | None = None) -> Any:
+    from rollout_queue.tasks.schemas import WorkerInfo
+
+    return WorkerInfo(node=node, model="m", device=device, dtype="float32", colocated=colocated, host_id=host,
+                      device_uuids=uuids or [])
+
+
+def test_the_plan_hands_the_weights_to_colocated_workers_of_this_host_and_the_group_serves_the_rest() -> None:
+    from rollout_queue.tasks.errors import SyncRefused
+    from rollout_queue.weight_sync.locality import host_id
+    from rollout_queue.weight_sync.protocol import SyncDecision
+    from rollout_queue.weight_sync.sender import WeightSender
+    from rollout_queue.weight_sync.settings import SyncSettings
+
+    here = host_id()
+    members = [_member("near@h", colocated=True, host=here), _member("far@h", colocated=True, host="other/boot"),
+               _member("plain@h", colocated=False, host=here)]
+    assert WeightSender(SyncSettings(), "p").choose_handoffs(members, "gloo") == {"near@h": "shm"}
+    assert WeightSender(SyncSettings(transport="gloo"), "p").choose_handoffs(members, "gloo") == {}
+    with pytest.raises(SyncRefused, match="far@h"):
+        WeightSender(SyncSettings(transport="shm"), "p").choose_handoffs(members, "gloo")
+    # On CUDA, "the same GPU" is the device UUID, never the index.
+    gpu = [_member("same@h", colocated=True, host=here, device="cuda", uuids=["GPU-1"]),
+           _member("other@h", colocated=True, host=here, device="cuda", uuids=["GPU-2"])]
+    assert WeightSender._colocated(gpu[0], "GPU-1", "nccl") and not WeightSender._colocated(gpu[1], "GPU-1", "nccl")
+
+    plan = SyncPlan(epoch=1, sync_id="s", version=1, pause="wait", store_host="127.0.0.1", store_port=1,
+                    members={"near@h": 1, "far@h": 1}, backend="gloo", handoffs={"near@h": "shm"},
+                    manifest_digest="d", issued_at=0.0)
+    assert plan.transport_of("near@h") == "shm" and plan.transport_of("far@h") == "gloo"
+    assert plan.transports() == ["shm", "gloo"]  # handoffs announce first; the group waits for its ranks
+    decision = SyncDecision(go=True, offsets={"far@h": 1}, world=2, handoff=["near@h"])
+    assert decision.roster == {"near@h", "far@h"}
+
+
+def test_transports_are_found_by_name_and_an_unknown_name_lists_the_known_ones() -> None:
+    from rollout_queue.weight_sync import transports
+    from rollout_queue.weight_sync.transports.groups import GroupReceiver, GroupSender
+    from rollout_queue.weight_sync.transports.shm import ShmReceiver, ShmSender
+
+    assert transports.names() == ["cuda_ipc", "gloo", "nccl", "shm"]
+    assert transports.sender_class("nccl") is GroupSender and transports.receiver_class("gloo") is GroupReceiver
+    assert transports.sender_class("shm") is ShmSender and transports.receiver_class("shm") is ShmReceiver
+    with pytest.raises(ValueError, match="cuda_ipc, gloo, nccl, shm"):
+        transports.sender_class("rdma")
+
+
+class _Store:
+    """The few TCPStore calls a handoff makes, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def set_timeout(self, timeout: Any) -> None:
+        pass
+
+    def delete_key(self, key: str) -> bool:
+        return self.values.pop(key, None) is not None
+
+
+class _Sink:
+    layerwise_open = False
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.names: set[str] = set()
+
+    def load(self, buffer: Any, specs: Any, offsets: Any, *, learn_in_place: bool = True) -> None:
+        for name, view in wire.bucket_views(buffer, specs, offsets):
+            self.loaded[name] = view.clone()
+
+    def arrived(self, names: Any) -> None:
+        self.names.update(names)
+
+    def in_place_targets(self, manifest: Any) -> dict[str, Any]:
+        return {}
+
+    def touched(self) -> None:
+        pass
+
+
+def test_a_shared_memory_handoff_delivers_every_tensor_and_reuses_its_segments() -> None:
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout_queue.tasks.errors import SyncRefused
+    from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
+    from rollout_queue.weight_sync.settings import SyncSettings
+    from rollout_queue.weight_sync.transports.base import SendJob
+    from rollout_queue.weight_sync.transports.shm import ShmReceiver, ShmSender
+
+    tensors = {f"t{i}": torch.randn(64 + i, 33) for i in range(7)}
+    manifest = wire.plan_buckets([(n, "float32", list(t.shape)) for n, t in tensors.items()], 20_000)
+    assert len(manifest.bucket_sizes) > 2
+    store, sender, receiver = _Store(), ShmSender("shm", SyncSettings()), ShmReceiver("shm")
+    plan = SyncPlan(epoch=1, sync_id="one", version=1, pause="wait", store_host="127.0.0.1", store_port=1,
+                    members={"w@h": 1}, backend="gloo", handoffs={"w@h": "shm"}, manifest_digest="d",
+                    issued_at=0.0)
+    decision = SyncDecision(go=True, world=1, handoff=["w@h"])
+    receiver.store, receiver.store_address = store, ("127.0.0.1", 1)
+    with ThreadPoolExecutor(1) as executor:
+        for round_ in range(2):
+            sender.send(SendJob(plan=plan, decision=decision, manifest=manifest, tensors=tensors, store=store,
+                                nodes=["w@h"], deadline=time.monotonic() + 30, executor=executor))
+            receiver.begin(UpdateRequest(plan=plan, decision=decision, node="w@h"), 0, torch.device("cpu"))
+            sink = _Sink()
+            receiver.receive(sink, manifest, torch.device("cpu"), time.monotonic() + 30)
+            assert sink.names == set(tensors)
+            assert all(torch.equal(sink.loaded[n], t) for n, t in tensors.items())
+            sender.finished(plan)
+            assert store.values == {}  # the sync's keys are gone from the store
+            if round_ == 0:
+                segments = {p for p in os.listdir("/dev/shm") if p.startswith(f"rq-sync-{sender._token}")}
+                assert len(segments) == len(manifest.bucket_sizes)
+                mapped = dict(receiver._mapped)
+            tensors = {n: t * 2 for n, t in tensors.items()}
+    assert receiver._mapped.keys() == mapped.keys()  # the second sync mapped nothing new
+    sender.close()
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"rq-sync-{sender._token}")]
+    with pytest.raises(SyncRefused, match="not a weight-sync segment"):
+        receiver.open({"segment": "../etc/passwd", "size": 1}, 1, torch.device("cpu"))

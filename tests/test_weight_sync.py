@@ -19,9 +19,9 @@ from rollout_queue.tasks import app, control, generate, keys, sync_weights
 from rollout_queue.tasks.auth import signed_arguments
 from rollout_queue.tasks.errors import ManifestMismatch, WorkerLost
 from rollout_queue.tasks.registry import fleet_version, live_workers
-from rollout_queue.tasks.settings import SyncSettings, SyncTimeouts
 from rollout_queue.weight_sync import wire
 from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
+from rollout_queue.weight_sync.settings import SyncSettings, SyncTimeouts
 from tests.conftest import WorkerStarter, wait_for, worker_registered
 
 POOL = QUEUE = "sync"

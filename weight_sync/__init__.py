@@ -15,21 +15,24 @@ What lives here, one concept a module:
     cpu_weights     plain (unpacked) linear weights on vLLM's CPU backend
     bench_receiver  the receiver plus the calls only benchmarks and tests make
 
-The worker host's part (acks, pause, the engine call, commit) is
-``workers.node.sync``; the user's face is ``tasks.sync_weights``.
+    sync_weights    the trainer's face: ``broadcast``, ``catch_up``, ``status``
+    settings        the trainer's ``SyncSettings`` and ``SyncTimeouts``
+    transports      how the bytes travel, one module per transport, by name:
+                    gloo and nccl (a process group), shm and cuda_ipc (a
+                    handoff to a colocated worker)
 
-Imports: this package may import ``tasks`` (errors, schemas, keys, settings,
-the Celery app for the sender's trigger) but never ``workers`` (which imports
-it), and never vLLM or torch at import time: ``protocol``, ``wire`` and
+The worker host's part (acks, pause, the engine call, commit) is
+``workers.node.sync``.
+
+Imports: this package sits above ``tasks`` and may import it (errors, schemas,
+keys, the client settings, the Celery app for the sender's trigger);
+``tasks`` never imports it (``tasks.sync_weights`` is handed out lazily).
+Never ``workers`` (which imports it), and never vLLM or torch at import time: ``protocol``, ``wire`` and
 ``sender`` import without them (torch is imported lazily, where tensors are
 handled); only ``receiver``, ``inplace`` and ``bench_receiver``, which run
 inside vLLM's processes, import them.
 """
 
-# ``tasks`` imports this package (its ``sync_weights`` face, the settings'
-# WorkerTimeouts): set it up first, so that importing a module of this
-# package before ``tasks`` finds ``tasks`` whole.
-import rollout_queue.tasks  # noqa: F401  isort: skip
 from rollout_queue.weight_sync.protocol import (
     PROTOCOL_VERSION,
     Manifest,

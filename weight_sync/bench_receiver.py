@@ -10,31 +10,43 @@ answers the ``rq_engine`` ops ``receive_one``, ``receive_raw``,
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rollout_queue.tasks.errors import WeightSyncError
 from rollout_queue.weight_sync import wire
-from rollout_queue.weight_sync.receiver import Phase, WeightReceiver, refresh_tied_layers
+from rollout_queue.weight_sync.receiver import EngineReceiver, Phase, WeightReceiver, refresh_tied_layers
 
 BENCH_EXTENSION = "rollout_queue.weight_sync.bench_receiver.BenchReceiver"
 
 __all__ = ["BENCH_EXTENSION", "BenchReceiver"]
 
 
+def _group(receiver: EngineReceiver) -> Any:
+    """The process group of this rank's last group sync."""
+    for name in ("nccl", "gloo"):
+        end = receiver.transports.get(name)
+        if end is not None and getattr(end, "group", None) is not None:
+            return end.group  # type: ignore[attr-defined]
+    raise WeightSyncError("no sync group: run a sync first", phase="transfer")
+
+
 class BenchReceiver(WeightReceiver):
     """``WeightReceiver`` plus the benchmarks' baselines and probes."""
+
+    _rq_raw: list[Any] | None = None
 
     def rq_receive_one(self, name: str, dtype: str, shape: list[int], timeout_s: float) -> int:
         """One tensor over the current group, loaded at once: the benchmark's
         baseline of one control round trip per tensor."""
         import torch
 
-        state = self._rq_expect(Phase.IDLE, "rq_receive_one")
-        if state.group is None:
-            raise WeightSyncError("no sync group: run a sync first", phase="transfer")
-        tensor = torch.empty(shape, dtype=wire.torch_dtype(dtype), device=self._rq_device())
-        wire.wait(wire.broadcast(state.group, tensor.view(-1).view(torch.uint8)), timeout_s)
-        model = self._rq_model()
-        if state.load_mode == "layerwise":
+        receiver = self._receiver()
+        receiver.expect(Phase.IDLE, "rq_receive_one")
+        group = _group(receiver)
+        tensor = torch.empty(shape, dtype=wire.torch_dtype(dtype), device=receiver.device())
+        wire.wait(wire.broadcast(group, tensor.view(-1).view(torch.uint8)), timeout_s)
+        model = receiver.model()
+        if receiver.load_mode == "layerwise":
             # After a layerwise reload the parameters carry no weight loaders:
             # every load, even of one tensor, goes through the reload lifecycle.
             from vllm.model_executor.model_loader.reload import (
@@ -56,15 +68,15 @@ class BenchReceiver(WeightReceiver):
         this process. Returns the seconds from posting to the last byte."""
         import torch
 
-        state = self._rq_expect(Phase.IDLE, "rq_receive_raw")
-        if state.group is None:
-            raise WeightSyncError("no sync group: run a sync first", phase="transfer")
-        device = self._rq_device()
-        raw = getattr(self, "_rq_raw", None)
+        receiver = self._receiver()
+        receiver.expect(Phase.IDLE, "rq_receive_raw")
+        group = _group(receiver)
+        device = receiver.device()
+        raw = self._rq_raw
         if raw is None or [b.numel() for b in raw] != sizes:
             self._rq_raw = raw = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
         t0 = time.monotonic()
-        works = [wire.broadcast(state.group, buffer) for buffer in raw]
+        works = [wire.broadcast(group, buffer) for buffer in raw]
         for work in works:
             wire.wait(work, timeout_s)
         if device.type == "cuda":
@@ -73,7 +85,7 @@ class BenchReceiver(WeightReceiver):
 
     def rq_last_receive(self) -> dict[str, float]:
         """Wire and load seconds of the last sync's receive, and what went in place."""
-        return dict(self._rq_state().last_stats)
+        return dict(self._receiver().last_stats)
 
     def rq_weight_checksum(self) -> dict[str, float]:
         """Sum of every parameter (float64) and the count: compare across syncs."""
@@ -82,7 +94,7 @@ class BenchReceiver(WeightReceiver):
         total = 0.0
         count = 0
         with torch.no_grad():
-            for _, param in self._rq_model().named_parameters():
+            for _, param in self._receiver().model().named_parameters():
                 total += float(param.detach().double().sum().item())
                 count += param.numel()
         return {"sum": total, "numel": float(count)}

@@ -27,8 +27,13 @@ from rollout_queue.tasks.errors import SYNC_ERRORS, SyncErrorKind, WeightSyncErr
 from rollout_queue.tasks.schemas import PauseMode
 
 # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth);
-# 5: the workers' deadlines travel in the plan, failures as a kind and a message.
-PROTOCOL_VERSION = 5
+# 5: the workers' deadlines travel in the plan, failures as a kind and a message;
+# 6: a transport per worker (``SyncPlan.handoffs``), the roster beyond the group.
+PROTOCOL_VERSION = 6
+
+# The transports a worker can be handed the weights by instead of the group
+# (weight_sync/transports).
+HandoffName = Literal["shm", "cuda_ipc"]
 
 
 class _Message(BaseModel):
@@ -105,7 +110,10 @@ class SyncPlan(_Message):
     # Proposed membership: node → engine ranks it brings. The decision in the
     # store fixes the final roster (who answered ready) and rank offsets.
     members: dict[str, int]
+    # The group transport (``weight_sync.transports``), for every member not
+    # named in ``handoffs``; those get the weights handed over in place.
     backend: Literal["gloo", "nccl"]
+    handoffs: dict[str, HandoffName] = {}
     # The manifest travels once per layout, not in every trigger (a 7B model's is
     # ~50 KB of JSON: ~2 ms to publish and as much to read): the plan names it
     # by digest; each side attaches it locally (``manifest``, never serialized).
@@ -113,6 +121,15 @@ class SyncPlan(_Message):
     manifest: Manifest | None = Field(default=None, exclude=True)
     issued_at: float
     timeouts: WorkerTimeouts = WorkerTimeouts()
+
+    def transport_of(self, node: str) -> str:
+        """The transport ``node`` gets its weights by in this sync."""
+        return self.handoffs.get(node, self.backend)
+
+    def transports(self) -> list[str]:
+        """The transports of this sync, handoffs first (they announce, the group waits)."""
+        used = {self.transport_of(node) for node in self.members}
+        return sorted(used, key=lambda name: (name == self.backend, name))
 
 
 class SyncFailure(_Message):
@@ -155,11 +172,18 @@ class SyncDecision(_Message):
 
     go: bool
     reason: str | None = None
-    # node → first global rank; world = 1 + Σ ranks.
+    # The group's members: node → first global rank; world = 1 + Σ ranks.
     offsets: dict[str, int] = {}
     world: int = 0
     group_id: str = ""
     reuse_group: bool = False
+    # The members handed the weights instead (``SyncPlan.handoffs``).
+    handoff: list[str] = []
+
+    @property
+    def roster(self) -> set[str]:
+        """Every worker the sync goes ahead with."""
+        return {*self.offsets, *self.handoff}
 
 
 class UpdateRequest(_Message):

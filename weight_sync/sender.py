@@ -1,6 +1,6 @@
 """The sending end of the weight sync (the trainer): push new weights into every worker.
 
-    report = sync_weights.broadcast(model, version=7, pause="wait")   # tasks.sync_weights
+    report = sync_weights.broadcast(model, version=7, pause="wait")   # weight_sync.sync_weights
 
 The protocol, in the order :meth:`WeightSender.sync` runs it::
 
@@ -20,15 +20,24 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
                   deadlines, HMAC)
       ready       wait for "ready" acks; drop the
                   silent; decision → TCPStore ───► read the decision (roster, offsets, world)
-    4 transfer    join/reuse the process group ◄──► rq_update(UpdateRequest), one engine
-                  send each bucket in pieces (both  call (weight_sync.receiver): join/
-                  ends walk wire.iter_buckets): big reuse, receive each piece in place or
-                  tensors straight from memory, the into a pooled buffer and load it
-                  rest packed (two buffers); NCCL   (layerwise or direct), check every
-                  on CUDA (a bucket's pieces one    entry arrived, finalize → UpdateResult
-                  NCCL group), gloo on CPU          (seconds, or the failure)
+    4 transfer    per transport of the plan     ◄──► rq_update(UpdateRequest), one engine
+                  (weight_sync.transports):         call (weight_sync.receiver): the
+                  handoffs (shm, cuda_ipc) pack     worker's transport takes each bucket
+                  each bucket once into mappable    (joins the group and receives in
+                  memory and name it in the store;  place or into pooled buffers; or
+                  the group (gloo on CPU, NCCL on   maps the handed-over buffer) and
+                  CUDA) broadcasts the buckets in   loads it (layerwise or direct);
+                  pieces (both ends walk            check every entry arrived,
+                  wire.iter_buckets)                finalize → UpdateResult
     5 commit      wait for "done" acks; set the ◄─ reset prefix cache, new weight_version,
                   pool's fleet version              resume, open intake → "done" ack
+
+This module is the coordinator: membership, trigger, acks, decision,
+commit (Redis, Celery, the store). How the bytes travel is the transports'
+(``weight_sync.transports``), chosen per worker: a worker started with
+``--colocated`` on this host (CPU) or this GPU (CUDA, by device UUID) is
+handed the weights (``shm``, ``cuda_ipc``), the others share a process group
+(``gloo``, ``nccl``); ``SyncSettings.transport`` can force one.
 
 Every phase has a deadline: the trainer's in ``SyncTimeouts``, the workers'
 (``WorkerTimeouts``) in the plan. A worker's failure travels as a kind and a
@@ -46,8 +55,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -68,9 +77,11 @@ from rollout_queue.tasks.errors import (
 )
 from rollout_queue.tasks.registry import connect, fleet_version, live_workers
 from rollout_queue.tasks.schemas import PauseMode, WorkerInfo
-from rollout_queue.tasks.settings import SyncSettings
-from rollout_queue.weight_sync import wire
-from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncDecision, SyncPlan, SyncReport
+from rollout_queue.weight_sync import transports, wire
+from rollout_queue.weight_sync.locality import host_id
+from rollout_queue.weight_sync.protocol import HandoffName, Manifest, SyncAck, SyncDecision, SyncPlan, SyncReport
+from rollout_queue.weight_sync.settings import SyncSettings
+from rollout_queue.weight_sync.transports.base import SendJob, TransportSender
 
 if TYPE_CHECKING:
     import torch
@@ -131,15 +142,10 @@ class WeightSender:
                                    give_up_at_once=True)
         self.store: Any = None
         self.store_port = 0
-        self.group: Any = None
-        self.group_id = ""
-        self.roster: dict[str, int] = {}
-        self.backend = ""
+        # The trainer's end of each transport used so far, by name (a group, buffers: kept).
+        self._transports: dict[str, TransportSender] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weight-send")
         self._lock = threading.Lock()
-        # The two packing buffers live on between syncs: fresh ones cost a page
-        # fault per 4 KiB on CPU (measured here: 0.36 s vs 0.10 s to fill 1 GiB).
-        self._send_buffers: list[torch.Tensor] = []
         # The acks of the current sync read so far, by phase: waiting for one
         # phase can read another's ("accepted" and "ready" share a list).
         self._acks: dict[str, dict[str, SyncAck]] = {}
@@ -176,6 +182,7 @@ class WeightSender:
 
             version = self.next_version() if version is None else int(version)
             backend = self.choose_backend(tensors, members)
+            handoffs = self.choose_handoffs(members, backend)
             manifest, tensors_by_name = self.manifest(tensors, members, backend)
 
             t = time.monotonic()
@@ -183,7 +190,7 @@ class WeightSender:
             phases["rendezvous"] = time.monotonic() - t
 
             t = time.monotonic()
-            plan, silent = self.trigger(members, manifest, version, pause, backend, deadline)
+            plan, silent = self.trigger(members, manifest, version, pause, backend, deadline, handoffs)
             phases["trigger"] = time.monotonic() - t
 
             t = time.monotonic()
@@ -206,8 +213,7 @@ class WeightSender:
                 committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
             except BrokerLost as exc:
                 # Who joined the group, and who committed, is unknown here.
-                self.group = None
-                self.roster = {}
+                self._reset_transports()
                 if broken is None:
                     raise
                 raise BrokerLost(f"{exc}; the transfer had failed too: {broken}", phase=exc.phase,
@@ -225,7 +231,7 @@ class WeightSender:
                 bytes=manifest.total_bytes,
                 seconds=seconds,
                 gb_per_s=manifest.total_bytes / max(phases["transfer"], 1e-9) / 1e9,
-                backend=backend,
+                backend="+".join(plan.transports()),
                 reused_group=decision.reuse_group,
                 phases=phases,
                 worker_phases=worker_phases,
@@ -269,6 +275,54 @@ class WeightSender:
             return "nccl"
         return "gloo"
 
+    def choose_handoffs(self, members: list[WorkerInfo], backend: str) -> dict[str, HandoffName]:
+        """The members handed the weights in place instead of the group: with
+        ``transport="auto"``, the ``--colocated`` workers on this host (CPU: shm)
+        or on this process's GPU (CUDA: cuda_ipc, by device UUID)."""
+        chosen = self.settings.transport
+        if chosen in transports.GROUP_TRANSPORTS:
+            return {}
+        handoff: HandoffName = "cuda_ipc" if backend == "nccl" else "shm"
+        if chosen != "auto" and chosen != handoff:
+            raise SyncRefused(f"transport {chosen!r} cannot reach this pool's {backend} workers",
+                              phase="membership")
+        here = self._locality(backend)
+        picked: dict[str, HandoffName] = {
+            w.node: handoff for w in members
+            if (w.colocated or chosen != "auto") and self._colocated(w, here, backend)
+        }
+        if chosen != "auto" and len(picked) < len(members):
+            far = sorted({w.node for w in members} - set(picked))
+            raise SyncRefused(
+                f"transport {chosen!r} needs every worker on this {'GPU' if handoff == 'cuda_ipc' else 'host'}; "
+                f"{', '.join(far)} are not: leave RQ_TRANSPORT at auto", phase="membership")
+        return picked
+
+    @staticmethod
+    def _locality(backend: str) -> str:
+        """This process's host id (CPU) or the UUID of its current GPU (CUDA)."""
+        if backend == "nccl":
+            from rollout_queue.weight_sync.transports.cuda_ipc import device_uuid
+
+            return device_uuid()
+        return host_id()
+
+    @staticmethod
+    def _colocated(worker: WorkerInfo, here: str, backend: str) -> bool:
+        if backend == "nccl":
+            return worker.device_uuids == [here]  # one engine rank, on this very GPU
+        return worker.host_id == here
+
+    def transport(self, name: str) -> TransportSender:
+        """The trainer's end of transport ``name`` (built once, kept between syncs)."""
+        if name not in self._transports:
+            self._transports[name] = transports.sender_class(name)(name, self.settings)
+        return self._transports[name]
+
+    def _reset_transports(self) -> None:
+        for end in self._transports.values():
+            end.reset()
+
     def manifest(
         self, tensors: list[tuple[str, torch.Tensor]], members: list[WorkerInfo], backend: str
     ) -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -278,7 +332,7 @@ class WeightSender:
         if len(dtypes) > 1:
             raise SyncRefused(f"the pool's workers run different dtypes {sorted(dtypes)}", phase="membership")
         target = wire.torch_dtype(dtypes.pop())
-        device = self._device(backend)
+        device = self.transport(backend).device()
         by_name: dict[str, torch.Tensor] = {}
         for name, tensor in tensors:
             if tensor.is_floating_point() and tensor.dtype != target:
@@ -295,15 +349,6 @@ class WeightSender:
             manifest = wire.plan_buckets(specs, *key[1:])
             self._planned = (key, manifest, *manifest.wire())
         return self._planned[1], by_name
-
-    @staticmethod
-    def _device(backend: str) -> torch.device:
-        """NCCL sends from this process's current CUDA device; gloo from host memory."""
-        import torch
-
-        if backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def rendezvous(self) -> None:
         """2. Host the TCPStore (once; it lives on between syncs)."""
@@ -325,7 +370,7 @@ class WeightSender:
 
     def trigger(
         self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode,
-        backend: str, deadline: float,
+        backend: str, deadline: float, handoffs: dict[str, HandoffName] | None = None,
     ) -> tuple[SyncPlan, dict[str, str]]:
         """3. One broadcast control message; every member answers accepted or refused.
 
@@ -338,6 +383,7 @@ class WeightSender:
             epoch=epoch, sync_id=uuid.uuid4().hex, version=version, pause=pause,
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
+            handoffs=handoffs or {},
             manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
             # A worker waits for the decision no longer than the trainer may take to
             # write it (its trigger and ready phases): a trainer gone or cut off
@@ -405,145 +451,52 @@ class WeightSender:
         offsets: dict[str, int] = {}
         rank = 1
         for node in ready:
-            offsets[node] = rank
-            rank += plan.members[node]
-        reuse = self.group is not None and offsets == self.roster and plan.backend == self.backend
-        if not reuse:
-            self.group = None
-            self.group_id = uuid.uuid4().hex[:12]
-        decision = SyncDecision(go=True, offsets=offsets, world=rank, group_id=self.group_id,
-                                reuse_group=reuse)
+            if plan.transport_of(node) == plan.backend:
+                offsets[node] = rank
+                rank += plan.members[node]
+        group = self.transport(plan.backend)
+        reuse = bool(offsets) and group.reuses_group(offsets)
+        decision = SyncDecision(go=True, offsets=offsets, world=rank, group_id=getattr(group, "group_id", ""),
+                                reuse_group=reuse, handoff=[node for node in ready if node in plan.handoffs])
         self._decide(plan, decision)
         return decision, silent
 
     def transfer(self, plan: SyncPlan, decision: SyncDecision, tensors: dict[str, torch.Tensor],
                  deadline: float) -> None:
-        """4. Join (or reuse) the group and broadcast the packed buckets."""
-        remaining = lambda: max(deadline - time.monotonic(), 0.001)
-        if not decision.reuse_group:
-            if plan.backend == "nccl":
-                import torch
-
-                torch.cuda.set_device(self._device(plan.backend))
-            future: Future[Any] = self._pool.submit(
-                wire.new_group, self.store, decision.group_id, 0, decision.world, plan.backend,
-                min(self.settings.timeouts.transfer, remaining()), self._device(plan.backend),
-            )
-            try:
-                self.group = future.result(timeout=remaining())
-            except Exception as exc:
-                self.group = None
-                raise RendezvousTimeout(
-                    f"workers {', '.join(decision.offsets)} did not all join the process group: {exc}",
-                    phase="rendezvous", workers=decision.offsets,
-                ) from exc
-            self.roster = dict(decision.offsets)
-            self.backend = plan.backend
+        """4. Each transport of the plan delivers the buckets to its workers:
+        the handoffs first (they only announce), then the group."""
         assert plan.manifest is not None  # attached by trigger(); never serialized
-        # A peer that stops reading (its link cut) stalls the sends: give up after
-        # the transfer phase's own deadline, not the whole sync's.
-        send_s = min(self.settings.timeouts.transfer, remaining())
-        sending = self._pool.submit(
-            self.send_buckets, plan.manifest, tensors, self._device(plan.backend), send_s
-        )
-        try:
-            sending.result(timeout=send_s + 5.0)
-        except Exception as exc:
-            # A failed collective leaves the group unusable. Abort it: its
-            # connections close, so the peers that can still hear this end
-            # fail at once instead of at their own group timeout.
-            wire.abort(self.group)
-            self.group = None
-            self.roster = {}
-            raise WorkerLost(
-                f"transfer of sync epoch {plan.epoch} failed: {exc}; a worker died or stalled",
-                phase="transfer", workers=decision.offsets,
-            ) from exc
-
-    def send_buckets(
-        self, manifest: Manifest, tensors: dict[str, torch.Tensor], device: torch.device, timeout_s: float
-    ) -> None:
-        """Pack bucket k+1 into one buffer while bucket k leaves from the other."""
-        deadline = time.monotonic() + timeout_s
-        buffers = self._buffers(max(manifest.bucket_sizes), device)
-        in_flight: list[list[Any]] = [[], []]  # the works whose pieces each buffer (slot) holds
-        direct_works: list[Any] = []  # pieces sent from the trainer's tensors: no buffer to free
-        began = time.monotonic()
-        trace: list[str] | None = [] if os.environ.get("RQ_SYNC_TRACE") else None
-        for bucket in wire.iter_buckets(manifest):
-            slot = bucket.index % 2
-            for work in in_flight[slot]:  # the buffer's previous bucket must be out
-                wire.wait(work, deadline - time.monotonic())
-            if trace is not None:
-                trace.append(f"b{bucket.index} slot free {time.monotonic() - began:.4f}")
-            in_flight[slot] = []
-            held_by_slot: list[bool] = []  # per piece: whether the slot must outlive its send
-            pieces = self._pieces(bucket, buffers[slot][: bucket.size], tensors, device, held_by_slot)
-            works = wire.broadcast_bucket(self.group, manifest, pieces)
-            if len(works) < len(held_by_slot):  # the bucket as one group: one work
-                in_flight[slot].extend(works)
+        failed: WeightSyncError | None = None
+        for name in plan.transports():
+            nodes = sorted(node for node in decision.roster if plan.transport_of(node) == name)
+            if not nodes:
                 continue
-            for work, by_slot in zip(works, held_by_slot):
-                (in_flight[slot] if by_slot else direct_works).append(work)
-        for work in [*in_flight[0], *in_flight[1], *direct_works]:
-            wire.wait(work, deadline - time.monotonic())
-        if trace is not None:
-            log.warning("[rq-sync-trace] sender %s; all out %.4f", "; ".join(trace), time.monotonic() - began)
-
-    @staticmethod
-    def _pieces(
-        bucket: wire.Bucket, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], device: torch.device,
-        held_by_slot: list[bool],
-    ) -> Iterator[torch.Tensor]:
-        """The bucket's pieces as they go out, each made when asked for: a tensor sent
-        straight from the trainer's memory, or a range of ``buffer`` packed just before.
-
-        Appends to ``held_by_slot``, per piece, whether it lives in the slot's
-        buffer (packed, or a copy made for the wire) and so must be sent before
-        the slot is packed again.
-        """
-        specs = bucket.specs  # in offset order
-        packed = 0
-        for start, end, direct in bucket.pieces:
-            upto = packed
-            while upto < len(specs) and specs[upto].offset < end:
-                upto += 1
-            if direct is not None:  # straight from the trainer's tensor
-                source = tensors[direct]
-                held_by_slot.append(source.device != device)
-                piece = wire.flat_bytes(source.to(device))
-            else:
-                wire.pack(buffer, specs[packed:upto], tensors)
-                held_by_slot.append(True)
-                piece = buffer[start:end]
-            packed = upto
-            # On CUDA the broadcast's stream waits for the packing copies
-            # (ProcessGroupNCCL orders it after the current stream): no host sync.
-            yield piece
-
-    def _buffers(self, largest: int, device: torch.device) -> list[torch.Tensor]:
-        import torch
-
-        if not any(b.device == device and b.numel() >= largest for b in self._send_buffers[:1]):
-            self._send_buffers = []  # free the old pair before allocating the new one
-            self._send_buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)]
-        return self._send_buffers
+            job = SendJob(plan=plan, decision=decision, manifest=plan.manifest, tensors=tensors,
+                          store=self.store, nodes=nodes, deadline=deadline, executor=self._pool)
+            try:
+                self.transport(name).send(job)
+            except WeightSyncError as exc:
+                # The other transports' workers are waiting for their buckets: serve them.
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def await_commit(
         self, plan: SyncPlan, decision: SyncDecision, deadline: float
     ) -> tuple[list[str], dict[str, str], dict[str, float]]:
         """5. Wait for "done" acks; move the pool's fleet version forward."""
-        acks = self._collect(plan, "done", set(decision.offsets),
+        acks = self._collect(plan, "done", decision.roster,
                              min(deadline, time.monotonic() + self.settings.timeouts.commit))
         committed = sorted(node for node, ack in acks.items() if ack.ok)
         failed = {node: str(ack.error or "failed") for node, ack in acks.items() if not ack.ok}
-        for node in set(decision.offsets) - set(acks):
+        for node in decision.roster - set(acks):
             failed[node] = "no commit ack before the deadline"
         if committed:
             self.client.set(keys.fleet_version(self.pool), plan.version)
+        for name in plan.transports():
+            self.transport(name).finished(plan)
         if failed:
-            self.group = None
-            self.roster = {}
+            self._reset_transports()
         slowest: dict[str, float] = {}
         for ack in acks.values():
             for step, seconds in ack.seconds.items():
@@ -621,11 +574,11 @@ class WeightSender:
     def close(self) -> None:
         """Drop the process group and the store, and disconnect from Redis; the
         next sync builds new ones (and reconnects)."""
-        self.group = None
-        self.roster = {}
+        for end in self._transports.values():
+            end.close()
+        self._transports = {}
         self.store = None
         self.store_port = 0
-        self._send_buffers = []
         self._disconnect_redis()
 
     def _disconnect_redis(self) -> None:

@@ -6,7 +6,7 @@ import socket
 from typing import Any, Literal
 
 from celery.utils.nodenames import host_format
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.keys import node_queue
@@ -24,6 +24,10 @@ class EngineSettings(ClientSettings):
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
+    # The engine shares its host (CPU) or its GPU (CUDA) with the trainer: the
+    # trainer hands it the weights in place (shm / CUDA IPC, weight_sync/transports)
+    # and, on CUDA, may put it to sleep around each optimizer step (sleep mode on).
+    colocated: bool = False
     seed: int = 0
     # Running-batch limits; None: vLLM's defaults for batch work (LLM_CLASS).
     max_num_seqs: int | None = Field(None, ge=1)
@@ -44,6 +48,13 @@ class EngineSettings(ClientSettings):
     # Any other vLLM engine argument, by its EngineArgs name (the worker's
     # unknown flags, parsed by vLLM: workers/engine/args.py). Applied last.
     engine_args: dict[str, Any] = {}  # noqa: RUF012  pydantic copies defaults
+
+    @model_validator(mode="after")
+    def _colocated_sleeps(self) -> EngineSettings:
+        """A colocated CUDA engine gives its memory back to the trainer between rollouts."""
+        if self.colocated and self.device == "cuda":
+            self.enable_sleep_mode = True
+        return self
 
 
 class WorkerSettings(EngineSettings):

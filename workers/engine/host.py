@@ -565,3 +565,8 @@ class EngineHost:
         if not self.settings.enable_sleep_mode:
             return False
         return bool(self.call(self.engine.is_sleeping(), timeout=30))
+
+    def device_uuids(self) -> list[str]:
+        """The UUID of each engine rank's GPU ("" for a CPU rank): how a colocated
+        trainer tells that it shares the GPU (weight_sync/transports/cuda_ipc.py)."""
+        return [str(uuid) for uuid in self.collective_rpc("rq_device_uuid", 60)]

@@ -31,6 +31,7 @@ from rollout_queue.tasks.app import app
 from rollout_queue.tasks.auth import CommandVerifier
 from rollout_queue.tasks.registry import connect, fleet_version
 from rollout_queue.tasks.schemas import WorkerInfo
+from rollout_queue.weight_sync.locality import host_id
 from rollout_queue.workers.engine.host import EngineHost, per_request_stream_interval
 from rollout_queue.workers.engine.liveness import EngineWatch
 from rollout_queue.workers.engine.progress import ProgressStore
@@ -97,6 +98,9 @@ class WorkerRuntime:
         self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s,
                                         client=self.client)
         self.sync = SyncParticipant(host, self.node, self.client, self.state)
+        # Where a colocated trainer finds this worker: its host, its GPU (weight_sync/transports).
+        self.host_id = host_id()
+        self.device_uuids = host.device_uuids() if settings.colocated and settings.device == "cuda" else []
         self.watch = EngineWatch(host, settings.engine_answer_s)
         host.on_lost.append(self._engine_lost)
         self.exit_code: int | None = None  # set when the worker must exit non-zero
@@ -179,6 +183,9 @@ class WorkerRuntime:
             heartbeat_at=time.time(),
             heartbeat_s=self.settings.heartbeat_s,
             engine_answered_at=self.watch.answered_at,
+            colocated=self.settings.colocated,
+            host_id=self.host_id,
+            device_uuids=self.device_uuids,
         )
 
     def publish(self) -> None:

@@ -196,7 +196,7 @@ class SyncParticipant:
             self._ack(plan, "ready", True, seconds=seconds)
             ready = True
             decision = self._await_decision(plan)
-            if not decision.go or self.node not in decision.offsets:
+            if not decision.go or self.node not in decision.roster:
                 reason = decision.reason or "left out of the roster"
                 raise SyncRefused(f"trainer called off epoch {plan.epoch} for {self.node}: {reason}")
             t = time.monotonic()

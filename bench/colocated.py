@@ -1,0 +1,211 @@
+"""Colocated weight handoff: a trainer and one worker sharing a host (CPU) or a GPU (CUDA).
+
+In one run, against one real worker started with ``--colocated`` (dummy
+weights of the chosen shape):
+
+  CPU   the same weights synced over gloo (``RQ_TRANSPORT=gloo``: today's
+        path) and handed over through shared memory (``shm``): first and
+        steady seconds of each, and shm/gloo.
+  CUDA  the weights handed over by CUDA IPC (``cuda_ipc``), first and steady,
+        beside an on-device copy of the same bytes in the same process (the
+        floor: the handoff copies them at least once); then the engine's GPU
+        memory awake and asleep (levels 1 and 2, from nvidia-smi) and the
+        seconds to wake it (level 1, no new weights) and to wake it with a
+        handoff (level 2).
+
+Prints one JSON line per shape:
+
+    python bench/colocated.py --device cpu                               # qwen2-0.5b, float32
+    python bench/colocated.py --device cuda --shapes qwen2-0.5b qwen2-7b # bf16, GPU 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+from bench.weight_transfer import state_dict
+from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def timed_syncs(sender: Any, weights: dict[str, Any], iters: int, first_version: int) -> tuple[list[float], Any]:
+    seconds: list[float] = []
+    report = None
+    for i in range(iters):
+        report = sender.sync(weights, version=first_version + i, timeout=600)
+        seconds.append(report.seconds)
+        log(f"{report.backend} sync {i}: {report.seconds:.4f}s phases "
+            f"{ {k: round(v, 4) for k, v in report.phases.items()} } worker {report.worker_phases}")
+    return seconds, report
+
+
+def steady(seconds: list[float]) -> float:
+    return statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
+
+
+def engine_memory_mib() -> dict[int, int]:
+    """GPU memory per compute process (pid → MiB), from nvidia-smi."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.strip().splitlines() if line)}
+
+
+def cpu_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -> dict[str, Any]:
+    from rollout_queue.cli.localstack import WorkerSpec
+    from rollout_queue.weight_sync import sync_weights
+    from rollout_queue.weight_sync.settings import SyncSettings
+
+    stack.start_worker(WorkerSpec(model=model_dir, device="cpu", dtype="float32", max_model_len=512,
+                                  gpu_memory_utilization=0.15,
+                                  extra=["--load-format", "dummy", "--colocated", "--cpu-weights", args.cpu_weights]),
+                       timeout=900)
+    weights = state_dict(shape, "float32", "cpu")
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    chosen = {"bucket_bytes": args.bucket_mib << 20}
+    gloo = sync_weights.WeightSender(SyncSettings(transport="gloo", **chosen), stack.tag)
+    gloo_s, gloo_report = timed_syncs(gloo, weights, args.iters, 1)
+    gloo.close()
+    shm = sync_weights.WeightSender(SyncSettings(**chosen), stack.tag)
+    shm_s, shm_report = timed_syncs(shm, weights, args.iters, 1 + args.iters)
+    shm.close()
+    assert shm_report.backend == "shm", shm_report.backend
+    return {
+        "bench": "colocated", "device": "cpu", "shape": shape, "dtype": "float32", "bytes": total,
+        "cpu_weights": args.cpu_weights, "bucket_mib": args.bucket_mib, "iters": args.iters,
+        "gloo_first_s": round(gloo_s[0], 4), "gloo_steady_s": round(steady(gloo_s), 4),
+        "shm_first_s": round(shm_s[0], 4), "shm_steady_s": round(steady(shm_s), 4),
+        "shm_over_gloo": round(steady(shm_s) / steady(gloo_s), 3),
+        "gloo_worker_phases_s": {k: round(v, 4) for k, v in gloo_report.worker_phases.items()},
+        "shm_worker_phases_s": {k: round(v, 4) for k, v in shm_report.worker_phases.items()},
+        "shm_phases_s": {k: round(v, 4) for k, v in shm_report.phases.items()},
+    }
+
+
+def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from rollout_queue.cli.localstack import WorkerSpec
+    from rollout_queue.weight_sync import sync_weights
+    from rollout_queue.weight_sync.settings import SyncSettings
+
+    proc = stack.start_worker(
+        WorkerSpec(model=model_dir, device="cuda", dtype="bfloat16", max_model_len=1024,
+                   gpu_memory_utilization=args.gpu_memory_utilization,
+                   extra=["--load-format", "dummy", "--colocated", "--enforce-eager"],
+                   env={"CUDA_VISIBLE_DEVICES": "0"}),
+        timeout=900)
+    weights = state_dict(shape, "bfloat16", "cuda:0")
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    sender = sync_weights.WeightSender(SyncSettings(bucket_bytes=args.bucket_mib << 20), stack.tag)
+    ipc_s, report = timed_syncs(sender, weights, args.iters, 1)
+    assert report.backend == "cuda_ipc", report.backend
+
+    # The floor: the same bytes copied once on the device (into one flat buffer).
+    flat = torch.empty(total + 64 * len(weights), dtype=torch.uint8, device="cuda:0")
+    copies = []
+    for _ in range(max(args.iters, 3)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        at = 0
+        for tensor in weights.values():
+            n = tensor.numel() * tensor.element_size()
+            flat[at:at + n].copy_(tensor.view(-1).view(torch.uint8), non_blocking=True)
+            at += (n + 63) // 64 * 64
+        torch.cuda.synchronize()
+        copies.append(time.perf_counter() - t0)
+    del flat
+    torch.cuda.empty_cache()
+    copy_s = statistics.median(copies[1:])
+
+    # Sleep and wake: the engine core's memory from nvidia-smi.
+    core_pids = [c.pid for c in __import__("psutil").Process(proc.pid).children(recursive=True)]
+    def engine_mib() -> int:
+        used = engine_memory_mib()
+        return sum(used.get(pid, 0) for pid in core_pids)
+    awake = engine_mib()
+    sleeping: dict[str, Any] = {}
+    for level in (1, 2):
+        free_awake = torch.cuda.mem_get_info(0)[0]
+        t0 = time.perf_counter()
+        sync_weights.sleep(level, pool=stack.tag)
+        slept_s = time.perf_counter() - t0
+        asleep = engine_mib()
+        freed_gib = (torch.cuda.mem_get_info(0)[0] - free_awake) / (1 << 30)
+        t0 = time.perf_counter()
+        if level == 1:
+            sync_weights.wake(pool=stack.tag)
+        else:
+            sync_weights.wake(weights, version=args.iters + 1, pool=stack.tag)
+        woke_s = time.perf_counter() - t0
+        sleeping[f"level{level}"] = {
+            "awake_mib": awake, "asleep_mib": asleep, "freed_fraction": round(1 - asleep / max(awake, 1), 4),
+            "device_freed_gib": round(freed_gib, 2),
+            "sleep_s": round(slept_s, 4), ("wake_s" if level == 1 else "wake_with_handoff_s"): round(woke_s, 4),
+        }
+        log(f"sleep level {level}: {sleeping[f'level{level}']}")
+    sender.close()
+    stack.stop_worker(proc)
+    return {
+        "bench": "colocated", "device": "cuda", "gpu": torch.cuda.get_device_name(0), "shape": shape,
+        "dtype": "bfloat16", "bytes": total, "tensors": len(weights), "bucket_mib": args.bucket_mib,
+        "iters": args.iters,
+        "ipc_first_s": round(ipc_s[0], 4), "ipc_steady_s": round(steady(ipc_s), 4),
+        "device_copy_s": round(copy_s, 4), "ipc_over_copy": round(steady(ipc_s) / copy_s, 2),
+        "ipc_phases_s": {k: round(v, 4) for k, v in report.phases.items()},
+        "ipc_worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
+        "sleep": sleeping,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shapes", nargs="+", default=None, help="qwen2-0.5b (default), qwen2-7b")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--bucket-mib", type=int, default=1024)
+    parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="plain")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--redis-url", default=environment_redis_url())
+    args = parser.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)  # CUDA first: no CPU op in this process before it
+
+    from rollout_queue.cli.localstack import LocalStack
+    from rollout_queue.cli.tiny_model import make_tiny_model
+
+    run_dir = ROOT / ".artifacts" / "bench-colocated"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes or ["qwen2-0.5b"]:
+        dtype = "bfloat16" if args.device == "cuda" else "float32"
+        model_dir = make_tiny_model(ROOT / ".models" / f"{shape}-config", kind=shape, weights=False, dtype=dtype)
+        with LocalStack(run_dir, prefix="bench-colo") as stack:
+            url = stack.ensure_redis(args.redis_url)
+            os.environ.update(redis_url_env(url))
+            from rollout_queue.tasks.app import configure
+            from rollout_queue.tasks.settings import ClientSettings
+
+            configure(ClientSettings())
+            run = cpu_run if args.device == "cpu" else cuda_run
+            print(json.dumps(run(args, stack, shape, model_dir)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

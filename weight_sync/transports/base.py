@@ -1,0 +1,113 @@
+"""The two ends every transport has, and what each is handed.
+
+The trainer's end (:class:`TransportSender`) gets one :class:`SendJob` per
+sync: the plan, the decision, the tensors (cast, on its device), the store,
+and the workers it serves. The engine's end (:class:`TransportReceiver`)
+lives inside vLLM's worker process, one per transport name on each engine
+rank, and hands each received bucket to a :class:`BucketSink` (the engine's
+``weight_sync.receiver.EngineReceiver``), which loads it into the model.
+Both ends live on between syncs: a process group, packing buffers, mapped
+memory are kept.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rollout_queue.weight_sync.protocol import Manifest, SyncDecision, SyncPlan, TensorSpec, UpdateRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_queue.weight_sync.settings import SyncSettings
+
+
+@dataclass
+class SendJob:
+    """One sync's transfer, as the trainer's end of a transport sees it."""
+
+    plan: SyncPlan
+    decision: SyncDecision
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]  # by name, cast and on ``TransportSender.device()``
+    store: Any  # the trainer's TCPStore
+    nodes: list[str]  # the workers this transport serves in this sync
+    deadline: float  # time.monotonic() by which the send must be done
+    executor: ThreadPoolExecutor  # for blocking legs, waited for with a timeout
+
+
+class TransportSender(abc.ABC):
+    """The trainer's end of one transport; one per sender and name, kept between syncs."""
+
+    def __init__(self, name: str, settings: SyncSettings) -> None:
+        self.name = name
+        self.settings = settings
+
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where the tensors must be to leave through this transport."""
+
+    def reuses_group(self, offsets: dict[str, int]) -> bool:
+        """Whether the group kept from the last sync serves these rank offsets."""
+        return False
+
+    @abc.abstractmethod
+    def send(self, job: SendJob) -> None:
+        """Deliver every bucket of ``job``; a failure raises ``WeightSyncError``."""
+
+    def finished(self, plan: SyncPlan) -> None:
+        """The sync's commit is over (whatever its outcome)."""
+
+    def reset(self) -> None:
+        """Forget what a failed sync may have broken (a process group)."""
+
+    def close(self) -> None:
+        """Free what is kept between syncs; the next send builds it again."""
+        self.reset()
+
+
+class BucketSink(Protocol):
+    """Where a receiving transport puts what arrives: the engine rank's receiver."""
+
+    layerwise_open: bool
+
+    def load(self, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int], *,
+             learn_in_place: bool = True) -> None:
+        """``load_weights`` on these tensors of ``buffer``, each at its offset."""
+
+    def arrived(self, names: Sequence[str]) -> None:
+        """These manifest tensors are in the model now."""
+
+    def in_place_targets(self, manifest: Manifest) -> dict[str, Any]:
+        """Direct pieces that can be received straight into a parameter: where they land."""
+
+    def touched(self) -> None:
+        """Bytes are about to land straight in the model's parameters."""
+
+
+class TransportReceiver(abc.ABC):
+    """The engine's end of one transport, on one engine rank; kept between syncs."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abc.abstractmethod
+    def begin(self, request: UpdateRequest, rank: int, device: Any) -> None:
+        """Join what the trainer built for this sync (``rank``: this rank's global rank)."""
+
+    @abc.abstractmethod
+    def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
+        """Take every bucket and hand it to ``sink``; returns seconds and counts."""
+
+    def finish(self) -> None:
+        """Every bucket is loaded and the load finalized."""
+
+    def abort(self) -> None:
+        """The sync failed: drop what may be broken."""
+
+
+__all__ = ["BucketSink", "SendJob", "TransportReceiver", "TransportSender"]

@@ -1,0 +1,98 @@
+"""The CUDA IPC handoff: a colocated worker whose engine runs on the trainer's GPU.
+
+The trainer packs each bucket into a buffer on its GPU (kept between syncs,
+one per bucket: a few IPC handles, however many tensors) and announces the
+buffer's CUDA IPC handle once the packing stream is synchronized; the
+engine opens the handle on its own device (the same physical GPU, checked
+by UUID: device indices differ between processes with another
+``CUDA_VISIBLE_DEVICES``) and loads from it. No NCCL group (NCCL refuses two
+ranks on one GPU), no copy through the host.
+
+Handles travel as JSON (hex bytes), never pickled: the engine rebuilds the
+tensor itself from known classes (``torch.multiprocessing.reductions``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rollout_queue.tasks.errors import SyncRefused
+from rollout_queue.weight_sync.transports.handoff import HandoffReceiver, HandoffSender
+
+if TYPE_CHECKING:
+    import torch
+
+
+def device_uuid(index: int | None = None) -> str:
+    """The physical identity of a CUDA device of this process (default: the current one)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
+
+
+class CudaIpcSender(HandoffSender):
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def allocate(self, index: int, size: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device())
+        _, args = reduce_tensor(buffer)
+        (_, shape, stride, offset, storage_cls, dtype, _, handle, storage_bytes, storage_offset, _,
+         counter_handle, counter_offset, event_handle, event_sync) = args
+        return buffer, {
+            "uuid": device_uuid(buffer.device.index), "shape": list(shape), "stride": list(stride),
+            "offset": int(offset), "storage": storage_cls.__name__, "dtype": str(dtype),
+            "handle": bytes(handle).hex(), "storage_bytes": int(storage_bytes),
+            "storage_offset": int(storage_offset), "counter_handle": bytes(counter_handle).hex(),
+            "counter_offset": int(counter_offset),
+            "event_handle": bytes(event_handle).hex() if event_handle else "", "event_sync": bool(event_sync),
+        }
+
+    def packed(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+
+    def release(self) -> None:
+        import torch
+
+        self._buffers = []
+        torch.cuda.ipc_collect()  # blocks the engines let go of return to the allocator
+
+
+class CudaIpcReceiver(HandoffReceiver):
+    def open(self, description: dict[str, Any], size: int, device: Any) -> Any:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        mine = device_uuid(device.index)
+        if description.get("uuid") != mine:
+            raise SyncRefused(
+                f"the trainer's buffer is on GPU {description.get('uuid')}, this engine on {mine}: "
+                "CUDA IPC needs both on one GPU; sync this worker over NCCL (start it without --colocated)")
+        storage_cls = {"TypedStorage": torch.storage.TypedStorage,
+                       "UntypedStorage": torch.UntypedStorage}[description["storage"]]
+        if description["dtype"] != "torch.uint8":
+            raise SyncRefused(f"a handoff buffer is uint8, this one {description['dtype']}")
+        tensor = rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(description["shape"]), tuple(description["stride"]), description["offset"],
+            storage_cls, torch.uint8, device.index, bytes.fromhex(description["handle"]),
+            description["storage_bytes"], description["storage_offset"], False,
+            bytes.fromhex(description["counter_handle"]), description["counter_offset"],
+            bytes.fromhex(description["event_handle"]) if description["event_handle"] else None,
+            description["event_sync"],
+        )
+        return tensor[:size]
+
+    def finish(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()  # the trainer packs these buffers again at its next sync
+
+
+__all__ = ["CudaIpcReceiver", "CudaIpcSender", "device_uuid"]
