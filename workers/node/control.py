@@ -38,7 +38,7 @@ from rollout_queue.workers.node.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 # rq_engine ops that only read: answered unsigned.
-READ_ONLY_OPS = frozenset({"info", "stats", "world_size", "weight_checksum", "last_receive"})
+READ_ONLY_OPS = {"info", "stats", "world_size", "weight_checksum"}  # and those registered read_only
 
 # Celery built-ins of type "control" that stay on: revoke only drops tasks (how
 # producers cancel them), enable_events and heartbeat only make the worker send
@@ -118,12 +118,15 @@ ENGINE_OPS: dict[str, EngineOp] = {
 }
 
 
-def register_engine_op(name: str, op: EngineOp) -> None:
-    """Answer ``rq_engine`` op ``name`` with ``op`` (signed, unless in ``READ_ONLY_OPS``).
+def register_engine_op(name: str, op: EngineOp, *, read_only: bool = False) -> None:
+    """Answer ``rq_engine`` op ``name`` with ``op``: signed, unless ``read_only``
+    (it changes nothing on the worker).
 
     The seam for ops only benchmarks send: they belong with the benchmark
     that sends them, registered from there."""
     ENGINE_OPS[name] = op
+    if read_only:
+        READ_ONLY_OPS.add(name)
 
 
 # Bench-only ops, answered by the bench receiver's RPCs (weight_sync/bench_receiver.py):
@@ -133,7 +136,8 @@ register_engine_op("receive_one", lambda runtime, args: runtime.host.collective_
     "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0))
 register_engine_op("receive_raw", lambda runtime, args: runtime.host.collective_rpc(
     "rq_receive_raw", 300.0, args["sizes"], 120.0))
-register_engine_op("last_receive", lambda runtime, args: runtime.host.collective_rpc("rq_last_receive", 60.0))
+register_engine_op("last_receive", lambda runtime, args: runtime.host.collective_rpc("rq_last_receive", 60.0),
+                   read_only=True)
 
 
 def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:
