@@ -135,6 +135,8 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
         structured = StructuredOutputsParams(regex=params.regex)
     elif params.choice is not None:
         structured = StructuredOutputsParams(choice=params.choice)
+    elif params.grammar is not None:
+        structured = StructuredOutputsParams(grammar=params.grammar)
     if structured is not None:
         kwargs["structured_outputs"] = structured
     return VllmSamplingParams(**kwargs)
@@ -828,12 +830,13 @@ class EngineHost:
             self.generated_tokens += len(token_ids)
         self.finished_requests += 1
         prompt_ids = list(out.prompt_token_ids or [])
-        prompt_lps = prompt_top = None
+        prompt_lps = prompt_top = prompt_ranks = None
         if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_lps, prompt_top = lp.prompt_logprobs(out.prompt_logprobs, prompt_ids, params.prompt_logprobs)
+            prompt_ranks = lp.prompt_ranks(out.prompt_logprobs, prompt_ids)
         return PromptOutput(
             prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
-            samples=samples,
+            prompt_ranks=prompt_ranks, samples=samples,
         )
 
     # ------------------------------------------------------- sync and control
