@@ -10,11 +10,11 @@ what it runs and steers it through these:
   ``weight_transfer_config``: null, the fleet has no vLLM weight-transfer
   engine (below);
 - ``GET /get_world_size``: the engine ranks of the workers serving the
-  gateway's queue (vLLM: TP x PP x DP of its one engine);
+  gateway's queue, read from the registry now (vLLM: TP x PP x DP of its one
+  engine; the workers are the fleet's data parallelism);
 - ``POST /reset_prefix_cache``: the fleet's ``reset_prefix_cache`` control
   command (``tasks.control``, signed with ``RQ_WEIGHT_SYNC_SECRET``) to every
-  live worker of the queue; ``{"success": true}`` when every engine reset.
-
+  live worker of the queue; ``{"success": true}`` when every engine reset;
 - vLLM's weight-transfer routes (``/init_weight_transfer_engine``,
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
   ``/shutdown_weight_transfer_engine``) answer 501 naming what to use instead:
@@ -74,7 +74,7 @@ def vllm_server_routes(gateway: Any, auth: list[Depends]) -> APIRouter:
         return {"vllm_config": config if config_format == "json" else str(config)}
 
     @router.get("/get_world_size")
-    async def get_world_size(include_dp: bool = Query(True)) -> dict[str, int]:
+    async def get_world_size() -> dict[str, int]:
         limits = await gateway.limits.refreshed()
         return {"world_size": limits.engine_ranks}
 
