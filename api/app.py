@@ -53,6 +53,7 @@ from rollout_queue.api.stream_chunks import chat_events, completion_events
 from rollout_queue.api.streaming import StreamRelay
 from rollout_queue.api.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from rollout_queue.api.tokens import TokenNamer
+from rollout_queue.api.vllm_server import WEIGHT_TRANSFER_ROUTES, vllm_server_routes
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.app import app as celery_app
 from rollout_queue.tasks.app import settings as client_settings_in_force
@@ -75,7 +76,7 @@ log = logging.getLogger("rollout_queue.api")
 
 _ENDPOINTS = {
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-    "/detokenize", "/version",
+    "/detokenize", "/version", "/server_info", "/get_world_size", "/reset_prefix_cache", *WEIGHT_TRANSFER_ROUTES,
 }
 try:
     _VERSION = importlib.metadata.version("rollout-queue")
@@ -112,6 +113,7 @@ class Gateway:
             timeout_s=settings.request_timeout_s, max_streams=settings.max_inflight_tasks,
         )
         self.namer = TokenNamer(None)
+        self.id_namer = TokenNamer(None, as_ids=True)  # for return_tokens_as_token_ids
         self._registry = connect(client)
         self.limits = LimitsReader(self._live_workers, settings.queue, None, settings.limits_refresh_s)
         self._redis: aioredis.Redis | None = None  # abort sets
@@ -174,17 +176,22 @@ class Gateway:
         settings = self.settings
         param = "messages" if kind == "chat" else "prompt"
         checks.check_sequences(len(prompts), params.n, settings.max_request_sequences, param)
+        limits = await self.limits.current()
         checks.check_prompts(
-            kind, prompts, await self.limits.current(), settings.max_prompt_chars,
-            settings.max_prompt_tokens,
+            kind, prompts, limits, settings.max_prompt_chars, settings.max_prompt_tokens,
         )
         for regex in ("regex", "guided_regex"):
             checks.check_regex(getattr(body, regex), regex)
+        structured = getattr(body, "structured_outputs", None)
+        if structured is not None:
+            checks.check_regex(structured.regex, "structured_outputs.regex")
+        checks.check_logprobs(params, limits, "top_logprobs" if kind == "chat" else "logprobs")
         checks.check_task(kind, prompts, params, param)
 
     async def start(self) -> None:
         await self.watcher.start()
         self.namer = await asyncio.to_thread(TokenNamer.load, self.settings.tokenizer)
+        self.id_namer = TokenNamer(self.namer.tokenizer, as_ids=True)
         self.limits = LimitsReader(
             self._live_workers, self.settings.queue, self.namer.vocab_size,
             self.settings.limits_refresh_s,
@@ -206,12 +213,30 @@ class Gateway:
         if self._redis is not None:
             await self._redis.aclose()
 
+    async def spread(self, prompts: int, queue: str | None) -> int:
+        """How many workers a completion request of ``prompts`` prompts is split over: one
+        part per serving worker, each of at least ``RQ_API_SPREAD_MIN_PROMPTS`` (1: not split;
+        a sticky session's turn stays on its worker)."""
+        least = self.settings.spread_min_prompts
+        if queue is not None or least <= 0:
+            return 1
+        workers = (await self.limits.current()).workers
+        return max(1, min(workers, prompts // least))
+
+    def namer_for(self, body: Any) -> TokenNamer:
+        """How this request's logprob tokens are spelled."""
+        return self.id_namer if getattr(body, "return_tokens_as_token_ids", False) else self.namer
+
     def check_model(self, model: str) -> None:
         if model != self.settings.model_name:
             raise ModelNotFound(
                 f"the model {model!r} does not exist here; this gateway serves "
                 f"{self.settings.model_name!r} (see GET /v1/models)"
             )
+
+    def serving_nodes(self) -> list[str]:
+        """The live workers consuming the gateway's queue (control commands' targets)."""
+        return sorted(w.node for w in live_workers(self._registry) if self.settings.queue in w.queues)
 
     def serving_workers(self) -> int:
         workers = live_workers(self._registry)
@@ -267,12 +292,13 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
             items = gateway.remembering(session, gateway.relay.relay(kind, prompts, params, queue))
             first = await _unless_disconnected(request, anext(items))
             return _sse(completion_events(
-                body, first, items, gateway.namer, translate.new_id("cmpl"), translate.now(), params.n
+                body, first, items, gateway.namer_for(body), translate.new_id("cmpl"), translate.now(), params.n
             ), ignored)
-        share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params, queue))
+        spread = await gateway.spread(len(prompts), queue)
+        share = await _unless_disconnected(request, gateway.batcher.submit(kind, prompts, params, queue, spread))
         await gateway.sessions.served(session, share.worker)
         result = translate.completion_response(
-            body, share, gateway.namer, translate.new_id("cmpl"), translate.now()
+            body, share, gateway.namer_for(body), translate.new_id("cmpl"), translate.now()
         )
         return JSONResponse(translate.to_json(result), headers=ignored)
 
@@ -289,12 +315,12 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
             items = gateway.remembering(session, gateway.relay.relay("chat", prompts, params, queue))
             first = await _unless_disconnected(request, anext(items))
             return _sse(chat_events(
-                body, first, items, gateway.namer, translate.new_id("chatcmpl"), translate.now(), params.n
+                body, first, items, gateway.namer_for(body), translate.new_id("chatcmpl"), translate.now(), params.n
             ), ignored)
         share = await _unless_disconnected(request, gateway.batcher.submit("chat", prompts, params, queue))
         await gateway.sessions.served(session, share.worker)
         result = translate.chat_response(
-            body, share, gateway.namer, translate.new_id("chatcmpl"), translate.now()
+            body, share, gateway.namer_for(body), translate.new_id("chatcmpl"), translate.now()
         )
         return JSONResponse(translate.to_json(result), headers=ignored)
 
@@ -317,6 +343,8 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
         if body.model is not None:
             gateway.check_model(body.model)
         return await asyncio.to_thread(token_routes.detokenize, gateway.namer.tokenizer, body)
+
+    app.include_router(vllm_server_routes(gateway, auth))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

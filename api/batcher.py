@@ -10,7 +10,8 @@ the same key join it until the timer fires or it holds as many prompts as
 one task may (``max_batch_prompts``, and no more than ``max_task_sequences``
 sequences, prompts x n); then the batch is sent as ONE ``generate`` task and
 each request gets back its own slice of the result's ``outputs``. A request
-with more prompts than a task may hold is split (``tasks.split.plan_parts``):
+with more prompts than a task may hold, or asked to spread over ``spread``
+workers, is split (``tasks.split.plan_parts``):
 its parts are submitted like requests of their own, so several workers serve
 it, and its answer joins theirs in prompt order (``task_id`` and ``worker``
 then name every task and worker, comma-joined).
@@ -150,10 +151,14 @@ class SignatureBatcher:
 
     async def submit(
         self, kind: PromptKind, prompts: list[Any], params: SamplingParams, queue: str | None = None,
+        spread: int = 1,
     ) -> Share:
         """Queue ``prompts`` with ``params`` (for ``queue``: a sticky session's worker; None:
-        the gateway's); returns this request's outputs, in order."""
+        the gateway's); returns this request's outputs, in order. ``spread``: split into at
+        least this many parts (one per worker that should share the request)."""
         cap = prompts_per_task(params.n, self.max_batch_prompts, self.max_task_sequences)
+        if spread > 1:
+            cap = min(cap, -(-len(prompts) // spread))
         if len(prompts) <= cap:
             return await self._submit(kind, prompts, params, queue, cap)
         parts = plan_parts(len(prompts), cap)

@@ -53,6 +53,13 @@ class ModelLimits:
 
     vocab_size: int | None = None
     max_model_len: int | None = None
+    # The most logprobs a request may ask for (the serving engines' smallest
+    # --max-logprobs, -1: the whole vocabulary), and how they compute them.
+    max_logprobs: int | None = None
+    logprobs_mode: str | None = None
+    # The serving workers, and their engine ranks (what vLLM's /get_world_size counts).
+    workers: int = 0
+    engine_ranks: int = 0
 
 
 class LimitsReader:
@@ -78,6 +85,11 @@ class LimitsReader:
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
 
+    async def refreshed(self) -> ModelLimits:
+        """The limits read from the registry now (not a cached reading)."""
+        self._read_at = float("-inf")
+        return await self.current()
+
     async def current(self) -> ModelLimits:
         if time.monotonic() - self._read_at < self._refresh_s:
             return self._limits
@@ -94,7 +106,14 @@ class LimitsReader:
                 # smallest the serving workers report.
                 vocabs = [w.vocab_size for w in serving if w.vocab_size]
                 vocab = self._vocab_size or (min(vocabs) if vocabs else None)
-                self._limits = ModelLimits(vocab, min(lengths) if lengths else None)
+                caps = [w.max_logprobs for w in serving]
+                bounded = [cap for cap in caps if cap >= 0]
+                max_logprobs = min(bounded) if bounded else (-1 if caps else None)
+                modes = sorted({w.logprobs_mode for w in serving})
+                self._limits = ModelLimits(
+                    vocab, min(lengths) if lengths else None, max_logprobs,
+                    ",".join(modes) if modes else None, len(serving), sum(w.ranks for w in serving),
+                )
         return self._limits
 
 
@@ -183,6 +202,20 @@ def _check_token_prompt(where: str, ids: list[int], limits: ModelLimits, max_tok
             "(prompt plus at least one generated token must fit)",
             "prompt",
         )
+
+
+def check_logprobs(params: SamplingParams, limits: ModelLimits, logprobs_param: str) -> None:
+    """``logprobs`` and ``prompt_logprobs`` within what the serving engines return."""
+    cap = limits.max_logprobs
+    if cap is None or cap < 0:
+        return
+    for param, asked in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if asked is not None and asked > cap:
+            raise BadRequest(
+                f"{param} is {asked}; the serving workers return at most {cap} logprobs per token: "
+                f"ask for at most {cap}, or start the workers with --max-logprobs {asked} "
+                "(-1: the whole vocabulary)", param,
+            )
 
 
 def check_task(kind: PromptKind, prompts: list[Any], params: SamplingParams, param: str) -> None:

@@ -3,9 +3,10 @@
 Every error the gateway answers with is ``{"error": {"message", "type",
 "param", "code"}}`` with the status an OpenAI client expects: 400 for a
 request it cannot serve, 401 without the right token, 404 for another
-model, 413 past a size limit, 429 (or 503) when saturated, 503 without
-Redis, 504 on timeout; 499 (nginx's "client closed request") is only
-counted, its client is gone.
+model, 409 when a control command finds no worker or is refused, 413 past
+a size limit, 429 (or 503) when saturated, 501 for vLLM routes the fleet
+does not serve (``api.vllm_server``), 503 without Redis, 504 on timeout;
+499 (nginx's "client closed request") is only counted, its client is gone.
 The error classes live in ``tasks.errors``; only the mapping is here.
 """
 
@@ -23,6 +24,8 @@ from rollout_queue.tasks.errors import (
     BadRequest,
     BrokerUnavailable,
     ClientDisconnected,
+    ControlError,
+    ControlTimeout,
     GatewaySaturated,
     GenerationTimeout,
     InvalidRequest,
@@ -83,6 +86,10 @@ def from_exception(exc: BaseException, saturated_status: int = 429) -> JSONRespo
         )
     if isinstance(exc, (ResultTimeout, GenerationTimeout)):
         return error_response(504, str(exc), "timeout_error", code="timeout")
+    if isinstance(exc, ControlTimeout):
+        return error_response(504, str(exc), "timeout_error", code="control_timeout")
+    if isinstance(exc, ControlError):  # no worker to ask, or one refused: not worth a retry
+        return error_response(409, str(exc), "conflict_error", code="control_failed")
     if isinstance(exc, BrokerUnavailable):
         return error_response(503, str(exc), "service_unavailable_error", code="broker_unavailable")
     log.error("request failed: %s: %s", type(exc).__name__, exc)

@@ -53,6 +53,16 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: one constraint (its other options are refused, by name)."""
+
+    regex: str | None = None
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Request):
     """Sampling fields shared by completions and chat, OpenAI's and vLLM's."""
 
@@ -84,6 +94,9 @@ class _Sampling(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_json: dict[str, Any] | str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # Logprob tokens spelled "token_id:N" even when the gateway has a tokenizer.
+    return_tokens_as_token_ids: bool = False
     # rollout-queue extras: never served by older weights; token ids back.
     min_weight_version: Annotated[int, Field(le=INT64_MAX)] | None = None
     return_token_ids: bool = False
@@ -172,6 +185,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
     # vLLM's chat-template extras.
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused (api.translate): the worker renders the model's own
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -275,6 +289,8 @@ class ChatCompletion(BaseModel):
     model: str
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
+    # vLLM's place for them (with return_token_ids): the conversation's tokens, once.
+    prompt_token_ids: list[int] | None = None
     usage: UsageOut | None = None
     rollout: RolloutInfo | None = None
 

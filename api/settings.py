@@ -10,9 +10,9 @@ Built once, in ``run_api``, and passed down.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rollout_queue.tasks import keys
@@ -63,6 +63,11 @@ class ApiSettings(Settings):
     # with more sequences than a task holds (RQ_TASK_MAX_SEQUENCES) are split
     # over several tasks, so several workers serve them.
     max_request_sequences: int = Field(4096, ge=1)
+    # A completion request of many prompts (one GRPO batch) is spread over the
+    # serving workers: split into one part per worker, each of at least this
+    # many prompts, joined in prompt order. 0: a request is split only past
+    # what one task holds.
+    spread_min_prompts: int = Field(8, ge=0)
     # The workers' max_model_len (prompts must fit it) is read from the worker
     # registry at most this often (seconds).
     limits_refresh_s: float = Field(5.0, gt=0.0)
@@ -73,6 +78,12 @@ class ApiSettings(Settings):
     log_format: LogFormat = "text"
     # One uvicorn log line per request (off: it costs throughput).
     access_log: bool = False
+
+    @field_validator("saturated_status", mode="before")
+    @classmethod
+    def _status_from_text(cls, value: Any) -> Any:
+        # The environment gives "503"; a Literal of ints matches no string.
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
     def bearer_token(self) -> str | None:
         """The token /v1 requests must carry; None (no auth) when unset or empty

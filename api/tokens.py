@@ -36,8 +36,11 @@ def _byte_decoder() -> dict[str, int]:
 class TokenNamer:
     """Token id → display string and UTF-8 bytes, cached per id."""
 
-    def __init__(self, tokenizer: Any | None = None) -> None:
+    def __init__(self, tokenizer: Any | None = None, *, as_ids: bool = False) -> None:
+        """``as_ids``: spell every token ``"token_id:N"`` though a tokenizer is loaded
+        (a request's ``return_tokens_as_token_ids``); the tokenizer still decodes echoes."""
         self._tokenizer = tokenizer
+        self._as_ids = as_ids
         self._names: dict[int, tuple[str, list[int] | None]] = {}
         self._byte_level = tokenizer is not None and _is_byte_level(tokenizer)
 
@@ -73,7 +76,7 @@ class TokenNamer:
         return entry
 
     def _spell(self, token_id: int) -> tuple[str, list[int] | None]:
-        if self._tokenizer is None:
+        if self._tokenizer is None or self._as_ids:
             return f"token_id:{token_id}", None  # bytes unknown without the vocabulary
         text = self._tokenizer.decode([token_id])
         if self._byte_level and token_id not in self._tokenizer.all_special_ids:

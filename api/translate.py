@@ -32,6 +32,7 @@ from rollout_queue.api.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     RolloutInfo,
+    StructuredOutputs,
     TokenLogprob,
     TopLogprob,
     UsageOut,
@@ -103,6 +104,11 @@ def _refuse_unsupported_completion_fields(request: CompletionRequest) -> None:
 def chat_prompts(request: ChatCompletionRequest) -> list[Any]:
     """The conversation as one chat prompt: ``[{"role", "content"}, ...]``, or with tools
     or template options a ``Conversation`` (``{"messages", "tools", ...}``)."""
+    if request.chat_template is not None:
+        raise BadRequest(
+            "chat_template is not supported by this gateway: the worker renders the model's own "
+            "template (chat_template_kwargs are passed to it); leave chat_template out", "chat_template",
+        )
     conversation = []
     for i, message in enumerate(request.messages):
         content = message.content
@@ -212,6 +218,8 @@ def _structured(request: _Sampling) -> dict[str, Any]:
                 "response_format.json_schema",
             )
         found["response_format"] = ("json_schema", fmt.json_schema.schema_)
+    if request.structured_outputs is not None:
+        found.update(_structured_outputs(request.structured_outputs))
     for param, field_name in (
         ("regex", "regex"),
         ("guided_regex", "regex"),
@@ -221,18 +229,37 @@ def _structured(request: _Sampling) -> dict[str, Any]:
     ):
         value = getattr(request, param)
         if value is not None:
-            if param == "guided_json" and isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as exc:
-                    raise BadRequest(f"guided_json is not valid JSON: {exc}", param) from exc
-            found[param] = (field_name, value)
+            found[param] = (field_name, _json_value(value, param) if param == "guided_json" else value)
     if len(found) > 1:
         raise BadRequest(
             f"at most one structured-output constraint per request, got {', '.join(found)}",
             sorted(found)[1],
         )
     return dict(found.values())
+
+
+def _structured_outputs(given: StructuredOutputs) -> dict[str, tuple[str, Any]]:
+    """vLLM's ``structured_outputs`` object → ``{param: (SamplingParams field, value)}``."""
+    found: dict[str, tuple[str, Any]] = {}
+    for option, field_name in (("regex", "regex"), ("json_", "json_schema"), ("choice", "choice"),
+                               ("grammar", "grammar")):
+        value = getattr(given, option)
+        if value is not None:
+            param = f"structured_outputs.{option.rstrip('_')}"
+            found[param] = (field_name, _json_value(value, param) if field_name == "json_schema" else value)
+    if given.json_object:
+        found["structured_outputs.json_object"] = ("json_object", True)
+    return found
+
+
+def _json_value(value: Any, param: str) -> Any:
+    """A JSON schema given as an object, or as a string holding one."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"{param} is not valid JSON: {exc}", param) from exc
 
 
 # --------------------------------------------------------------------------
@@ -393,16 +420,19 @@ def _echoed_logprobs(output: PromptOutput, generated: CompletionLogprobs, namer:
 
 def _vllm_prompt_logprobs(output: PromptOutput, namer: TokenNamer) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token, ``{id: {logprob, rank, decoded_token}}``."""
-    lps = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    tops = output.prompt_top_logprobs or [None] * len(output.prompt_token_ids)
+    missing = [None] * len(output.prompt_token_ids)
+    lps = output.prompt_logprobs or missing
+    tops = output.prompt_top_logprobs or missing
+    ranks = output.prompt_ranks or missing
     entries: list[dict[str, dict[str, Any]] | None] = []
-    for token, lp, top in zip(output.prompt_token_ids, lps, tops):
+    for token, lp, top, token_rank in zip(output.prompt_token_ids, lps, tops, ranks):
         if lp is None:
             entries.append(None)
             continue
         entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": namer.name(t)}
                  for rank, (t, v) in enumerate(top or [], start=1)}
-        entry.setdefault(str(token), {"logprob": lp, "rank": None, "decoded_token": namer.name(token)})
+        # The prompt's own token, as vLLM adds it: with its rank, also past the top k.
+        entry.setdefault(str(token), {"logprob": lp, "rank": token_rank, "decoded_token": namer.name(token)})
         entries.append(entry)
     return entries
 
@@ -423,7 +453,11 @@ def chat_response(
             token_ids=sample.token_ids if request.return_token_ids else None,
             prompt_token_ids=output.prompt_token_ids if request.return_token_ids else None,
         ))
-    return ChatCompletion(choices=choices, **_envelope(request.model, share, response_id, created))
+    # One conversation per request: vLLM returns its tokens once, beside the choices.
+    prompt_ids = share.outputs[0].prompt_token_ids if request.return_token_ids and share.outputs else None
+    return ChatCompletion(
+        choices=choices, prompt_token_ids=prompt_ids, **_envelope(request.model, share, response_id, created)
+    )
 
 
 def _envelope(model: str, share: Share, response_id: str, created: int) -> dict[str, Any]:
@@ -437,8 +471,9 @@ def _envelope(model: str, share: Share, response_id: str, created: int) -> dict[
 def to_json(body: Completion | ChatCompletion | ChatCompletionChunk) -> dict[str, Any]:
     """The wire form: every OpenAI field (nulls included); token ids only when asked for."""
     data = body.model_dump(mode="json")
-    if data.get("rollout") is None:
-        data.pop("rollout", None)
+    for key in ("rollout", "prompt_token_ids"):
+        if data.get(key) is None:
+            data.pop(key, None)
     for choice in data["choices"]:
         for key in ("token_ids", "prompt_token_ids", "prompt_logprobs"):
             if choice.get(key) is None:

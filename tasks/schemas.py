@@ -107,6 +107,10 @@ def check_json_depth(value: Any) -> None:
 # --------------------------------------------------------------------------
 
 
+# SamplingParams fields newer than its pinned signature (canonical() says why).
+_ADDED_LATER = ("grammar",)
+
+
 class SamplingParams(_Message):
     """One sampling signature: OpenAI and vLLM sampling fields, checked ranges."""
 
@@ -125,14 +129,17 @@ class SamplingParams(_Message):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # Up to the serving engines' max_logprobs (vLLM's default 20; a worker
+    # started with --max-logprobs N or -1 takes more): the engine refuses past it.
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     # Structured output: at most one of these.
     json_schema: dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, as vLLM's structured_outputs.grammar)
     # Never start this task on a worker whose weights are older.
     min_weight_version: int = Field(0, ge=0, le=INT64_MAX)
 
@@ -207,6 +214,7 @@ class SamplingParams(_Message):
                 ("json_object", self.json_object),
                 ("regex", self.regex is not None),
                 ("choice", self.choice is not None),
+                ("grammar", self.grammar is not None),
             )
             if on
         ]
@@ -215,8 +223,14 @@ class SamplingParams(_Message):
         return self
 
     def canonical(self) -> dict[str, Any]:
-        """Every field, defaults included, JSON-ready: what travels and is hashed."""
-        return self.model_dump(mode="json")
+        """Every field, defaults included, JSON-ready: what travels and is hashed.
+        Fields added later are left out while at their default, so signatures stay
+        what they were and workers of the version before still read the params."""
+        data = self.model_dump(mode="json")
+        for name in _ADDED_LATER:
+            if data[name] is None:
+                del data[name]
+        return data
 
 
 class ToolFunction(_Message):
@@ -373,6 +387,9 @@ class PromptOutput(_Message):
     # Per prompt token, with prompt_logprobs > 0: [[token_id, logprob], ...] of
     # the top tokens at that position (None for the first token).
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # Per prompt token, with prompt_logprobs: the engine's rank of that token
+    # (1: the likeliest; None for the first token).
+    prompt_ranks: list[int | None] | None = None
     samples: list[Sample]
 
 
@@ -489,6 +506,10 @@ class WorkerInfo(_Message):
     kv_cache_usage: float = 0.0
     max_model_len: int = 0
     vocab_size: int = 0  # the model's vocabulary (0: not reported)
+    # The engine's logprob settings (vLLM's defaults when not reported):
+    # max_logprobs -1 means the whole vocabulary.
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
     metrics_port: int | None = None
     started_at: float = 0.0
     heartbeat_at: float = 0.0

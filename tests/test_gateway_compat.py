@@ -134,9 +134,11 @@ def test_prompt_logprobs_come_in_vllm_shape(compat_gateway: Gateway) -> None:
     entries = choice["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(choice["prompt_token_ids"])
     for token, entry in zip(choice["prompt_token_ids"][1:], entries[1:]):
-        assert str(token) in entry
-        ranked = [e for e in entry.values() if e["rank"] is not None]
-        assert [e["rank"] for e in ranked] == [1, 2]
+        # The top 2 ranked 1 and 2, and the prompt's own token with its engine rank, as vLLM.
+        ranks = [e["rank"] for e in entry.values()]
+        assert ranks[:2] == [1, 2] and len(ranks) in (2, 3)
+        own = entry[str(token)]["rank"]
+        assert own in (1, 2) if len(ranks) == 2 else own > 2
 
 
 def test_max_tokens_0_without_echo_is_refused_naming_the_field(compat_gateway: Gateway) -> None:

@@ -297,4 +297,4 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
     assert tops == {"rollout_queue"}, tops
     for package in ("tasks", "weight_sync", "workers", "api", "cli"):
         assert f"rollout_queue/{package}/__init__.py" in names
-    assert "rollout_queue/workers/engine.py" in names
+    assert "rollout_queue/workers/engine/host.py" in names

@@ -67,7 +67,9 @@ INVALID = [
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"logprobs": -1}, "logprobs"),
-    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"logprobs": 2**31}, "logprobs"),  # past it the engine's max_logprobs decides (api.checks)
+    ({"regex": "a", "grammar": "root ::= \"a\""}, "structured output"),
     ({"choice": []}, "choice"),
     ({"regex": "a", "choice": ["a"]}, "structured output"),
     ({"json_schema": {"x": object()}}, "json_schema"),

@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from rollout_queue.api.settings import ApiSettings
 from rollout_queue.cli import command
@@ -152,3 +153,11 @@ def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_a
         message = str(elsewhere_exit.value)
         assert "exited with code 2" in message and f"Redis at {elsewhere} did not answer" in message
         assert redact_url(redis_url) in message
+
+
+def test_the_gateway_reads_its_saturation_status_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RQ_API_SATURATED_STATUS", "503")
+    assert ApiSettings().saturated_status == 503
+    monkeypatch.setenv("RQ_API_SATURATED_STATUS", "504")
+    with pytest.raises(ValidationError, match="429 or 503"):
+        ApiSettings()

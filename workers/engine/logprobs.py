@@ -110,6 +110,17 @@ def prompt_logprobs(
     return _read(logprobs, token_ids[: len(logprobs)], k, 0, None)
 
 
+def prompt_ranks(logprobs: Any, token_ids: Sequence[int]) -> list[int | None]:
+    """The engine's rank of each prompt token at its position (1: the likeliest;
+    None where vLLM gave no position or no rank)."""
+    ranks: list[int | None] = []
+    for index, token_id in enumerate(token_ids[: len(logprobs)]):
+        entries = _entries(logprobs, index)
+        found = None if entries is None else entries.get(token_id)
+        ranks.append(None if found is None or found[1] is None else int(found[1]))
+    return ranks
+
+
 def extend(logprobs: Any, more: Any) -> None:
     """Append the flat logprobs ``more`` to the flat ``logprobs``, list by list.
 

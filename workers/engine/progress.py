@@ -253,7 +253,7 @@ class Unit:
 
 def resumable(params: SamplingParams) -> bool:
     """Whether a sample of these params can continue from saved tokens."""
-    structured = (params.json_schema, params.regex, params.choice)
+    structured = (params.json_schema, params.regex, params.choice, params.grammar)
     return all(value is None for value in structured) and not params.json_object
 
 

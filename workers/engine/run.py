@@ -424,6 +424,7 @@ class GenerationRun:
                 prompt_token_ids=ids,
                 prompt_logprobs=prompt_lps[i].prompt_logprobs if i in prompt_lps else None,
                 prompt_top_logprobs=prompt_lps[i].prompt_top_logprobs if i in prompt_lps else None,
+                prompt_ranks=prompt_lps[i].prompt_ranks if i in prompt_lps else None,
                 samples=[samples.get((i, s), missing) for s in range(n)],
             )
             for i, ids in enumerate(prompt_ids)
@@ -452,12 +453,13 @@ class GenerationRun:
             ))
         self.host.count_finished(sum(len(sample.token_ids) for sample in samples))
         prompt_ids = list(out.prompt_token_ids or [])[:prompt_length]
-        prompt_lps = prompt_top = None
+        prompt_lps = prompt_top = prompt_ranks = None
         if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_lps, prompt_top = lp.prompt_logprobs(out.prompt_logprobs, prompt_ids, params.prompt_logprobs)
+            prompt_ranks = lp.prompt_ranks(out.prompt_logprobs, prompt_ids)
         return PromptOutput(
             prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps, prompt_top_logprobs=prompt_top,
-            samples=samples,
+            prompt_ranks=prompt_ranks, samples=samples,
         )
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -67,6 +67,8 @@ def to_vllm_params(params: SamplingParams, kind: str = "final", every: int | Non
         structured = StructuredOutputsParams(regex=params.regex)
     elif params.choice is not None:
         structured = StructuredOutputsParams(choice=params.choice)
+    elif params.grammar is not None:
+        structured = StructuredOutputsParams(grammar=params.grammar)
     if structured is not None:
         kwargs["structured_outputs"] = structured
     return VllmSamplingParams(**kwargs)

@@ -178,6 +178,7 @@ class WorkerRuntime:
             kv_cache_usage=round(engine.kv_cache_usage, 4) if busy else 0.0,
             max_model_len=self.host.max_model_len,
             vocab_size=self.host.vocab_size,
+            **_logprob_settings(self.host.engine),
             metrics_port=self.settings.metrics_port,
             started_at=self.started_at,
             heartbeat_at=time.time(),
@@ -371,3 +372,12 @@ def waiting_for_eta(consumer: Any) -> list[Any]:
     entries = [scheduled[-1] for scheduled in timer.queue]  # (eta, priority, entry), a snapshot
     return [entry for entry in entries
             if getattr(entry.fun, "__name__", "") == "apply_eta_task" and entry.args and not entry.cancelled]
+
+
+def _logprob_settings(engine: Any) -> dict[str, Any]:
+    """The engine's max_logprobs and logprobs_mode, for the registry (the gateway's
+    limits and ``/server_info``); nothing while no engine is up."""
+    model_config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    if model_config is None:
+        return {}
+    return {"max_logprobs": int(model_config.max_logprobs), "logprobs_mode": str(model_config.logprobs_mode)}

