@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from rollout_queue.tasks.errors import RolloutError
 from rollout_queue.tasks.schemas import GenerateRequest, PromptOutput, SamplingParams
+from rollout_queue.workers.engine.run import RunOptions
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class WarmableEngine(Protocol):
     max_model_len: int
     tokenizer: object
 
-    def generate(self, request: GenerateRequest, deadline: float) -> tuple[list[PromptOutput], int]: ...
+    def generate(self, request: GenerateRequest, options: RunOptions) -> tuple[list[PromptOutput], int]: ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def warm_up(engine: WarmableEngine, timeout_s: float = WARM_UP_TIMEOUT_S) -> flo
     plan = warm_up_plan(long_prompt_ids(engine.tokenizer, engine.max_model_len))
     with concurrent.futures.ThreadPoolExecutor(max(map(len, plan)), thread_name_prefix="warm-up") as pool:
         for shapes in plan:
-            runs = {pool.submit(engine.generate, shape.request, deadline): shape for shape in shapes}
+            runs = {pool.submit(engine.generate, shape.request, RunOptions(deadline=deadline)): shape for shape in shapes}
             for future, shape in runs.items():
                 try:
                     future.result(timeout=max(0.0, deadline - time.time()))
