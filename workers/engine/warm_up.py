@@ -100,7 +100,8 @@ def warm_up(engine: WarmableEngine, timeout_s: float = WARM_UP_TIMEOUT_S) -> flo
     plan = warm_up_plan(long_prompt_ids(engine.tokenizer, engine.max_model_len))
     with concurrent.futures.ThreadPoolExecutor(max(map(len, plan)), thread_name_prefix="warm-up") as pool:
         for shapes in plan:
-            runs = {pool.submit(engine.generate, shape.request, RunOptions(deadline=deadline)): shape for shape in shapes}
+            options = RunOptions(deadline=deadline)
+            runs = {pool.submit(engine.generate, shape.request, options): shape for shape in shapes}
             for future, shape in runs.items():
                 try:
                     future.result(timeout=max(0.0, deadline - time.time()))
