@@ -41,7 +41,7 @@ def task(tag: str) -> Any:
 
 def test_a_task_check_reads_nothing_while_the_heartbeat_vouches_for_it(client: CountingRedis) -> None:
     client.set(keys.worker_key(NODE), "{}", px=10_000)  # the registry entry, alive
-    handed_on = HandedOn(client, NODE)
+    handed_on = HandedOn(client, NODE, forget_on_ack=lambda tag: None)
     handed_on.notice()
     before = CountingRedis.commands
     handed_on.check(task("t1"), wait=False)
@@ -50,7 +50,7 @@ def test_a_task_check_reads_nothing_while_the_heartbeat_vouches_for_it(client: C
 
 
 def test_a_task_check_reads_the_set_without_a_live_registry_entry(client: CountingRedis) -> None:
-    handed_on = HandedOn(client, NODE)
+    handed_on = HandedOn(client, NODE, forget_on_ack=lambda tag: None)
     handed_on.notice()  # no registry entry: the node may be declared dead any time
     before = CountingRedis.commands
     handed_on.check(task("t1"), wait=False)
@@ -59,7 +59,7 @@ def test_a_task_check_reads_the_set_without_a_live_registry_entry(client: Counti
 
 def test_a_task_handed_on_is_ignored_once_the_heartbeat_sees_the_set(client: CountingRedis) -> None:
     client.set(keys.worker_key(NODE), "{}", px=10_000)
-    handed_on = HandedOn(client, NODE)
+    handed_on = HandedOn(client, NODE, forget_on_ack=lambda tag: None)
     handed_on.notice()
     client.sadd(keys.handed_on(NODE), "t2")  # the fleet declared the node dead meanwhile
     handed_on.notice()
@@ -72,4 +72,4 @@ def test_a_task_handed_on_is_ignored_once_the_heartbeat_sees_the_set(client: Cou
 def test_a_task_check_reads_the_set_before_the_first_heartbeat(client: CountingRedis) -> None:
     client.sadd(keys.handed_on(NODE), "t3")
     with pytest.raises(Ignore):
-        HandedOn(client, NODE).check(task("t3"), wait=False)
+        HandedOn(client, NODE, forget_on_ack=lambda tag: None).check(task("t3"), wait=False)
