@@ -71,8 +71,9 @@ def cpu_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -
     from rollout_queue.weight_sync.settings import SyncSettings
 
     stack.start_worker(WorkerSpec(model=model_dir, device="cpu", dtype="float32", max_model_len=512,
-                                  gpu_memory_utilization=0.15,
-                                  extra=["--load-format", "dummy", "--colocated", "--cpu-weights", args.cpu_weights]),
+                                  gpu_memory_utilization=0.05,
+                                  extra=["--load-format", "dummy", "--colocated", "--enforce-eager",
+                                         "--cpu-weights", args.cpu_weights]),
                        timeout=900)
     weights = state_dict(shape, "float32", "cpu")
     total = sum(t.numel() * t.element_size() for t in weights.values())

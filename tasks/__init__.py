@@ -22,7 +22,7 @@ where a sync sends tensors: a trainer or a pipeline imports it on any host.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollout_queue.tasks import control
 from rollout_queue.tasks.app import app, configure
@@ -32,10 +32,6 @@ from rollout_queue.tasks.producer import generate_many
 from rollout_queue.tasks.schemas import GenerationResult, SampleDelta, SamplingParams, WorkerInfo
 from rollout_queue.tasks.signature import signature
 from rollout_queue.tasks.split import SplitResult
-
-if TYPE_CHECKING:
-    from rollout_queue.weight_sync import sync_weights
-    from rollout_queue.weight_sync.protocol import SyncReport
 
 # Names of the weight sync handed out from here (the package above this one).
 _FROM_WEIGHT_SYNC = {

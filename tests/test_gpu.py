@@ -34,7 +34,7 @@ from rollout_queue.tasks import app, control, generate, keys, sync_weights
 from rollout_queue.tasks.schemas import WorkerInfo
 from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
 from rollout_queue.weight_sync.settings import SyncSettings
-from tests.conftest import MODELS, WorkerStarter, wait_for
+from tests.conftest import CONTROL_SECRET, MODELS, WorkerStarter, wait_for
 from tests.procs import Proc, engine_cores
 
 pytestmark = pytest.mark.gpu
@@ -295,7 +295,7 @@ def test_colocated_cuda_ipc_handoff_matches_a_fresh_engine_and_survives_three_sl
     # The trainer's weights: model B, on the worker's GPU, as parameters an optimizer steps.
     params = {k: torch.nn.Parameter(v.to("cuda:0", torch.float32))
               for k, v in load_file(str(qwen(2) / "model.safetensors")).items()}
-    sender = sync_weights.sender(COLO, SyncSettings(bucket_bytes=256 << 20))
+    sender = sync_weights.sender(COLO, SyncSettings(bucket_bytes=256 << 20, weight_sync_secret=CONTROL_SECRET))
     first = sender.sync(params, version=1, timeout=300)
     assert first.backend == "cuda_ipc" and first.workers == [node]
     as_bf16 = {k: p.detach().to(torch.bfloat16) for k, p in params.items()}
