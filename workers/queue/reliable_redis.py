@@ -414,6 +414,30 @@ class Transport(kombu_redis.Transport):
             # asks QoS.can_consume before fetching).
             cycle._rq_room_tref = loop.call_repeatedly(ROOM_CHECK_S, _noop)
 
+    def on_readable(self, fileno: int) -> None:
+        """kombu's, except that a fetch connection the server closed while no fetch was
+        pending is a lost connection.
+
+        kombu (5.6) reads bytes arriving on a fetch connection with no fetch
+        pending and no credit (the engine has no room: the intake gate) as
+        the server closing an idle connection, and drops it silently, to
+        reconnect once credit returns. A Redis restart then went unseen by
+        the consumer until its engine had room again (over a minute, seen in
+        a Redis-restart test), and its other connections (the broadcast
+        channel's) stayed broken as long. Raised here, the error is the
+        consumer's "connection lost": Celery reconnects them all at once.
+        """
+        cycle = self.cycle
+        found = cycle._fd_to_chan.get(fileno)
+        if found is not None and fileno not in getattr(cycle, "_paused_brpop", ()):
+            channel, kind = found
+            if kind == "BRPOP" and not channel._in_poll and not channel.qos.can_consume():
+                channel.client.connection.disconnect()
+                raise redis.exceptions.ConnectionError(
+                    "Redis closed this worker's fetch connection while no fetch was pending "
+                    "(a restart, or a server-side timeout); reconnecting")
+        cycle.on_readable(fileno)
+
     def _probe_broker(self) -> None:
         """PING on a pooled connection (never the one a fetch is blocked on).
 
