@@ -158,9 +158,16 @@ class QoS(kombu_redis.QoS):
         if not self.channel._in_poll and time.monotonic() < self.channel.rq_full_until:
             return False  # Redis refused the last fetch for memory: wait
         has_room = self.channel.rq_has_room
-        if has_room is None or self.channel._in_poll:
+        if has_room is None or self.channel._in_poll or not self._fetches_tasks():
             return bool(super().can_consume())
         return bool(super().can_consume() and has_room())
+
+    def _fetches_tasks(self) -> bool:
+        """Whether this channel consumes a task queue. The broadcast (pidbox) channel
+        does not, and must read its control commands whatever the engine's room:
+        kombu asks its ``can_consume`` before it reads them too."""
+        fanout = self.channel.active_fanout_queues
+        return any(queue not in fanout for queue in self.channel.active_queues)
 
     def ack(self, delivery_tag: str) -> None:
         if delivery_tag in _HANDED_ON:
