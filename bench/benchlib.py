@@ -161,17 +161,28 @@ def token_prompts(model: str, count: int, length: int, seed: int) -> list[list[i
     return [[rng.choice(vocab) for _ in range(length)] for _ in range(count)]
 
 
+# The queue of a worker already serving the bench's engine config: the stack
+# starts none and sends there (the suite's smoke runs share one worker:
+# tests/test_bench_smoke.py). Figures measured so are the shared worker's.
+SHARED_QUEUE_ENV = "RQ_BENCH_QUEUE"
+
+
 @contextmanager
 def queue_stack(args: argparse.Namespace, settings: EngineSettings, max_inflight: int = 64) -> Iterator[LocalStack]:
-    """Redis (found or started) and one worker on a queue of its own; producers configured."""
+    """Redis (found or started) and one worker on a queue of its own (or the queue
+    named by ``RQ_BENCH_QUEUE``); producers configured."""
     client = ClientSettings()
     url = args.redis_url or client.redis_url.get_secret_value()
-    with LocalStack(ROOT / ".run" / "bench", prefix="bench") as stack:
+    shared = os.environ.get(SHARED_QUEUE_ENV) or None
+    with LocalStack(ROOT / ".run" / "bench", prefix="bench", queue=shared) as stack:
         stack.ensure_redis(url)
-        log(f"redis: {stack.redis_note}; starting worker {stack.worker_name()}")
-        t = time.monotonic()
-        stack.start_worker(worker_spec(settings, max_inflight))
-        log(f"worker serving after {time.monotonic() - t:.0f} s")
+        if shared is not None:
+            log(f"redis: {stack.redis_note}; the worker already serving queue {shared}")
+        else:
+            log(f"redis: {stack.redis_note}; starting worker {stack.worker_name()}")
+            t = time.monotonic()
+            stack.start_worker(worker_spec(settings, max_inflight))
+            log(f"worker serving after {time.monotonic() - t:.0f} s")
         configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         yield stack
 

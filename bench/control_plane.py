@@ -55,8 +55,8 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from pydantic import SecretStr
@@ -97,21 +97,37 @@ def write_checkpoint(folder: Path) -> None:
 # ---------------------------------------------------------------------------
 
 
+@dataclass
+class SimServiceCounts:
+    """What ``engine_op`` and the registry read of ``GenerationService``: its task counts."""
+
+    inflight_tasks: int = 0
+    completed_tasks: int = 0
+    failed_tasks: int = 0
+
+
 class FakeEngineHost:
-    """What ``SyncParticipant`` and ``engine_op`` use of ``EngineHost``; no engine."""
+    """What ``SyncParticipant`` and ``engine_op`` use of ``EngineHost``; no engine.
+
+    Its settings, state and stats are the real classes (``EngineSettings``,
+    ``NodeState``, ``EngineStats``, never stepped): a field the control plane
+    starts reading is there, zero, rather than missing from a stand-in. The
+    bench's smoke run in the suite (tests/test_bench_smoke.py) runs every
+    ``rq_engine`` op the bench sends."""
 
     def __init__(self, model: str) -> None:
+        from rollout_queue.workers.engine.stats import EngineStats
+        from rollout_queue.workers.settings import EngineSettings
         from rollout_queue.workers.state import NodeState
 
-        self.settings = SimpleNamespace(model=model)
+        self.settings = EngineSettings(model=model, device="cpu")
         self.state = NodeState()
         self.dtype = "float32"
         self.weight_version = 0
         self.max_model_len = 512
         self.max_num_seqs = 256
         self.generated_tokens = 0
-        self.stats = SimpleNamespace(snapshot=lambda: SimpleNamespace(
-            running_requests=0, waiting_requests=0, kv_cache_usage=0.0))
+        self.stats = EngineStats()
 
     def is_sleeping(self) -> bool:
         return False
@@ -161,14 +177,17 @@ class SimNode:
         from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
 
         self.node = node
-        self.settings = SimpleNamespace(pool=pool, queues=[queue], tensor_parallel_size=1, model=model)
+        from rollout_queue.workers.queue.intake import Intake
+        from rollout_queue.workers.settings import WorkerSettings
+
+        self.settings = WorkerSettings(name=node, pool=pool, queues=[queue], model=model, device="cpu")
         self.host = FakeEngineHost(model)
         self.client: redis_lib.Redis = connect(ClientSettings())
         self.state = self.host.state
         self.state.on_change(lambda state: self.publish())
         self.started_at = time.time()
-        self.service = SimpleNamespace(inflight_tasks=0, completed_tasks=0, failed_tasks=0)
-        self.intake = SimpleNamespace(budget=self.host.max_num_seqs)
+        self.service = SimServiceCounts()
+        self.intake = Intake(self.host, self.host.max_num_seqs)
         self.verifier = CommandVerifier(node, secret, 30.0)
         self.sync = SyncParticipant(self.host, node, self.client, self.state)  # type: ignore[arg-type]
         self.ledger = InflightLedger(self.client, node, ttl_s=3600)

@@ -189,7 +189,7 @@ def _worker_parser(sub: Any) -> None:
                               "label, its domain, as in Celery (gpu0@%h)")
     _add_setting(w, "--max-inflight", "tasks in flight at once (threads)", type=int)
     _add_setting(w, "--intake-sequences", "fetch the next task only while the engine holds fewer "
-                 "unfinished sequences than this, e.g. the engine's max_num_seqs (none: off)", type=int)
+                 "unfinished sequences than this (none: the engine's max_num_seqs)", type=int)
     _add_setting(w, "--tensor-parallel-size", "GPUs of the engine (vLLM)", type=int)
     _add_setting(w, "--max-model-len", "context length (vLLM; none: the model's)", type=int)
     _add_setting(w, "--dtype", "weights and activations dtype (vLLM); float32 on CPU")

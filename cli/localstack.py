@@ -315,9 +315,12 @@ BROKER_LINE = re.compile(r"worker \S+: loading .* \(broker (\S+)\)")
 class LocalStack:
     """Redis (found or started) plus worker subprocesses, all stopped on exit."""
 
-    def __init__(self, run_dir: Path, prefix: str = "local") -> None:
+    def __init__(self, run_dir: Path, prefix: str = "local", queue: str | None = None) -> None:
+        """``queue``: a queue that workers started elsewhere already serve (default: one
+        of this stack's own, named by its tag)."""
         self.run_dir = run_dir
         self.tag = f"{prefix}-{uuid.uuid4().hex[:6]}"
+        self._queue = queue
         self.redis_url = ""
         self.redis_note = ""
         self._valkey: RedisServer | None = None
@@ -334,8 +337,8 @@ class LocalStack:
 
     @property
     def queue(self) -> str:
-        """This stack's queue (and pool) name."""
-        return self.tag
+        """This stack's queue (and, for the workers it starts, pool) name."""
+        return self._queue or self.tag
 
     # ----------------------------------------------------------------- redis
 

@@ -321,6 +321,7 @@ def test_quickstart_command_runs_end_to_end_and_exits_0(
         assert title in text
     assert text.count("sample 1:") == 1 and "finish_reason=length" in text
     assert "3 tasks" in text and "done in" in text
+    assert "its engine warmed up in" in text  # before it said it serves (workers/engine/warm_up.py)
     # It stopped what it started and left nothing on the shared Redis.
     assert not [w for w in live_workers(redis_client) if w.node.startswith("quickstart-")]
     assert not list(redis_client.scan_iter(match="*quickstart-*"))

@@ -987,3 +987,48 @@ def test_the_broker_probe_turns_a_dead_redis_into_a_connection_error_on_the_even
     finally:
         conn.collect()  # no I/O: the server is gone
         srv.stop()
+
+
+def test_a_consumer_whose_engine_has_no_room_sees_a_redis_restart_at_once() -> None:
+    # Gated by its engine's room, a consumer has no fetch pending; kombu took the
+    # closed fetch connection for an idle one and dropped it silently, and the
+    # consumer learned of the restart only when room came back (over a minute).
+    from kombu import Consumer
+    from kombu.asynchronous import Hub
+
+    from rollout_queue.workers.queue import reliable_redis
+
+    srv = RedisServer("rel-gated").start()
+    processing = "rq:processing:gated@tests"
+    room = threading.Event()
+    room.set()
+    transport = ReliableTransport.bound(reliable_redis.FetchHooks(has_room=room.is_set))
+    conn = Connection(srv.url, transport=transport,
+                      transport_options={"rq_processing_key": processing, "rq_inflight_key": "rq:inflight:gated@tests",
+                                         "rq_probe_interval": 0})
+    hub = Hub()
+    try:
+        consumer = Consumer(conn.default_channel, queues=[Queue("gated")], callbacks=[lambda body, message: None],
+                            accept=["json"])
+        consumer.consume()
+        conn.transport.register_with_event_loop(conn.connection, hub)
+        hub.propagate_errors = conn.connection_errors
+
+        def run(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                hub.run_once()
+
+        run(1.0)  # fetches while there is room
+        room.clear()
+        run(1.0)  # the pending fetch ends (a blocking one times out); none starts
+        assert not conn.default_channel._in_poll
+        srv.kill()
+        srv.start()
+        with pytest.raises(conn.connection_errors, match="no fetch was pending"):
+            run(10.0)
+    finally:
+        reliable_redis._ROOM_CHECKS.pop(processing, None)
+        hub.close()
+        conn.collect()
+        srv.stop()

@@ -63,8 +63,7 @@ class WorkerSettings(EngineSettings):
     name: str = Field(default_factory=lambda: f"worker@{socket.gethostname()}")
     max_inflight: int = Field(64, ge=1, description="tasks in flight at once (threads)")
     # The next task is fetched only while the engine's unfinished sequences
-    # are below this (workers/queue/intake.py); None: no such gate (Celery's
-    # prefetch alone), for now: see workers/node/main.py.
+    # are below this (workers/queue/intake.py); None: the engine's max_num_seqs.
     intake_sequences: int | None = Field(None, ge=1)
     queues: list[str] = [keys.GENERATE_QUEUE]  # noqa: RUF012  pydantic copies defaults
     pool: str = keys.DEFAULT_POOL

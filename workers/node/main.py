@@ -140,12 +140,8 @@ def adapt_celery(settings: WorkerSettings, runtime: WorkerRuntime, fetch: reliab
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake, die_before_ack=settings.fault_die_before_ack)
     fetch.on_full = runtime.redis_full
-    if settings.intake_sequences is not None:
-        # Opt-in for now: a worker gated by its engine's room can have no
-        # fetch in flight when Redis goes down, and then noticed the outage
-        # only late (a Redis-restart test: over 60 s). Without the gate a
-        # pending fetch sees it at once.
-        fetch.has_room = runtime.intake.has_room
+    # Fetch only while the engine has room (workers.queue.intake; budget: --intake-sequences).
+    fetch.has_room = runtime.intake.has_room
     if settings.metrics_port is not None:
         from rollout_queue.workers.node.metrics import start_metrics
 

@@ -153,7 +153,7 @@ class QoS(kombu_redis.QoS):
         if not self.channel._in_poll and time.monotonic() < self.channel.rq_full_until:
             return False  # Redis refused the last fetch for memory: wait
         has_room = self.channel.rq_has_room
-        if has_room is None or self.channel._in_poll:
+        if has_room is None or self.channel._in_poll or not self._fetches_tasks():
             return bool(super().can_consume())
         return bool(super().can_consume() and has_room())
 
@@ -164,6 +164,13 @@ class QoS(kombu_redis.QoS):
             return False
         handed_on.discard(delivery_tag)
         return True
+
+    def _fetches_tasks(self) -> bool:
+        """Whether this channel consumes a task queue. The broadcast (pidbox) channel
+        does not, and must read its control commands whatever the engine's room:
+        kombu asks its ``can_consume`` before it reads them too."""
+        fanout = self.channel.active_fanout_queues
+        return any(queue not in fanout for queue in self.channel.active_queues)
 
     def ack(self, delivery_tag: str) -> None:
         if self._handed_on(delivery_tag):
@@ -420,6 +427,30 @@ class Transport(kombu_redis.Transport):
             # on this loop: a short timer makes it look again (each loop tick
             # asks QoS.can_consume before fetching).
             cycle._rq_room_tref = loop.call_repeatedly(ROOM_CHECK_S, _noop)
+
+    def on_readable(self, fileno: int) -> None:
+        """kombu's, except that a fetch connection the server closed while no fetch was
+        pending is a lost connection.
+
+        kombu (5.6) reads bytes arriving on a fetch connection with no fetch
+        pending and no credit (the engine has no room: the intake gate) as
+        the server closing an idle connection, and drops it silently, to
+        reconnect once credit returns. A Redis restart then went unseen by
+        the consumer until its engine had room again (over a minute, seen in
+        a Redis-restart test), and its other connections (the broadcast
+        channel's) stayed broken as long. Raised here, the error is the
+        consumer's "connection lost": Celery reconnects them all at once.
+        """
+        cycle: Any = self.cycle  # kombu's MultiChannelPoller (typed None until registered)
+        found = cycle._fd_to_chan.get(fileno)
+        if found is not None and fileno not in getattr(cycle, "_paused_brpop", ()):
+            channel, kind = found
+            if kind == "BRPOP" and not channel._in_poll and not channel.qos.can_consume():
+                channel.client.connection.disconnect()
+                raise redis.exceptions.ConnectionError(
+                    "Redis closed this worker's fetch connection while no fetch was pending "
+                    "(a restart, or a server-side timeout); reconnecting")
+        cycle.on_readable(fileno)
 
     def _probe_broker(self) -> None:
         """PING on a pooled connection (never the one a fetch is blocked on).

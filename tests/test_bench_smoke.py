@@ -1,0 +1,101 @@
+"""Every bench in bench/ runs at a smoke size (seconds, the tiny model, one
+round) and prints its JSON line: a bench that rots fails the suite.
+
+The benches that send to one worker (``benchlib.queue_stack``) share the
+session's ``gen_worker`` (the bench's default model is its model:
+``RQ_BENCH_QUEUE``); those that start workers of their own (two for scaling
+and sessions, a killed one for resume, a dummy-weight one for the weight
+transfer) or none do so at their smallest.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import psutil
+import pytest
+
+from rollout_queue.tasks.settings import redis_url_env
+from tests.conftest import CONTROL_SECRET
+from tests.procs import ROOT, Proc, python
+
+# bench file -> (smoke flags, whether it sends to the shared worker)
+BENCHES: dict[str, tuple[list[str], bool]] = {
+    "control_plane.py": (["--workers", "4", "--processes", "1", "--rounds", "1", "--tasks", "8",
+                          "--idle-s", "0.5", "--lifetime", "120"], False),
+    "dedup_check.py": (["--iterations", "5"], False),
+    "sync_pattern.py": (["--shape", "qwen2-tiny", "--iters", "2", "--direct-mib", "1"], False),
+    "latency.py": (["--iterations", "3", "--input-len", "8", "--max-tokens", "2"], True),
+    "throughput.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
+                       "--rounds", "1"], True),
+    "split.py": (["--prompts", "8", "--input-len", "8", "--max-tokens", "2", "--rounds", "1",
+                  "--max-prompts", "4"], True),
+    "api.py": (["--iterations", "3", "--latency-tokens", "2", "--prompts", "8", "--output-len", "4",
+                "--prompts-per-task", "4", "--rounds", "1"], True),
+    "streaming.py": (["--iterations", "3", "--latency-tokens", "4", "--input-len", "8", "--prompts", "4",
+                      "--output-len", "4", "--rounds", "1"], True),
+    "redis_memory.py": (["--tasks", "4", "--prompt-chars", "40", "--max-tokens", "2"], True),
+    "resume.py": (["--prompts", "4", "--input-len", "8", "--output-len", "8", "--prompts-per-task", "4",
+                   "--rounds", "1", "--checkpoint-tokens", "4", "--kill-prompts", "2",
+                   "--kill-output-len", "64"], False),
+    "scaling.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
+                    "--rounds", "1"], False),
+    "sessions.py": (["--sessions", "2", "--turns", "2", "--max-tokens", "2", "--rounds", "1"], False),
+    "weight_transfer.py": (["--shape", "qwen2-tiny", "--iters", "1"], False),
+}
+BENCH_TIMEOUT_S = 600
+
+
+def test_every_bench_in_bench_has_a_smoke_run() -> None:
+    benches = {p.name for p in (ROOT / "bench").glob("*.py")} - {"benchlib.py", "_raw_peer.py"}
+    assert benches == set(BENCHES)
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    """The JSON objects among a log's lines (the bench's stdout shares the log with its stderr)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                found.append(value)
+    return found
+
+
+def run_bench(bench: str, flags: list[str], env: dict[str, str]) -> tuple[int | None, str]:
+    """Run ``bench`` to its end (or ``BENCH_TIMEOUT_S``); its exit code and this run's log."""
+    proc = Proc(f"bench-{bench.removesuffix('.py')}", [python(), str(ROOT / "bench" / bench), *flags], env)
+    try:
+        proc.popen.wait(BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # Its workers run in sessions of their own: stop them as well as its group.
+        below = psutil.Process(proc.pid).children(recursive=True)
+        proc.stop()
+        for child in below:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    finally:
+        proc.stop()
+    return proc.popen.returncode, proc.log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1]
+
+
+@pytest.mark.parametrize("bench", sorted(BENCHES))
+def test_the_bench_runs_at_smoke_size_and_prints_its_json_line(
+    bench: str, redis_url: str, request: pytest.FixtureRequest
+) -> None:
+    flags, shared = BENCHES[bench]
+    # The workers a bench starts serve without a warm-up: a smoke run's figures do not matter.
+    env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1"}
+    if shared:
+        request.getfixturevalue("gen_worker")
+        env["RQ_BENCH_QUEUE"] = "generate"
+    code, log = run_bench(bench, flags, env)
+    tail = "\n".join(log.splitlines()[-30:])
+    assert code == 0, f"{bench} exited with {code}:\n{tail}"
+    assert json_lines(log), f"{bench} printed no JSON line:\n{tail}"
