@@ -428,7 +428,7 @@ class Transport(kombu_redis.Transport):
             # asks QoS.can_consume before fetching).
             cycle._rq_room_tref = loop.call_repeatedly(ROOM_CHECK_S, _noop)
 
-    def on_readable(self, fileno: int) -> None:
+    def on_readable(self, fileno: int) -> None:  # type: ignore[override]  # kombu's Redis transport narrows it so
         """kombu's, except that a fetch connection the server closed while no fetch was
         pending is a lost connection.
 
