@@ -22,6 +22,7 @@ from tests.procs import ROOT, Proc, python
 
 # bench file -> (smoke flags, whether it sends to the shared worker)
 BENCHES: dict[str, tuple[list[str], bool]] = {
+    "colocated.py": (["--device", "cpu", "--shapes", "qwen2-tiny", "--iters", "1", "--bucket-mib", "1"], False),
     "control_plane.py": (["--workers", "4", "--processes", "1", "--rounds", "1", "--tasks", "8",
                           "--idle-s", "0.5", "--lifetime", "120"], False),
     "dedup_check.py": (["--iterations", "5"], False),
