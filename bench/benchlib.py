@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # does not slow the measured one (on 2 cores it does, by a lot).
 IDLE_S = 1.2
 
+
 # Per device: the engine config and the workload (docs/BENCHMARKS.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.1,
@@ -84,17 +85,25 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def run_tasks(queue: str, chunks: list[list[list[int]]], params: Any, timeout: float) -> tuple[float, int, set[str]]:
     """Enqueue every chunk as one task at once; seconds until the last result,
     generated tokens, and the workers that served them."""
+    seconds, tokens, by_worker = run_tasks_by_worker(queue, chunks, params, timeout)
+    return seconds, tokens, set(by_worker)
+
+
+def run_tasks_by_worker(
+    queue: str, chunks: list[list[list[int]]], params: Any, timeout: float
+) -> tuple[float, int, dict[str, int]]:
+    """:func:`run_tasks`, with how many of the tasks each worker served."""
     from rollout_queue.tasks.generate import generate
 
     started = time.perf_counter()
     handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
-    tokens, workers = 0, set()
+    tokens, by_worker = 0, {}
     for handle in handles:
         result = handle.get(timeout=timeout)
         handle.forget()
         tokens += result["usage"]["completion_tokens"]
-        workers.add(result["worker"])
-    return time.perf_counter() - started, tokens, workers
+        by_worker[result["worker"]] = by_worker.get(result["worker"], 0) + 1
+    return time.perf_counter() - started, tokens, by_worker
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -164,16 +173,21 @@ def token_prompts(model: str, count: int, length: int, seed: int) -> list[list[i
 @contextmanager
 def queue_stack(args: argparse.Namespace, settings: EngineSettings, max_inflight: int = 64) -> Iterator[LocalStack]:
     """Redis (found or started) and one worker on a queue of its own; producers configured."""
-    client = ClientSettings()
-    url = args.redis_url or client.redis_url.get_secret_value()
     with LocalStack(ROOT / ".run" / "bench", prefix="bench") as stack:
-        stack.ensure_redis(url)
-        log(f"redis: {stack.redis_note}; starting worker {stack.worker_name()}")
+        connect(args, stack)
+        log(f"starting worker {stack.worker_name()}")
         t = time.monotonic()
         stack.start_worker(worker_spec(settings, max_inflight))
         log(f"worker serving after {time.monotonic() - t:.0f} s")
-        configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         yield stack
+
+
+def connect(args: argparse.Namespace, stack: LocalStack) -> None:
+    """Redis for ``stack`` (``--redis-url``, REDIS_URL, or one it starts); producers configured for it."""
+    client = ClientSettings()
+    stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
+    log(f"redis: {stack.redis_note}")
+    configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
 
 
 def log(message: str) -> None:
