@@ -102,7 +102,7 @@ def measure(args: Any, engines: int, round_: int, params: SamplingParams) -> tup
                                   args.seed + 10_000)
     values: list[float] = []
     counts: list[int] = []
-    with LocalStack(benchlib.ROOT / ".run" / "bench", prefix="bench") as stack:
+    with LocalStack(benchlib.ROOT / ".run" / "bench" / "shared", prefix="shared") as stack:
         benchlib.connect(args, stack)
         for index in range(engines):
             started = time.monotonic()
