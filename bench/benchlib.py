@@ -190,6 +190,31 @@ def connect(args: argparse.Namespace, stack: LocalStack) -> None:
     configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
 
 
+def wait_for_free_device(device: str, timeout: float = 90.0) -> None:
+    """On CUDA, wait until the engines of a stopped leg have given their GPU
+    memory back (a killed process's memory is freed a moment after it dies):
+    the next engine sizes its KV cache from the memory free when it starts,
+    and refuses to start if its fraction is not free."""
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        return
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    deadline = time.monotonic() + timeout
+    used = total = 0.0
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", gpu, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout
+        try:
+            used, total = (float(field) for field in out.strip().splitlines()[0].split(","))
+        except (IndexError, ValueError):
+            return  # nvidia-smi said nothing readable: nothing to wait on
+        if used < 0.05 * total:
+            return
+        time.sleep(1.0)
+    log(f"GPU {gpu} still has {used:.0f} of {total:.0f} MiB in use after {timeout:.0f} s; starting anyway")
+
+
 def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 

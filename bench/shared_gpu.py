@@ -61,6 +61,7 @@ def main() -> None:
     order = list(CONFIGS)
     for round_ in range(args.rounds):
         for name in order:
+            benchlib.wait_for_free_device(args.device)  # the configuration before has let go of its memory
             started = time.monotonic()
             values, counts = measure(args, CONFIGS[name], round_, params)
             runs[name] += values

@@ -147,6 +147,7 @@ def alone(args: argparse.Namespace) -> None:
     order = list(ALONE_LEGS)
     for round_ in range(args.rounds):
         for leg in order:
+            benchlib.wait_for_free_device(args.device)  # the leg before has let go of its memory
             started = time.monotonic()
             values = alone_queue(args, round_) if leg == "queue" else alone_engine(args, leg, round_)
             runs[leg] += values
