@@ -20,7 +20,7 @@ headline ``ratio`` is queue / raw; ``ratio_vs_plain`` is queue / plain, and
 
     .venv/bin/python bench/throughput.py                       # CPU: tiny model, 256 prompts x 64 tokens
     python bench/throughput.py --device cuda --model PATH      # GPU: 1024 prompts x (128 in, 256 out)
-    python bench/throughput.py --device cuda --alone           # GPU, each leg alone (~6 min on an H200)
+    python bench/throughput.py --device cuda --alone           # GPU, each leg alone (2 rounds: ~7 min on an H200)
     .venv/bin/python bench/throughput.py --smoke [--alone]     # CPU, a few prompts: the JSON line only
 
 Prints one JSON line: queue_tok_s, offline_tok_s, ratio (queue / offline), ...
@@ -64,6 +64,7 @@ def offline_leg(llm: Any, prompts: list[list[int]], params: SamplingParams) -> t
 ALONE_MEMORY = {"cpu": 0.1, "cuda": 0.85}
 SMOKE = {"prompts": 8, "input_len": 16, "output_len": 8, "prompts_per_task": 4, "rounds": 1, "repeats": 1}
 ALONE_LEGS = ("queue", "raw", "plain")
+ALONE_ROUNDS = 2
 
 
 def main() -> None:
@@ -79,8 +80,11 @@ def main() -> None:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
-    if (args.alone or args.leg) and args.gpu_memory_utilization is None:
-        args.gpu_memory_utilization = ALONE_MEMORY[args.device]
+    if args.alone or args.leg:
+        if args.gpu_memory_utilization is None:
+            args.gpu_memory_utilization = ALONE_MEMORY[args.device]
+        if args.rounds is None:
+            args.rounds = ALONE_ROUNDS  # every leg starts afresh each round: rounds cost engine starts
     args = benchlib.resolve(args)
     if args.leg:
         engine_leg_process(args)
