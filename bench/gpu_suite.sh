@@ -8,7 +8,7 @@
 #   sync 300       bench/weight_transfer.py, qwen2-7b shape (SYNC_ARGS; traces in sync.log, sync-worker.log)
 #   pattern 200    bench/sync_pattern.py
 #   throughput 540 bench/throughput.py, worker and offline engine side by side (THROUGHPUT_ARGS, default --rounds 5)
-#   alone 500      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
+#   alone 520      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
 #   shared 230     bench/shared_gpu.py: a worker pair on one GPU vs one worker (SHARED_ARGS, default --rounds 1)
 #   streaming 300  bench/streaming.py (STREAMING_ARGS)
 #   latency 210    bench/latency.py (LATENCY_ARGS)
@@ -55,7 +55,7 @@ for step in $steps; do
                 rc=$?; cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null; (exit $rc) ;;
     pattern)    bench pattern 200 bench/sync_pattern.py --device cuda ;;
     throughput) bench throughput 540 bench/throughput.py --device cuda ${THROUGHPUT_ARGS---rounds 5} ;;
-    alone)      bench alone 500 bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
+    alone)      bench alone 520 bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
     shared)     bench shared 230 bench/shared_gpu.py --device cuda ${SHARED_ARGS---rounds 1 --repeats 2} ;;
     streaming)  bench streaming 300 bench/streaming.py --device cuda ${STREAMING_ARGS:-} ;;
     latency)    bench latency 210 bench/latency.py --device cuda ${LATENCY_ARGS:-} ;;

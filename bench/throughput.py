@@ -158,8 +158,14 @@ def alone(args: argparse.Namespace) -> None:
             benchlib.log(f"round {round_ + 1} {leg} alone: {', '.join(f'{v:.0f}' for v in values)} tok/s "
                          f"({time.monotonic() - started:.0f} s with its start)")
         order.reverse()
+        # In the log too: a run stopped in a later round still leaves this one's figures.
+        benchlib.log(f"after round {round_ + 1}: {json.dumps(alone_record(args, runs))}")
+    benchlib.emit(alone_record(args, runs), args)
+
+
+def alone_record(args: argparse.Namespace, runs: dict[str, list[float]]) -> dict[str, Any]:
     tok_s = {leg: statistics.median(values) for leg, values in runs.items()}
-    record: dict[str, Any] = {
+    return {
         "bench": "throughput_alone",
         "queue_tok_s": round(tok_s["queue"], 1),
         "raw_tok_s": round(tok_s["raw"], 1),
@@ -172,7 +178,6 @@ def alone(args: argparse.Namespace) -> None:
         "repeats": args.repeats,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
-    benchlib.emit(record, args)
 
 
 def alone_queue(args: argparse.Namespace, round_: int) -> list[float]:
