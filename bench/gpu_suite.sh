@@ -8,13 +8,14 @@
 #   sync 300       bench/weight_transfer.py, qwen2-7b shape (SYNC_ARGS; traces in sync.log, sync-worker.log)
 #   pattern 200    bench/sync_pattern.py
 #   throughput 540 bench/throughput.py, worker and offline engine side by side (THROUGHPUT_ARGS, default --rounds 5)
-#   alone 520      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
+#   alone 470      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
 #   shared 230     bench/shared_gpu.py: a worker pair on one GPU vs one worker (SHARED_ARGS, default --rounds 1)
 #   streaming 300  bench/streaming.py (STREAMING_ARGS)
 #   latency 210    bench/latency.py (LATENCY_ARGS)
 #   scaling 400    bench/scaling.py (SCALING_ARGS)
 #   resume 280     bench/resume.py (RESUME_ARGS)
-# Groups whose limits (and cleanups) stay under 9 minutes: "alone"; "streaming latency"; "shared resume".
+# Groups whose limits, cleanups and the model's build (~30 s, once per machine) stay under 9 minutes:
+# "alone"; "streaming latency"; "shared resume".
 # Run it as a script file: its cleanup matches engine processes by name, and a command line
 # holding that name would match itself.
 set -uo pipefail
@@ -27,6 +28,8 @@ fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
 steps=${*:-tests sync pattern throughput alone shared streaming latency scaling resume}
+# The benches' default GPU model (random weights, qwen2-0.5b's shape), built once here, outside every step's limit.
+python3 -c "import sys; sys.path.insert(0, 'bench'); import benchlib; benchlib.build_model(benchlib.ROOT / '.models', 'qwen2-0.5b', benchlib.TINY_MODEL_SEED)"
 
 # What a step leaves when its limit kills it: workers, gateways, --alone's engine processes, engine cores.
 cleanup() {
@@ -55,7 +58,7 @@ for step in $steps; do
                 rc=$?; cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null; (exit $rc) ;;
     pattern)    bench pattern 200 bench/sync_pattern.py --device cuda ;;
     throughput) bench throughput 540 bench/throughput.py --device cuda ${THROUGHPUT_ARGS---rounds 5} ;;
-    alone)      bench alone 520 bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
+    alone)      bench alone 470 bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
     shared)     bench shared 230 bench/shared_gpu.py --device cuda ${SHARED_ARGS---rounds 1 --repeats 2} ;;
     streaming)  bench streaming 300 bench/streaming.py --device cuda ${STREAMING_ARGS:-} ;;
     latency)    bench latency 210 bench/latency.py --device cuda ${LATENCY_ARGS:-} ;;

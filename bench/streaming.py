@@ -24,7 +24,7 @@ request has ``REQUEST_TIMEOUT_S`` to finish, so a stalled leg fails the bench
 with its name rather than going silent.
 
     .venv/bin/python bench/streaming.py                 # CPU: tiny model
-    python bench/streaming.py --device cuda             # GPU: qwen2-0.5b shape (~5 min on an H200)
+    python bench/streaming.py --device cuda             # GPU: qwen2-0.5b shape (~4 min on an H200)
     .venv/bin/python bench/streaming.py --smoke         # CPU, two short requests per leg: the JSON line only
 
 Prints one JSON line.
@@ -53,7 +53,7 @@ MODEL_NAME = "bench"
 DEFAULTS = {
     "cpu": {"iterations": 40, "input_len": 16, "latency_tokens": 32, "prompts": 64, "output_len": 32,
             "rounds": 3},
-    "cuda": {"iterations": 60, "input_len": 128, "latency_tokens": 128, "prompts": 512,
+    "cuda": {"iterations": 40, "input_len": 128, "latency_tokens": 128, "prompts": 512,
              "output_len": 256, "rounds": 3},
 }
 SMOKE = {"iterations": 2, "input_len": 8, "latency_tokens": 4, "prompts": 4, "output_len": 4, "rounds": 1}
