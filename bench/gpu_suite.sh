@@ -3,17 +3,18 @@
 #   bash bench/gpu_suite.sh [STEP ...]   (default: all; steps below)
 # Each step runs under its own time limit (seconds, beside its name) and logs to $OUT/<step>.log;
 # JSON lines land in $OUT/bench-gpu.jsonl and "<step>: rc=... in ...s" in $OUT/steps.txt
-# (rc=124: the step hit its limit). $OUT defaults to .artifacts/gpu.
+# (rc=124: the step hit its limit; <STEP>_LIMIT=seconds overrides one, e.g. SHARED_LIMIT=500).
+# $OUT defaults to .artifacts/gpu.
 #   tests 480      pytest -m gpu tests/test_gpu.py (two GPUs for some)
 #   sync 300       bench/weight_transfer.py, qwen2-7b shape (SYNC_ARGS; traces in sync.log, sync-worker.log)
 #   pattern 200    bench/sync_pattern.py
 #   throughput 540 bench/throughput.py, worker and offline engine side by side (THROUGHPUT_ARGS, default --rounds 5)
 #   alone 470      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
-#   shared 230     bench/shared_gpu.py: a worker pair on one GPU vs one worker (SHARED_ARGS, default --rounds 1)
+#   shared 240     bench/shared_gpu.py: a worker pair on one GPU vs one worker (SHARED_ARGS, default --rounds 1)
 #   streaming 300  bench/streaming.py (STREAMING_ARGS)
 #   latency 210    bench/latency.py (LATENCY_ARGS)
 #   scaling 400    bench/scaling.py (SCALING_ARGS)
-#   resume 280     bench/resume.py (RESUME_ARGS)
+#   resume 260     bench/resume.py (RESUME_ARGS)
 # Groups whose limits, cleanups and the model's build (~30 s, once per machine) stay under 9 minutes:
 # "alone"; "streaming latency"; "shared resume".
 # Run it as a script file: its cleanup matches engine processes by name, and a command line
@@ -58,12 +59,12 @@ for step in $steps; do
                 rc=$?; cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null; (exit $rc) ;;
     pattern)    bench pattern 200 bench/sync_pattern.py --device cuda ;;
     throughput) bench throughput 540 bench/throughput.py --device cuda ${THROUGHPUT_ARGS---rounds 5} ;;
-    alone)      bench alone 470 bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
-    shared)     bench shared 230 bench/shared_gpu.py --device cuda ${SHARED_ARGS---rounds 1 --repeats 2} ;;
-    streaming)  bench streaming 300 bench/streaming.py --device cuda ${STREAMING_ARGS:-} ;;
-    latency)    bench latency 210 bench/latency.py --device cuda ${LATENCY_ARGS:-} ;;
+    alone)      bench alone ${ALONE_LIMIT:-470} bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
+    shared)     bench shared ${SHARED_LIMIT:-240} bench/shared_gpu.py --device cuda ${SHARED_ARGS---rounds 1 --repeats 2} ;;
+    streaming)  bench streaming ${STREAMING_LIMIT:-300} bench/streaming.py --device cuda ${STREAMING_ARGS:-} ;;
+    latency)    bench latency ${LATENCY_LIMIT:-210} bench/latency.py --device cuda ${LATENCY_ARGS:-} ;;
     scaling)    bench scaling 400 bench/scaling.py --device cuda ${SCALING_ARGS:-} ;;
-    resume)     bench resume 280 bench/resume.py --device cuda ${RESUME_ARGS:-} ;;
+    resume)     bench resume ${RESUME_LIMIT:-260} bench/resume.py --device cuda ${RESUME_ARGS:-} ;;
     *) echo "unknown step $step" >&2; false ;;
   esac
   rc=$?
