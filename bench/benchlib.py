@@ -49,7 +49,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # does not slow the measured one (on 2 cores it does, by a lot).
 IDLE_S = 1.2
 
-
 # Per device: the engine config and the workload (docs/BENCHMARKS.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"dtype": "float32", "max_model_len": 512, "gpu_memory_utilization": 0.1,
