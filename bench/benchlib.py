@@ -84,17 +84,25 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def run_tasks(queue: str, chunks: list[list[list[int]]], params: Any, timeout: float) -> tuple[float, int, set[str]]:
     """Enqueue every chunk as one task at once; seconds until the last result,
     generated tokens, and the workers that served them."""
+    seconds, tokens, by_worker = run_tasks_by_worker(queue, chunks, params, timeout)
+    return seconds, tokens, set(by_worker)
+
+
+def run_tasks_by_worker(
+    queue: str, chunks: list[list[list[int]]], params: Any, timeout: float
+) -> tuple[float, int, dict[str, int]]:
+    """:func:`run_tasks`, with how many of the tasks each worker served."""
     from rollout_queue.tasks.generate import generate
 
     started = time.perf_counter()
     handles = [generate.apply_async((chunk, params), queue=queue) for chunk in chunks]
-    tokens, workers = 0, set()
+    tokens, by_worker = 0, {}
     for handle in handles:
         result = handle.get(timeout=timeout)
         handle.forget()
         tokens += result["usage"]["completion_tokens"]
-        workers.add(result["worker"])
-    return time.perf_counter() - started, tokens, workers
+        by_worker[result["worker"]] = by_worker.get(result["worker"], 0) + 1
+    return time.perf_counter() - started, tokens, by_worker
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -171,20 +179,50 @@ SHARED_QUEUE_ENV = "RQ_BENCH_QUEUE"
 def queue_stack(args: argparse.Namespace, settings: EngineSettings, max_inflight: int = 64) -> Iterator[LocalStack]:
     """Redis (found or started) and one worker on a queue of its own (or the queue
     named by ``RQ_BENCH_QUEUE``); producers configured."""
-    client = ClientSettings()
-    url = args.redis_url or client.redis_url.get_secret_value()
     shared = os.environ.get(SHARED_QUEUE_ENV) or None
     with LocalStack(ROOT / ".run" / "bench", prefix="bench", queue=shared) as stack:
-        stack.ensure_redis(url)
+        connect(args, stack)
         if shared is not None:
-            log(f"redis: {stack.redis_note}; the worker already serving queue {shared}")
+            log(f"the worker already serving queue {shared}")
         else:
-            log(f"redis: {stack.redis_note}; starting worker {stack.worker_name()}")
+            log(f"starting worker {stack.worker_name()}")
             t = time.monotonic()
             stack.start_worker(worker_spec(settings, max_inflight))
             log(f"worker serving after {time.monotonic() - t:.0f} s")
-        configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         yield stack
+
+
+def connect(args: argparse.Namespace, stack: LocalStack) -> None:
+    """Redis for ``stack`` (``--redis-url``, REDIS_URL, or one it starts); producers configured for it."""
+    client = ClientSettings()
+    stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
+    log(f"redis: {stack.redis_note}")
+    configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
+
+
+def wait_for_free_device(device: str, timeout: float = 90.0) -> None:
+    """On CUDA, wait until the engines of a stopped leg have given their GPU
+    memory back (a killed process's memory is freed a moment after it dies):
+    the next engine sizes its KV cache from the memory free when it starts,
+    and refuses to start if its fraction is not free."""
+    if device != "cuda" or shutil.which("nvidia-smi") is None:
+        return
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    deadline = time.monotonic() + timeout
+    used = total = 0.0
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", gpu, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout
+        try:
+            used, total = (float(field) for field in out.strip().splitlines()[0].split(","))
+        except (IndexError, ValueError):
+            return  # nvidia-smi said nothing readable: nothing to wait on
+        if used < 0.05 * total:
+            return
+        time.sleep(1.0)
+    log(f"GPU {gpu} still has {used:.0f} of {total:.0f} MiB in use after {timeout:.0f} s; starting anyway")
 
 
 def log(message: str) -> None:

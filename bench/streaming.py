@@ -17,7 +17,15 @@ One worker on a queue of its own (``benchlib.queue_stack``), one gateway
   published, the path every non-streamed task takes) and as one streamed
   task read with ``generate.stream``, rounds alternated; the streamed/plain ratio.
 
+The latency legs take turns by blocks of ``BLOCK`` requests, each block
+after the pause that lets the other engine go idle (``benchlib.IDLE_S``), as
+in ``bench/latency.py``; a progress line follows every block, and every
+request has ``REQUEST_TIMEOUT_S`` to finish, so a stalled leg fails the bench
+with its name rather than going silent.
+
     .venv/bin/python bench/streaming.py                 # CPU: tiny model
+    python bench/streaming.py --device cuda             # GPU: qwen2-0.5b shape (~4 min on an H200)
+    .venv/bin/python bench/streaming.py --smoke         # CPU, two short requests per leg: the JSON line only
 
 Prints one JSON line.
 """
@@ -35,15 +43,22 @@ import openai
 
 from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.schemas import GenerateRequest, SampleDelta, SamplingParams
+from rollout_queue.workers.engine.run import RunOptions
 
 MODEL_NAME = "bench"
 
+# A pause before every request (4 legs x 203 requests x (1.2 s + ~0.5 s of
+# generation) on an H200) made the GPU run's latency legs last over 20
+# minutes without a line of output: pauses are per block now.
 DEFAULTS = {
     "cpu": {"iterations": 40, "input_len": 16, "latency_tokens": 32, "prompts": 64, "output_len": 32,
             "rounds": 3},
-    "cuda": {"iterations": 200, "input_len": 128, "latency_tokens": 128, "prompts": 512,
+    "cuda": {"iterations": 40, "input_len": 128, "latency_tokens": 128, "prompts": 512,
              "output_len": 256, "rounds": 3},
 }
+SMOKE = {"iterations": 2, "input_len": 8, "latency_tokens": 4, "prompts": 4, "output_len": 4, "rounds": 1}
+REQUEST_TIMEOUT_S = 60.0  # one latency request; a generation of 128 tokens takes about a second
+BLOCK = 10  # latency requests of one leg between two pauses
 
 
 def arrivals_direct(host: Any, ids: list[int], params: SamplingParams) -> list[tuple[float, int]]:
@@ -57,14 +72,14 @@ def arrivals_direct(host: Any, ids: list[int], params: SamplingParams) -> list[t
         if tokens:
             seen.append((time.perf_counter() - started, tokens))
 
-    host.generate(request, time.time() + 300, on_output=on_output)
+    host.generate(request, RunOptions(deadline=time.time() + REQUEST_TIMEOUT_S, on_output=on_output))
     return seen
 
 
 def arrivals_python(queue: str, ids: list[int], params: SamplingParams) -> list[tuple[float, int]]:
     seen: list[tuple[float, int]] = []
     started = time.perf_counter()
-    for item in generate.stream([ids], params, queue=queue, timeout=300):
+    for item in generate.stream([ids], params, queue=queue, timeout=REQUEST_TIMEOUT_S):
         if isinstance(item, SampleDelta) and item.token_ids:
             seen.append((time.perf_counter() - started, len(item.token_ids)))
     return seen
@@ -88,7 +103,7 @@ def one_token_task(queue: str, ids: list[int]) -> list[tuple[float, int]]:
     """A plain (not streamed) 1-token task, sent to result: the queue's own round trip."""
     started = time.perf_counter()
     handle = generate.apply_async(([ids], SamplingParams(temperature=0, max_tokens=1)), queue=queue)
-    handle.get(timeout=300)
+    handle.get(timeout=REQUEST_TIMEOUT_S)
     seconds = time.perf_counter() - started
     handle.forget()
     return [(seconds, 1)]
@@ -129,13 +144,14 @@ def main() -> None:
     p.add_argument("--prompts", type=int, help="throughput: prompts per task")
     p.add_argument("--output-len", type=int, help="throughput: tokens per prompt")
     p.add_argument("--rounds", type=int)
+    p.add_argument("--smoke", action="store_true", help="two short requests per leg, one round: a quick check")
     args = p.parse_args()
-    for key, value in DEFAULTS[args.device].items():
+    for key, value in (SMOKE if args.smoke else DEFAULTS[args.device]).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args = benchlib.resolve(args)
     settings = benchlib.engine_settings(args)
-    warmup = 3
+    warmup = 1 if args.smoke else 3
     prompts = benchlib.token_prompts(args.model, args.iterations + warmup, args.input_len, args.seed)
     load = benchlib.token_prompts(args.model, args.prompts, args.input_len, args.seed + 1)
     latency = SamplingParams(temperature=0, max_tokens=args.latency_tokens, ignore_eos=True)
@@ -156,24 +172,33 @@ def main() -> None:
         try:
             benchlib.log("loading the direct engine")
             host.start()
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
-            benchlib.log("latency legs")
-            for i, ids in enumerate(prompts):
-                legs = {
-                    "direct": lambda ids=ids: arrivals_direct(host, ids, latency),
-                    "python": lambda ids=ids: arrivals_python(stack.queue, ids, latency),
-                    "gateway": lambda ids=ids: arrivals_gateway(client, ids, args.latency_tokens),
-                    "task": lambda ids=ids: one_token_task(stack.queue, ids),
-                }
-                order = list(legs)[i % 4:] + list(legs)[:i % 4]  # each leg goes first in turn
-                for leg in order:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                   timeout=REQUEST_TIMEOUT_S)
+            benchlib.log(f"latency legs: {len(prompts)} requests each, in blocks of {BLOCK}")
+            legs = {
+                "direct": lambda ids: arrivals_direct(host, ids, latency),
+                "python": lambda ids: arrivals_python(stack.queue, ids, latency),
+                "gateway": lambda ids: arrivals_gateway(client, ids, args.latency_tokens),
+                "task": lambda ids: one_token_task(stack.queue, ids),
+            }
+            seconds = dict.fromkeys(legs, 0.0)
+            for block_index, start in enumerate(range(0, len(prompts), BLOCK)):
+                block = prompts[start : start + BLOCK]
+                turn = block_index % len(legs)
+                for leg in list(legs)[turn:] + list(legs)[:turn]:  # each leg goes first in turn
                     time.sleep(benchlib.IDLE_S)  # the other engine's spinning readers go quiet
-                    run = legs[leg]()
-                    if i >= warmup:
+                    began = time.perf_counter()
+                    for i, ids in enumerate(block, start):
+                        run = legs[leg](ids)
+                        if i < warmup:
+                            continue
                         if leg == "task":
                             one_token_task_ms.append(run[0][0] * 1000)
                         else:
                             runs[leg].append(run)
+                    seconds[leg] += time.perf_counter() - began
+                benchlib.log(f"latency {min(start + BLOCK, len(prompts))}/{len(prompts)}; seconds per leg "
+                             "so far: " + ", ".join(f"{leg} {value:.1f}" for leg, value in seconds.items()))
             order = ["plain", "streamed"]
             for round_ in range(args.rounds):
                 benchlib.log(f"throughput round {round_ + 1}/{args.rounds}")

@@ -42,6 +42,7 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
                    "--kill-output-len", "64"], False),
     "scaling.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
                     "--rounds", "1"], False),
+    "shared_gpu.py": (["--smoke"], False),
     "sessions.py": (["--sessions", "2", "--turns", "2", "--max-tokens", "2", "--rounds", "1"], False),
     "weight_transfer.py": (["--shape", "qwen2-tiny", "--iters", "1"], False),
 }
