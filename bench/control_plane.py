@@ -101,6 +101,7 @@ class FakeEngineHost:
     """What ``SyncParticipant`` and ``engine_op`` use of ``EngineHost``; no engine."""
 
     def __init__(self, model: str) -> None:
+        from rollout_queue.workers.engine.stats import EngineStats
         from rollout_queue.workers.state import NodeState
 
         self.settings = SimpleNamespace(model=model)
@@ -110,8 +111,7 @@ class FakeEngineHost:
         self.max_model_len = 512
         self.max_num_seqs = 256
         self.generated_tokens = 0
-        self.stats = SimpleNamespace(snapshot=lambda: SimpleNamespace(
-            running_requests=0, waiting_requests=0, kv_cache_usage=0.0))
+        self.stats = EngineStats()  # the real figures' holder: never fed, all zero
 
     def is_sleeping(self) -> bool:
         return False
@@ -168,7 +168,7 @@ class SimNode:
         self.state.on_change(lambda state: self.publish())
         self.started_at = time.time()
         self.service = SimpleNamespace(inflight_tasks=0, completed_tasks=0, failed_tasks=0)
-        self.intake = SimpleNamespace(budget=self.host.max_num_seqs)
+        self.intake = SimpleNamespace(budget=self.host.max_num_seqs, peak_sequences=0)
         self.verifier = CommandVerifier(node, secret, 30.0)
         self.sync = SyncParticipant(self.host, node, self.client, self.state)  # type: ignore[arg-type]
         self.ledger = InflightLedger(self.client, node, ttl_s=3600)
@@ -251,30 +251,13 @@ class SimNode:
 
 
 def handlers_for(node: SimNode) -> dict[str, Any]:
-    """Celery's command registry with the real ``rq_*`` handlers bound to ``node``.
-
-    ``workers.node.control`` finds its runtime in a module global (one per worker
-    process); here one process holds many nodes, and its one draining thread
-    runs one handler at a time, so the global is set to this node around each call.
-    """
+    """Celery's command registry with the real ``rq_*`` handlers bound to ``node``
+    (``workers.node.control.ControlPanel``: one per node, as in a worker process)."""
     from celery.worker.control import Panel
 
-    from rollout_queue.workers.node import control
+    from rollout_queue.workers.node.control import ControlPanel
 
-    def bound(handler: Any) -> Any:
-        def call(state: Any, **arguments: Any) -> Any:
-            control._runtime = node  # type: ignore[assignment]
-            try:
-                return handler(state, **arguments)
-            finally:
-                control._runtime = None
-
-        return call
-
-    handlers = dict(Panel.data)
-    for name in (keys.CONTROL_SYNC, keys.CONTROL_ENGINE):
-        handlers[name] = bound(Panel.data[name])
-    return handlers
+    return {**Panel.data, **ControlPanel(node).handlers()}  # type: ignore[arg-type]
 
 
 def run_sim_process(args: argparse.Namespace) -> int:
