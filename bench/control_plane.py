@@ -270,30 +270,13 @@ class SimNode:
 
 
 def handlers_for(node: SimNode) -> dict[str, Any]:
-    """Celery's command registry with the real ``rq_*`` handlers bound to ``node``.
-
-    ``workers.node.control`` finds its runtime in a module global (one per worker
-    process); here one process holds many nodes, and its one draining thread
-    runs one handler at a time, so the global is set to this node around each call.
-    """
+    """Celery's command registry with the real ``rq_*`` handlers bound to ``node``
+    (``workers.node.control.ControlPanel``: one per node, as in a worker process)."""
     from celery.worker.control import Panel
 
-    from rollout_queue.workers.node import control
+    from rollout_queue.workers.node.control import ControlPanel
 
-    def bound(handler: Any) -> Any:
-        def call(state: Any, **arguments: Any) -> Any:
-            control._runtime = node  # type: ignore[assignment]
-            try:
-                return handler(state, **arguments)
-            finally:
-                control._runtime = None
-
-        return call
-
-    handlers = dict(Panel.data)
-    for name in (keys.CONTROL_SYNC, keys.CONTROL_ENGINE):
-        handlers[name] = bound(Panel.data[name])
-    return handlers
+    return {**Panel.data, **ControlPanel(node).handlers()}  # type: ignore[arg-type]
 
 
 def run_sim_process(args: argparse.Namespace) -> int:

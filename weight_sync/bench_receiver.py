@@ -4,12 +4,14 @@ Production workers load ``weight_sync.receiver.WeightReceiver``; a worker
 started with ``--worker-extension-cls weight_sync.bench_receiver.BenchReceiver``
 (``BENCH_EXTENSION``: bench/weight_transfer.py, the weight-sync tests) also
 answers the ``rq_engine`` ops ``receive_one``, ``receive_raw``,
-``last_receive`` and ``weight_checksum`` (``workers.node.control``).
+``last_receive`` and ``weight_checksum``: the worker hands
+:func:`register_engine_ops` its registry (``workers.node.control``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rollout_queue.tasks.errors import WeightSyncError
@@ -18,7 +20,7 @@ from rollout_queue.weight_sync.receiver import EngineReceiver, Phase, WeightRece
 
 BENCH_EXTENSION = "rollout_queue.weight_sync.bench_receiver.BenchReceiver"
 
-__all__ = ["BENCH_EXTENSION", "BenchReceiver"]
+__all__ = ["BENCH_EXTENSION", "BenchReceiver", "register_engine_ops"]
 
 
 def _group(receiver: EngineReceiver) -> Any:
@@ -98,3 +100,18 @@ class BenchReceiver(WeightReceiver):
                 total += float(param.detach().double().sum().item())
                 count += param.numel()
         return {"sum": total, "numel": float(count)}
+
+
+def register_engine_ops(register: Callable[..., None]) -> None:
+    """The ``rq_engine`` ops answered by :class:`BenchReceiver`'s calls, each on
+    every engine rank: ``register(name, op, read_only=...)``, where ``op``
+    takes the worker's runtime and the op's arguments. The worker calls this
+    when its engine loads this receiver."""
+    register("receive_one", lambda runtime, args: runtime.host.collective_rpc(
+        "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0))
+    register("receive_raw", lambda runtime, args: runtime.host.collective_rpc(
+        "rq_receive_raw", 300.0, args["sizes"], 120.0))
+    register("last_receive", lambda runtime, args: runtime.host.collective_rpc("rq_last_receive", 60.0),
+             read_only=True)
+    register("weight_checksum", lambda runtime, args: runtime.host.collective_rpc("rq_weight_checksum", 120.0),
+             read_only=True)

@@ -10,7 +10,7 @@ Who may send what:
   change the worker's state: they must carry an ``auth`` signed with the
   worker's ``RQ_WEIGHT_SYNC_SECRET`` (``tasks.auth``); anything else is answered
   with a refusal and changes nothing.
-- ``READ_ONLY_OPS`` (info, stats, world size, checksums) and Celery's inspect
+- ``READ_ONLY_OPS`` (info, stats, world size) and Celery's inspect
   commands (ping, stats, active, registered... what Flower and
   ``rollout-queue status`` use) answer anyone.
 - Celery's built-in state-changing commands (shutdown, pool_restart,
@@ -23,6 +23,7 @@ Who may send what:
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -38,7 +39,7 @@ from rollout_queue.workers.node.runtime import WorkerRuntime
 log = logging.getLogger(__name__)
 
 # rq_engine ops that only read: answered unsigned.
-READ_ONLY_OPS = {"info", "stats", "world_size", "weight_checksum"}  # and those registered read_only
+READ_ONLY_OPS = {"info", "stats", "world_size"}  # and those registered read_only
 
 # Celery built-ins of type "control" that stay on: revoke only drops tasks (how
 # producers cancel them), enable_events and heartbeat only make the worker send
@@ -114,7 +115,6 @@ ENGINE_OPS: dict[str, EngineOp] = {
     "resume": _resume,
     "sleep": _sleep,
     "wake_up": _wake_up,
-    "weight_checksum": lambda runtime, args: runtime.host.collective_rpc("rq_weight_checksum", 120.0),
 }
 
 
@@ -123,21 +123,27 @@ def register_engine_op(name: str, op: EngineOp, *, read_only: bool = False) -> N
     (it changes nothing on the worker).
 
     The seam for ops only benchmarks send: they belong with the benchmark
-    that sends them, registered from there."""
+    that sends them, registered from there (:func:`register_extension_ops`)."""
     ENGINE_OPS[name] = op
     if read_only:
         READ_ONLY_OPS.add(name)
 
 
-# Bench-only ops, answered by the bench receiver's RPCs (weight_sync/bench_receiver.py):
-# bench/weight_transfer.py's per-tensor baseline and raw broadcast. To move
-# beside that benchmark (register_engine_op) with the bench receiver.
-register_engine_op("receive_one", lambda runtime, args: runtime.host.collective_rpc(
-    "rq_receive_one", 120.0, args["name"], args["dtype"], args["shape"], 60.0))
-register_engine_op("receive_raw", lambda runtime, args: runtime.host.collective_rpc(
-    "rq_receive_raw", 300.0, args["sizes"], 120.0))
-register_engine_op("last_receive", lambda runtime, args: runtime.host.collective_rpc("rq_last_receive", 60.0),
-                   read_only=True)
+def register_extension_ops(extension_cls: str) -> list[str]:
+    """Answer the ``rq_engine`` ops the engine's worker extension brings.
+
+    ``extension_cls``: the import path of vLLM's ``worker_extension_cls``. A
+    module that holds one with engine calls of its own (a benchmark's
+    receiver) names their ops in ``register_engine_ops(register)``, called
+    here with :func:`register_engine_op`; the production receiver has none.
+    Returns the ops added."""
+    module = importlib.import_module(extension_cls.rpartition(".")[0])
+    hook = getattr(module, "register_engine_ops", None)
+    if hook is None:
+        return []
+    before = set(ENGINE_OPS)
+    hook(register_engine_op)
+    return sorted(set(ENGINE_OPS) - before)
 
 
 def engine_op(runtime: WorkerRuntime, op: str, args: dict[str, Any]) -> Any:

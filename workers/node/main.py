@@ -22,7 +22,7 @@ from rollout_queue.tasks.errors import EngineError
 from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.logs import configure_logging
 from rollout_queue.weight_sync import cpu_weights
-from rollout_queue.workers.engine.host import EngineHost
+from rollout_queue.workers.engine.host import EXTENSION_CLS, EngineHost
 from rollout_queue.workers.engine.warm_up import warm_up
 from rollout_queue.workers.node import control
 from rollout_queue.workers.node.runtime import WorkerRuntime
@@ -137,6 +137,10 @@ def adapt_celery(settings: WorkerSettings, runtime: WorkerRuntime, fetch: reliab
     the task is given its executor; the strategy and the fetch hooks are
     built from the node's parts."""
     control.install(runtime)
+    extension = settings.engine_args.get("worker_extension_cls", EXTENSION_CLS)
+    added = control.register_extension_ops(extension)
+    if added:
+        log.info("engine ops of %s: %s", extension, ", ".join(added))
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake, die_before_ack=settings.fault_die_before_ack)
     fetch.on_full = runtime.redis_full
