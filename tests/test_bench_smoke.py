@@ -39,7 +39,7 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
     "redis_memory.py": (["--tasks", "4", "--prompt-chars", "40", "--max-tokens", "2"], True),
     "resume.py": (["--prompts", "4", "--input-len", "8", "--output-len", "8", "--prompts-per-task", "4",
                    "--rounds", "1", "--checkpoint-tokens", "4", "--kill-prompts", "2",
-                   "--kill-output-len", "64"], False),
+                   "--kill-output-len", "1536"], False),
     "scaling.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
                     "--rounds", "1"], False),
     "shared_gpu.py": (["--smoke"], False),
