@@ -159,7 +159,7 @@ class QoS(kombu_redis.QoS):
 
     def _handed_on(self, delivery_tag: str) -> bool:
         """Whether the tag's message went to another worker (forgotten here now)."""
-        handed_on = self.channel.connection.hooks.handed_on
+        handed_on = self.channel.rq_hooks.handed_on
         if delivery_tag not in handed_on:
             return False
         handed_on.discard(delivery_tag)
@@ -232,7 +232,10 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)
         if not self.rq_processing_key:
             raise ValueError("the reliable Redis transport needs the rq_processing_key option")
-        self.rq_has_room = self.connection.hooks.has_room
+        # Kept here: a message of a channel closed by a reconnect is still acked
+        # through it, when the channel has no connection any more.
+        self.rq_hooks: FetchHooks = self.connection.hooks
+        self.rq_has_room = self.rq_hooks.has_room
         self._rq_connparams = super()._connparams(asynchronous=False)
         if self.global_keyprefix:
             raise ValueError("the reliable Redis transport does not support global_keyprefix")
@@ -371,7 +374,7 @@ class Channel(kombu_redis.Channel):
         loop = get_event_loop()
         if loop is not None:  # wakes the loop to fetch again (QoS.can_consume)
             loop.call_later(self._rq_full_backoff, _noop)
-        handler = self.connection.hooks.on_full
+        handler = self.rq_hooks.on_full
         if handler is not None:
             handler(str(exc))
 
