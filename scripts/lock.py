@@ -30,6 +30,7 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -53,7 +54,12 @@ TARGETS = {
 def installed() -> dict[str, importlib.metadata.Distribution]:
     """This environment's distributions by canonical name, the project and its tools left out."""
     skipped = {canonicalize_name(n) for n in (PROJECT, *LEFT_OUT, *TOOLS)}
-    found = {canonicalize_name(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
+    # Only the environment's own site-packages: once anything has imported
+    # setuptools, its ``_vendor`` folder is on ``sys.path`` and its vendored
+    # copies (older packaging, typing-extensions, ...) would be found too.
+    paths = sysconfig.get_paths()
+    site = sorted({paths["purelib"], paths["platlib"]})
+    found = {canonicalize_name(d.metadata["Name"]): d for d in importlib.metadata.distributions(path=site)}
     return {name: dist for name, dist in found.items() if name not in skipped}
 
 

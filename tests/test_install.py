@@ -115,6 +115,23 @@ def test_the_quickstart_and_light_locks_are_subsets_of_the_whole_lock_with_the_s
     assert not set(_pins("quickstart.txt")) & {"lm-eval", "datasets", "pyarrow", "pandas", "scikit-learn", "nltk"}
 
 
+def test_the_installed_set_is_the_environments_own_even_with_setuptools_vendored_copies_on_the_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Importing setuptools appends its ``_vendor`` folder to sys.path (an older
+    # packaging, typing-extensions, jaraco.*): a suite where something imported
+    # it before this module saw those as drift from the lock.
+    spec = importlib.util.find_spec("setuptools")
+    assert spec is not None and spec.origin is not None
+    vendored = Path(spec.origin).parent / "_vendor"
+    assert list(vendored.glob("packaging-*.dist-info"))
+    monkeypatch.setattr(sys, "path", [*sys.path, str(vendored)])  # where setuptools puts it
+    found = lock.installed()
+    assert all("_vendor" not in Path(str(d.locate_file(""))).parts for d in found.values())
+    assert found["packaging"].version == importlib.metadata.version("packaging")
+    assert "jaraco-text" not in found
+
+
 def test_the_whole_lock_pins_every_distribution_installed_here_at_its_installed_version() -> None:
     # The test environment is the one `make setup` installed from the lock (or
     # the one the lock was made from): any drift between the two shows here.
