@@ -176,7 +176,7 @@ class ControlPanel:
             runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
         except ControlRefused as exc:
             # No "accepted" ack for a command we cannot trust: a forger replaying a
-            # real sync's id must not be able to drop a worker from that sync.
+            # real sync's round must not be able to drop a worker from that sync.
             log.warning("weight sync round %s refused: %s", round_named(plan), exc)
             return {"ok": False, "node": runtime.node, "error": f"ControlRefused: {exc}"}
         return runtime.sync.accept(plan)
