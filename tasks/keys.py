@@ -22,7 +22,8 @@ PREFIX = "rq"
 WORKER_KEY_PATTERN = f"{PREFIX}:worker:*"
 
 DEFAULT_POOL = "default"
-# Monotonic counter for weight-sync epochs.
+# Monotonic counter of weight-sync rounds: each round's epoch, the first part
+# of its name (``weight_sync.protocol.SyncRound``, ``<epoch>-<nonce>``).
 SYNC_EPOCH = f"{PREFIX}:sync:epoch"
 
 
@@ -129,23 +130,33 @@ def redeliveries(task_id: str) -> str:
     return f"{PREFIX}:redeliveries:{task_id}"
 
 
-def sync_acks(sync_id: str, phase: str) -> str:
-    """List the trainer BLPOPs for one phase's acknowledgements of one sync.
+# A weight-sync round's names: each derived from the round's one name
+# (``str(SyncRound)``, ``<epoch>-<nonce>``) by one function.
+
+
+def sync_acks(sync_round: str, phase: str) -> str:
+    """List the trainer BLPOPs for one phase's acknowledgements of one round.
 
     "accepted" acks share the "ready" list: the trainer reads both in one wait.
     """
-    return f"{PREFIX}:sync:{sync_id}:{'ready' if phase == 'accepted' else phase}"
+    return f"{PREFIX}:sync:{sync_round}:{'ready' if phase == 'accepted' else phase}"
 
 
-def sync_decision(sync_id: str) -> str:
-    """Key of the trainer's decision in its rendezvous store."""
-    return f"rq/decision/{sync_id}"
+def sync_decision(sync_round: str) -> str:
+    """Key of the trainer's decision for a round in its rendezvous store."""
+    return f"rq/decision/{sync_round}"
 
 
-def sync_handoff(sync_id: str, transport: str, bucket: int) -> str:
+def sync_handoff(sync_round: str, transport: str, bucket: int) -> str:
     """Key, in the trainer's rendezvous store, of where bucket ``bucket`` of a
     handoff transport waits for the colocated workers (set once it is packed)."""
-    return f"rq/handoff/{sync_id}/{transport}/{bucket}"
+    return f"rq/handoff/{sync_round}/{transport}/{bucket}"
+
+
+def sync_group(sync_round: str) -> str:
+    """Namespace, in the trainer's rendezvous store, of the process group that
+    round ``sync_round`` formed (later rounds reuse it while the roster holds)."""
+    return f"rq/group/{sync_round}"
 
 
 MANIFEST_TTL_S = 24 * 3600  # refreshed by every sync that uses it

@@ -110,7 +110,7 @@ class Agent:
                                     timeouts=SyncTimeouts(**timeouts))
             self.senders[key] = _sender_class()(settings, pool)
         sender = self.senders[key]
-        PENDING_CUT[:] = cut_before_send or []
+        sender.cut_before_send = cut_before_send
         sender.cut_before_decide = cut_before_decide
         weights = load_file(f"{model}/model.safetensors")
         if catch_up:
@@ -157,10 +157,12 @@ def _sender_class() -> type:
     from rollout_queue.weight_sync.sync_weights import WeightSender
 
     class CuttingSender(WeightSender):
-        """The real sender, with hooks where a fault goes: between ready and the
-        decision, between join and send."""
+        """The real sender, with a fault where a test puts it: between ready and
+        the decision (``_decide``), or just before the first bucket leaves (every
+        transport's ``before_bucket`` seam)."""
 
         cut_before_decide: list[str] | None = None
+        cut_before_send: list[str] | None = None
 
         def _decide(self, plan: Any, decision: Any) -> None:
             if self.cut_before_decide and decision.go:
@@ -168,27 +170,17 @@ def _sender_class() -> type:
                 self.cut_before_decide = None
             super()._decide(plan, decision)
 
-    # The buckets leave from the transport (weight_sync.transports.groups), not
-    # the sender: the cut goes just before its first send.
-    from rollout_queue.weight_sync.transports.groups import GroupSender
+        def transport(self, name: str) -> Any:
+            end = super().transport(name)
+            end.before_bucket = self._before_bucket
+            return end
 
-    sends = GroupSender.send_buckets
-    if not getattr(sends, "cuts", False):
-        def send_buckets(transport: Any, *args: Any, **kwargs: Any) -> Any:
-            if PENDING_CUT:
-                cut = list(PENDING_CUT)
-                PENDING_CUT.clear()
+        def _before_bucket(self, bucket: int) -> None:
+            if self.cut_before_send:
+                cut, self.cut_before_send = self.cut_before_send, None
                 subprocess.run(cut, check=True, timeout=30)
-            return sends(transport, *args, **kwargs)
-
-        send_buckets.cuts = True  # type: ignore[attr-defined]
-        GroupSender.send_buckets = send_buckets  # type: ignore[method-assign]
 
     return CuttingSender
-
-
-# A command the transport runs before its next send (``sync(cut_before_send=...)``).
-PENDING_CUT: list[str] = []
 
 
 def _jsonable(value: Any) -> Any:

@@ -40,7 +40,7 @@ from rollout_queue.tasks.errors import BrokerUnavailable, ControlRefused, Invali
 from rollout_queue.tasks.registry import connect
 from rollout_queue.tasks.schemas import WorkerInfo
 from rollout_queue.tasks.settings import ClientSettings
-from rollout_queue.weight_sync.protocol import Manifest, SyncPlan
+from rollout_queue.weight_sync.protocol import Manifest, SyncPlan, SyncRound
 from rollout_queue.workers.settings import WorkerSettings
 from tests.conftest import WorkerStarter
 from tests.private_redis import RedisServer, client_app, tls_redis_binary
@@ -388,7 +388,7 @@ def test_read_only_engine_ops_answer_unsigned(sec_worker: Proc, producer: Any) -
 
 def _forged_plan(**changes: Any) -> dict[str, Any]:
     return SyncPlan(
-        epoch=424242, sync_id=uuid.uuid4().hex, version=99, pause="abort", store_host="127.0.0.1",
+        round=SyncRound(f"424242-{uuid.uuid4().hex[:12]}"), weight_version=99, pause="abort", store_host="127.0.0.1",
         store_port=1, members={NODE: 1}, backend="gloo",
         manifest_digest=Manifest(tensors=[], bucket_sizes=[]).wire()[1], issued_at=time.time(),
     ).model_dump(mode="json") | changes
@@ -418,9 +418,9 @@ def test_an_unsigned_abort_sync_is_refused_and_requests_in_flight_finish(
     result = handle.get(timeout=120)
     assert all(o["samples"][0]["finish_reason"] == "length" for o in result["outputs"])  # none aborted
     assert all(len(o["samples"][0]["token_ids"]) == 400 for o in result["outputs"])
-    assert secure_server.client().llen(keys.sync_acks(plan["sync_id"], "accepted")) == 0  # no ack
+    assert secure_server.client().llen(keys.sync_acks(plan["round"], "accepted")) == 0  # no ack
     log = sec_worker.log_path.read_text(errors="replace")
-    assert "weight sync epoch 424242 refused: " in log
+    assert f"weight sync round {plan['round']} refused: " in log
     assert_serving(secure_server, producer, sec_worker, "forged sync plans")
 
 

@@ -19,7 +19,7 @@ from rollout_queue.tasks import keys
 from rollout_queue.tasks.auth import CommandVerifier, signed_arguments
 from rollout_queue.tasks.errors import ControlRefused, WeightSyncError
 from rollout_queue.weight_sync import wire
-from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncPlan
+from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncPlan, SyncRound
 from rollout_queue.weight_sync.sender import named_tensors
 from tests.procs import ROOT, free_port
 
@@ -114,7 +114,7 @@ def test_named_tensors_send_tied_weights_once_and_keep_checkpoint_names() -> Non
 
 def _plan(**updates: object) -> SyncPlan:
     plan = SyncPlan(
-        epoch=1, sync_id="abc", version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
+        round=SyncRound("1-abc"), weight_version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
         members={"w@h": 1}, backend="gloo", manifest_digest=Manifest(tensors=[], bucket_sizes=[]).wire()[1],
         issued_at=0.0,
     )
@@ -134,7 +134,8 @@ def test_sync_trigger_signature_detects_any_change_to_the_plan_and_a_wrong_secre
         check("other", signed)
     with pytest.raises(ControlRefused, match="unsigned"):
         check("s3cret", {"plan": plan})
-    for change in ({"version": 4}, {"manifest_digest": "0" * 64}, {"pause": "abort"}, {"members": {"x@h": 1}}):
+    for change in ({"weight_version": 4}, {"round": "1-abd"}, {"manifest_digest": "0" * 64}, {"pause": "abort"},
+                   {"members": {"x@h": 1}}):
         with pytest.raises(ControlRefused, match="wrongly signed"):
             check("s3cret", {**signed, "plan": {**plan, **change}})
 
@@ -496,10 +497,10 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     host.state.ready()
     participant = SyncParticipant(host, "w@h", acks, host.state)  # type: ignore[arg-type]  # acks: a fake Redis
     with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers
-        plan = _plan(sync_id=f"pause-fails-{time.time()}", store_port=store.getsockname()[1])
+        plan = _plan(round=SyncRound(f"1-pause-fails-{time.time()}"), store_port=store.getsockname()[1])
         participant.sync(plan)
     assert host.calls == [("pause", "wait"), ("resume", None)]
-    (done,) = acks.acks(keys.sync_acks(plan.sync_id, "done"))
+    (done,) = acks.acks(keys.sync_acks(plan.round, "done"))
     assert not done.ok and done.error is not None and "did not pause" in done.error.message
     assert host.state.intake_open
     assert host.state.fence_reason is FenceReason.MISSED_SYNC
@@ -526,12 +527,12 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
     host, acks, state = Host(), AckLists(), NodeState()
     state.ready()
     participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
-    plan = _plan(sync_id=f"unreachable-{time.time()}", store_port=closed_port)
+    plan = _plan(round=SyncRound(f"1-unreachable-{time.time()}"), store_port=closed_port)
     started = time.monotonic()
     participant.sync(plan)
     assert time.monotonic() - started < 5  # refused at once: no wait for any timeout
     assert host.calls == []
-    (ready,) = acks.acks(keys.sync_acks(plan.sync_id, "ready"))
+    (ready,) = acks.acks(keys.sync_acks(plan.round, "ready"))
     assert not ready.ok and ready.error is not None and ready.error.kind == "rendezvous_unreachable"
     assert "set RQ_RENDEZVOUS_HOST on the trainer" in ready.error.message and "own loopback" in ready.error.message
     assert state.refusal() == "missed sync to version 3" and state.current == "fenced"
@@ -540,8 +541,9 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
 def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_is_refused() -> None:
     """A trainer that gave a sync up triggers again (a retried catch-up) while this
     worker still ends the old one (its trigger heard late, its failure still being
-    acked): the newer epoch is accepted and runs once the old one is over; an older
-    epoch is refused, and the epoch in hand heard again is ignored (its acks stand)."""
+    acked): the newer round (a later epoch) is accepted and runs once the old one is
+    over; an older round is refused, and the round in hand heard again is ignored (its
+    acks stand)."""
     import threading
 
     from rollout_queue.workers.node.sync import SyncParticipant
@@ -569,7 +571,7 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
     participant._shapes_loaded = True  # no checkpoint to compare with
     with socket.create_server(("127.0.0.1", 0)) as store:  # the trainer's store answers the probe
         port = store.getsockname()[1]
-        plans = {epoch: _plan(epoch=epoch, sync_id=f"epoch-{epoch}-{time.time()}", store_port=port,
+        plans = {epoch: _plan(round=SyncRound(f"{epoch}-{time.time()}"), store_port=port,
                               issued_at=time.time()) for epoch in (4, 5, 6)}
         assert participant.accept(plans[5].model_dump(mode="json"))["ok"]
         deadline = time.monotonic() + 30
@@ -577,22 +579,22 @@ def test_a_newer_trigger_during_a_sync_runs_after_it_and_an_old_or_repeated_one_
             time.sleep(0.01)
         assert host.calls == ["pause"]
         again = participant.accept(plans[5].model_dump(mode="json"))
-        assert not again["ok"] and "already in sync epoch 5" in again["error"]
+        assert not again["ok"] and f"already in sync round {plans[5].round}" in again["error"]
         assert not participant.accept(plans[4].model_dump(mode="json"))["ok"]
         assert participant.accept(plans[6].model_dump(mode="json"))["ok"]
-        assert host.calls == ["pause"]  # epoch 6 waits for epoch 5
+        assert host.calls == ["pause"]  # round 6-… waits for round 5-…
         host.first_pause.set()
         while participant.busy() and time.monotonic() < deadline:
             time.sleep(0.01)
     assert not participant.busy()
     assert host.calls == ["pause", "resume", "pause", "resume"]
     for epoch, accepted in ((4, False), (5, True), (6, True)):
-        answers = [a for a in acks.acks(keys.sync_acks(plans[epoch].sync_id, "accepted")) if a.phase == "accepted"]
+        answers = [a for a in acks.acks(keys.sync_acks(plans[epoch].round, "accepted")) if a.phase == "accepted"]
         assert [a.ok for a in answers] == [accepted], (epoch, answers)
-    (refused,) = acks.acks(keys.sync_acks(plans[4].sync_id, "accepted"))
-    assert refused.error is not None and "already in sync epoch 5" in refused.error.message
+    (refused,) = acks.acks(keys.sync_acks(plans[4].round, "accepted"))
+    assert refused.error is not None and f"already in sync round {plans[5].round}" in refused.error.message
     for epoch in (5, 6):
-        (done,) = acks.acks(keys.sync_acks(plans[epoch].sync_id, "done"))
+        (done,) = acks.acks(keys.sync_acks(plans[epoch].round, "done"))
         assert not done.ok and done.error is not None and "did not pause" in done.error.message
 
 
@@ -625,7 +627,7 @@ def test_the_plan_hands_the_weights_to_colocated_workers_of_this_host_and_the_gr
            _member("other@h", colocated=True, host=here, device="cuda", uuids=["GPU-2"])]
     assert WeightSender._colocated(gpu[0], "GPU-1", "nccl") and not WeightSender._colocated(gpu[1], "GPU-1", "nccl")
 
-    plan = SyncPlan(epoch=1, sync_id="s", version=1, pause="wait", store_host="127.0.0.1", store_port=1,
+    plan = SyncPlan(round=SyncRound("1-s"), weight_version=1, pause="wait", store_host="127.0.0.1", store_port=1,
                     members={"near@h": 1, "far@h": 1}, backend="gloo", handoffs={"near@h": "shm"},
                     manifest_digest="d", issued_at=0.0)
     assert plan.transport_of("near@h") == "shm" and plan.transport_of("far@h") == "gloo"
@@ -700,7 +702,7 @@ def test_a_shared_memory_handoff_delivers_every_tensor_and_reuses_its_segments()
     manifest = wire.plan_buckets([(n, "float32", list(t.shape)) for n, t in tensors.items()], 20_000)
     assert len(manifest.bucket_sizes) > 2
     store, sender, receiver = _Store(), ShmSender("shm", SyncSettings()), ShmReceiver("shm")
-    plan = SyncPlan(epoch=1, sync_id="one", version=1, pause="wait", store_host="127.0.0.1", store_port=1,
+    plan = SyncPlan(round=SyncRound("1-one"), weight_version=1, pause="wait", store_host="127.0.0.1", store_port=1,
                     members={"w@h": 1}, backend="gloo", handoffs={"w@h": "shm"}, manifest_digest="d",
                     issued_at=0.0)
     decision = SyncDecision(go=True, world=1, handoff=["w@h"])

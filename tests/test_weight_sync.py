@@ -211,7 +211,7 @@ def test_an_unsigned_or_wrongly_signed_sync_command_is_refused(
 ) -> None:
     manifest, _ = sender.manifest(list(weights["A"].items()), live_workers(redis_client, POOL), "gloo")
     plan = {
-        "epoch": 10_000, "sync_id": "forged", "version": 50, "pause": "wait", "store_host": "127.0.0.1",
+        "round": "10000-forged", "weight_version": 50, "pause": "wait", "store_host": "127.0.0.1",
         "store_port": 1, "members": {"sync0@tests": 1, "sync1@tests": 1}, "backend": "gloo",
         "manifest_digest": manifest.wire()[1], "issued_at": time.time(),
     }

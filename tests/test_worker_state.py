@@ -70,7 +70,7 @@ def test_the_heartbeat_lifts_only_the_fences_it_set_or_a_missed_sync() -> None:
         state.lift(*CAUGHT_UP)
         assert state.current == "serving" and state.fence_reason is None, reason
     state = serving()
-    state.fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync epoch 7")
+    state.fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync round 7-3f9a1c2b7d0e")
     state.lift(*CAUGHT_UP)
     assert state.current == "fenced" and state.fence_reason is FenceReason.HALF_LOADED
 
@@ -107,7 +107,7 @@ def test_a_sleeping_worker_stops_intake_and_consuming_until_its_kv_cache_wakes()
 
 def test_a_sync_shows_syncing_holds_intake_while_the_engine_is_paused_and_lifts_any_fence() -> None:
     state = serving()
-    state.fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync epoch 7")
+    state.fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync round 7-3f9a1c2b7d0e")
     state.begin_update()
     assert state.current == "syncing"
     state.hold_intake()
@@ -150,7 +150,7 @@ def test_a_failed_sync_fences_with_what_it_left_or_serves_on_its_current_weights
 def test_a_half_loaded_worker_stays_half_loaded_when_a_later_sync_fails_before_changing_a_weight() -> None:
     state = serving()
     state.begin_update()
-    state.fail_update(Fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync epoch 3"))
+    state.fail_update(Fence(FenceReason.HALF_LOADED, "weights half-loaded by failed sync round 3-3f9a1c2b7d0e"))
     for left in (Fence(FenceReason.MISSED_SYNC, "missed sync to version 4"), None):
         state.begin_update()  # a catch-up the trainer then called off
         state.fail_update(left)

@@ -11,6 +11,12 @@ Who sends what, in the order of a sync (``weight_sync.sender`` draws the phases)
     UpdateResult    engine → worker host its seconds, or its SyncFailure
     SyncReport      sender → its caller  what the sync did
 
+One value names a sync round everywhere: its :class:`SyncRound`
+(``<epoch>-<nonce>``), carried by the plan and every ack, printed in log lines,
+and the one argument of the names derived from it (``keys.sync_acks``,
+``keys.sync_decision``, ``keys.sync_handoff``, ``keys.sync_group``). The
+weights a round installs are its plan's ``weight_version``: another thing.
+
 A failure crosses a process as a :class:`SyncFailure` (a kind and a message),
 mapped back to the error tree by ``tasks.errors.SYNC_ERRORS``. Imports
 without torch or vLLM.
@@ -19,17 +25,61 @@ without torch or vLLM.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+import re
+import uuid
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler
+from pydantic_core import core_schema
 
 from rollout_queue.tasks.errors import SYNC_ERRORS, SyncErrorKind, WeightSyncError, sync_error_kind
 from rollout_queue.tasks.schemas import PauseMode
 
 # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth);
 # 5: the workers' deadlines travel in the plan, failures as a kind and a message;
-# 6: a transport per worker (``SyncPlan.handoffs``), the roster beyond the group.
-PROTOCOL_VERSION = 6
+# 6: a transport per worker (``SyncPlan.handoffs``), the roster beyond the group;
+# 7: one name per round (``SyncRound``) in the plan, the acks and the decision.
+PROTOCOL_VERSION = 7
+
+_ROUND = re.compile(r"(0|[1-9][0-9]*)-([0-9A-Za-z_.-]+)")
+
+
+class SyncRound(str):
+    """The name of one weight-sync round, ``<epoch>-<nonce>`` (e.g. ``42-3f9a1c2b7d0e``).
+
+    The epoch (one more each round: ``keys.SYNC_EPOCH``) orders rounds; the
+    nonce keeps the name unique should the counter ever start again (Redis
+    flushed). It is a ``str`` in its one rendering, so the same text is the
+    plan's and every ack's ``round`` (JSON), the argument the round's Redis
+    and store names are derived from, and what log lines print.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, name: str) -> Self:
+        if not _ROUND.fullmatch(name):
+            raise ValueError(f"{name!r} is not a sync round: <epoch>-<nonce>, e.g. 42-3f9a1c2b7d0e")
+        return super().__new__(cls, name)
+
+    @classmethod
+    def new(cls, epoch: int) -> Self:
+        """Round ``epoch``, with a fresh nonce."""
+        return cls(f"{int(epoch)}-{uuid.uuid4().hex[:12]}")
+
+    @property
+    def epoch(self) -> int:
+        return int(self.partition("-")[0])
+
+    @property
+    def nonce(self) -> str:
+        return self.partition("-")[2]
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        # Validated from (and serialized as) its one string.
+        return core_schema.no_info_after_validator_function(
+            cls, core_schema.str_schema(), serialization=core_schema.to_string_ser_schema())
+
 
 # The transports a worker can be handed the weights by instead of the group
 # (weight_sync/transports).
@@ -99,11 +149,8 @@ class SyncPlan(_Message):
     """The one broadcast that triggers a sync (signed with the command: ``ControlAuth``)."""
 
     protocol: int = PROTOCOL_VERSION
-    epoch: int
-    # Unique per sync even if the epoch counter is ever reset (Redis flushed):
-    # names the decision in the store and the ack lists in Redis.
-    sync_id: str
-    version: int
+    round: SyncRound
+    weight_version: int  # the weights this round installs: the workers' new weight_version
     pause: PauseMode
     store_host: str
     store_port: int
@@ -158,9 +205,7 @@ class SyncAck(_Message):
     """A worker's acknowledgement of one phase, pushed to Redis."""
 
     node: str
-    epoch: int
-    sync_id: str
-    version: int
+    round: SyncRound
     phase: Literal["accepted", "ready", "done"]  # "accepted" answers the trigger (ok=False: refused)
     ok: bool
     error: SyncFailure | None = None
@@ -175,8 +220,10 @@ class SyncDecision(_Message):
     # The group's members: node → first global rank; world = 1 + Σ ranks.
     offsets: dict[str, int] = {}
     world: int = 0
-    group_id: str = ""
-    reuse_group: bool = False
+    # The round that formed the process group this round's transfer uses: this
+    # round (a new group), or an earlier one (its group kept: the roster held).
+    # The group's name in the store derives from it (``keys.sync_group``).
+    group_round: SyncRound | None = None
     # The members handed the weights instead (``SyncPlan.handoffs``).
     handoff: list[str] = []
 
@@ -184,6 +231,10 @@ class SyncDecision(_Message):
     def roster(self) -> set[str]:
         """Every worker the sync goes ahead with."""
         return {*self.offsets, *self.handoff}
+
+    def reuses_group(self, sync_round: SyncRound) -> bool:
+        """Whether round ``sync_round`` transfers over a group an earlier round formed."""
+        return self.group_round is not None and self.group_round != sync_round
 
 
 class UpdateRequest(_Message):
@@ -207,8 +258,9 @@ class UpdateResult(_Message):
 
 
 class SyncReport(_Message):
-    version: int
-    epoch: int
+    version: int  # the weight_version the workers now hold
+    epoch: int  # ``round.epoch``
+    round: SyncRound
     workers: list[str]
     tensors: int
     bytes: int

@@ -14,12 +14,13 @@ The protocol, in the order :meth:`WeightSender.sync` runs it::
                   + bucket/piece plan) into Redis  or read from Redis and hashed) vs
                   by digest, once per layout;      checkpoint (names, shapes, dtype)
                   one broadcast control ────────► → "accepted" ack (ok or refused, Redis list)
-                  message: SyncPlan (epoch,        pause: close intake, pause engine if busy
-                  version, pause, store, members,  (wait | keep | abort) → "ready" ack (same list)
-                  manifest digest, the workers'
-                  deadlines, HMAC)
+                  message: SyncPlan (round,        pause: close intake, pause engine if busy
+                  weight_version, pause, store,    (wait | keep | abort) → "ready" ack (same list)
+                  members, manifest digest, the
+                  workers' deadlines, HMAC)
       ready       wait for "ready" acks; drop the
-                  silent; decision → TCPStore ───► read the decision (roster, offsets, world)
+                  silent; decision → TCPStore ───► read the decision (roster, offsets, world,
+                                                   the round whose process group serves)
     4 transfer    per transport of the plan     ◄──► rq_update(UpdateRequest), one engine
                   (weight_sync.transports):         call (weight_sync.receiver): the
                   handoffs (shm, cuda_ipc) pack     worker's transport takes each bucket
@@ -39,6 +40,10 @@ commit (Redis, Celery, the store). How the bytes travel is the transports'
 handed the weights (``shm``, ``cuda_ipc``), the others share a process group
 (``gloo``, ``nccl``); ``SyncSettings.transport`` can force one.
 
+A round has one name, its ``SyncRound`` (``<epoch>-<nonce>``, the epoch from
+``keys.SYNC_EPOCH``): the plan and every ack carry it, log lines and errors
+print it, and its Redis and store names derive from it (``keys.sync_*``).
+
 Every phase has a deadline: the trainer's in ``SyncTimeouts``, the workers'
 (``WorkerTimeouts``) in the plan. A worker's failure travels as a kind and a
 message (``SyncFailure``), raised here as its class of ``tasks.errors``. A
@@ -54,7 +59,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -79,7 +83,15 @@ from rollout_queue.tasks.registry import connect, fleet_version, live_workers
 from rollout_queue.tasks.schemas import PauseMode, WorkerInfo
 from rollout_queue.weight_sync import transports, wire
 from rollout_queue.weight_sync.locality import host_id
-from rollout_queue.weight_sync.protocol import HandoffName, Manifest, SyncAck, SyncDecision, SyncPlan, SyncReport
+from rollout_queue.weight_sync.protocol import (
+    HandoffName,
+    Manifest,
+    SyncAck,
+    SyncDecision,
+    SyncPlan,
+    SyncReport,
+    SyncRound,
+)
 from rollout_queue.weight_sync.settings import SyncSettings
 from rollout_queue.weight_sync.transports.base import SendJob, TransportSender
 
@@ -225,21 +237,22 @@ class WeightSender:
             seconds = time.monotonic() - started
             report = SyncReport(
                 version=version,
-                epoch=plan.epoch,
+                epoch=plan.round.epoch,
+                round=plan.round,
                 workers=sorted(committed),
                 tensors=len(manifest.tensors),
                 bytes=manifest.total_bytes,
                 seconds=seconds,
                 gb_per_s=manifest.total_bytes / max(phases["transfer"], 1e-9) / 1e9,
                 backend="+".join(plan.transports()),
-                reused_group=decision.reuse_group,
+                reused_group=decision.reuses_group(plan.round),
                 phases=phases,
                 worker_phases=worker_phases,
             )
             lost = {**silent, **failed}
             if lost:
                 error = WorkerLost(
-                    f"weight sync to version {version}: "
+                    f"weight sync round {plan.round} to version {version}: "
                     + "; ".join(f"{node} ({why})" for node, why in sorted(lost.items()))
                     + (f"; the transfer failed: {broken}" if broken is not None else "")
                     + f". {len(committed)} worker(s) committed; the others are fenced until the next sync",
@@ -378,9 +391,8 @@ class WeightSender:
         on (one Redis wait, no control-reply round trip). Returns the plan and
         the members that did not answer in time.
         """
-        epoch = int(self.client.incr(keys.SYNC_EPOCH))
         plan = SyncPlan(
-            epoch=epoch, sync_id=uuid.uuid4().hex, version=version, pause=pause,
+            round=SyncRound.new(int(self.client.incr(keys.SYNC_EPOCH))), weight_version=version, pause=pause,
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
             handoffs=handoffs or {},
@@ -444,7 +456,7 @@ class WeightSender:
             unreachable = len(failures) == len(silent) and all(
                 failure is not None and failure.kind == "rendezvous_unreachable" for failure in failures.values())
             raise (RendezvousUnreachable if unreachable else RendezvousTimeout)(
-                f"no worker became ready for sync epoch {plan.epoch}: "
+                f"no worker became ready for sync round {plan.round}: "
                 + "; ".join(f"{n} ({w})" for n, w in sorted(silent.items())),
                 phase="ready", workers=silent,
             )
@@ -454,10 +466,9 @@ class WeightSender:
             if plan.transport_of(node) == plan.backend:
                 offsets[node] = rank
                 rank += plan.members[node]
-        group = self.transport(plan.backend)
-        reuse = bool(offsets) and group.reuses_group(offsets)
-        decision = SyncDecision(go=True, offsets=offsets, world=rank, group_id=getattr(group, "group_id", ""),
-                                reuse_group=reuse, handoff=[node for node in ready if node in plan.handoffs])
+        group_round = self.transport(plan.backend).group_for(plan.round, offsets) if offsets else None
+        decision = SyncDecision(go=True, offsets=offsets, world=rank, group_round=group_round,
+                                handoff=[node for node in ready if node in plan.handoffs])
         self._decide(plan, decision)
         return decision, silent
 
@@ -492,7 +503,7 @@ class WeightSender:
         for node in decision.roster - set(acks):
             failed[node] = "no commit ack before the deadline"
         if committed:
-            self.client.set(keys.fleet_version(self.pool), plan.version)
+            self.client.set(keys.fleet_version(self.pool), plan.weight_version)
         for name in plan.transports():
             self.transport(name).finished(plan)
         if failed:
@@ -519,7 +530,7 @@ class WeightSender:
         return digest
 
     def _decide(self, plan: SyncPlan, decision: SyncDecision) -> None:
-        self.store.set(keys.sync_decision(plan.sync_id), decision.model_dump_json())
+        self.store.set(keys.sync_decision(plan.round), decision.model_dump_json())
 
     def _collect(self, plan: SyncPlan, phase: str, expected: set[str], deadline: float) -> dict[str, SyncAck]:
         """The ``phase`` acks of ``expected`` members, once all are in or at the deadline.
@@ -527,7 +538,7 @@ class WeightSender:
         Acks of another phase read meanwhile are kept for their own wait.
         """
         got = self._acks.setdefault(phase, {})
-        name = keys.sync_acks(plan.sync_id, phase)
+        name = keys.sync_acks(plan.round, phase)
         unreachable: redis.RedisError | None = None  # the last read, when it failed
         while not expected <= set(got) and (remaining := deadline - time.monotonic()) > 0:
             try:
@@ -541,7 +552,7 @@ class WeightSender:
             if item is None:
                 continue
             ack = SyncAck.model_validate_json(item[1])
-            if ack.sync_id == plan.sync_id and ack.node in plan.members:
+            if ack.round == plan.round and ack.node in plan.members:
                 self._acks.setdefault(ack.phase, {})[ack.node] = ack
         if unreachable is not None and not expected <= set(got):
             # The trainer's link to Redis broke: its pooled connections are dead
@@ -549,7 +560,7 @@ class WeightSender:
             # "Broken pipe", seen in CI as the next sync's BrokerUnavailable).
             self._disconnect_redis()
             raise BrokerLost(
-                f"sync epoch {plan.epoch} to version {plan.version}: Redis at {client_settings().redacted_url} "
+                f"sync round {plan.round} to version {plan.weight_version}: Redis at {client_settings().redacted_url} "
                 f"stopped answering the trainer while it waited for the {phase!r} acks "
                 f"({type(unreachable).__name__}: {unreachable}); it cannot tell what "
                 f"{', '.join(sorted(expected - set(got)))} did. A worker that never read the trainer's "

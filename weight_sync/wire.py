@@ -201,10 +201,11 @@ def connect_store(host: str, port: int, timeout_s: float, *, is_master: bool = F
 
 
 def new_group(
-    store: Any, group_id: str, rank: int, world: int, backend: str, timeout_s: float,
+    store: Any, namespace: str, rank: int, world: int, backend: str, timeout_s: float,
     device: torch.device | None = None,
 ) -> Any:
-    """A process group of ``world`` ranks over ``store``, namespaced by ``group_id``.
+    """A process group of ``world`` ranks over ``store``, its keys under ``namespace``
+    (a sync's group: ``keys.sync_group`` of the round that forms it).
 
     Blocks until every rank has joined (or the timeout passes). NCCL sets its
     communicator up on the first collective, so there every rank enters one
@@ -213,7 +214,7 @@ def new_group(
     import torch
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"rq/{group_id}", store)
+    prefixed = dist.PrefixStore(namespace, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs

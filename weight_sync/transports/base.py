@@ -13,12 +13,12 @@ memory are kept.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rollout_queue.weight_sync.protocol import Manifest, SyncDecision, SyncPlan, TensorSpec, UpdateRequest
+from rollout_queue.weight_sync.protocol import Manifest, SyncDecision, SyncPlan, SyncRound, TensorSpec, UpdateRequest
 
 if TYPE_CHECKING:
     import torch
@@ -46,14 +46,25 @@ class TransportSender(abc.ABC):
     def __init__(self, name: str, settings: SyncSettings) -> None:
         self.name = name
         self.settings = settings
+        # Called with each bucket's index just before that bucket leaves, on the
+        # thread that sends it: the seam for fault injection (a test cuts a link
+        # mid-transfer here). What it raises fails the send as a broken wire would.
+        self.before_bucket: Callable[[int], None] | None = None
 
     @abc.abstractmethod
     def device(self) -> torch.device:
         """Where the tensors must be to leave through this transport."""
 
-    def reuses_group(self, offsets: dict[str, int]) -> bool:
-        """Whether the group kept from the last sync serves these rank offsets."""
-        return False
+    def group_for(self, sync_round: SyncRound, offsets: dict[str, int]) -> SyncRound | None:
+        """The round whose process group serves these rank offsets in round
+        ``sync_round``: an earlier round's, kept, or ``sync_round`` itself (a new
+        group, formed by ``send``). ``None``: this transport has no group."""
+        return None
+
+    def leaving(self, bucket: int) -> None:
+        """Bucket ``bucket`` is about to leave (runs ``before_bucket``)."""
+        if self.before_bucket is not None:
+            self.before_bucket(bucket)
 
     @abc.abstractmethod
     def send(self, job: SendJob) -> None:

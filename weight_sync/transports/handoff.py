@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import RendezvousTimeout, WorkerLost
 from rollout_queue.weight_sync import wire
-from rollout_queue.weight_sync.protocol import Manifest, SyncPlan, UpdateRequest
+from rollout_queue.weight_sync.protocol import Manifest, SyncPlan, SyncRound, UpdateRequest
 from rollout_queue.weight_sync.transports.base import BucketSink, SendJob, TransportReceiver, TransportSender
 
 if TYPE_CHECKING:
@@ -59,15 +59,16 @@ class HandoffSender(TransportSender):
             for bucket in wire.iter_buckets(job.manifest):
                 if time.monotonic() > job.deadline:
                     raise TimeoutError("the sync's deadline passed while packing")
+                self.leaving(bucket.index)
                 wire.pack(buffers[bucket.index][: bucket.size], bucket.specs, job.tensors)
                 self.packed()
-                key = keys.sync_handoff(job.plan.sync_id, self.name, bucket.index)
+                key = keys.sync_handoff(job.plan.round, self.name, bucket.index)
                 job.store.set(key, self._descriptions[bucket.index])
                 announced.append(key)
             self._announced = (job.store, announced)
         except Exception as exc:
             raise WorkerLost(
-                f"handoff of sync epoch {job.plan.epoch} over {self.name} failed: {type(exc).__name__}: {exc}",
+                f"handoff of sync round {job.plan.round} over {self.name} failed: {type(exc).__name__}: {exc}",
                 phase="transfer", workers=job.nodes,
             ) from exc
 
@@ -104,7 +105,7 @@ class HandoffReceiver(TransportReceiver):
         super().__init__(name)
         self.store: Any = None
         self.store_address: tuple[str, int] | None = None
-        self.sync_id = ""
+        self.round: SyncRound | None = None  # the round being received
         self._mapped: dict[str, Any] = {}  # description -> the buffer mapped from it
 
     @abc.abstractmethod
@@ -122,15 +123,16 @@ class HandoffReceiver(TransportReceiver):
                     f"cannot reach the trainer's store at {plan.store_host}:{plan.store_port}: {exc}",
                     phase="rendezvous") from exc
             self.store_address = address
-        self.sync_id = plan.sync_id
+        self.round = plan.round
 
     def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
+        assert self.round is not None  # set by begin()
         wait_s = load_s = 0.0
         used: set[str] = set()
         for bucket in wire.iter_buckets(manifest):
             t0 = time.monotonic()
             self.store.set_timeout(datetime.timedelta(seconds=max(deadline - t0, 0.001)))
-            text = self.store.get(keys.sync_handoff(self.sync_id, self.name, bucket.index)).decode()
+            text = self.store.get(keys.sync_handoff(self.round, self.name, bucket.index)).decode()
             buffer = self._mapped.get(text)
             if buffer is None or int(buffer.numel()) < bucket.size:
                 buffer = self.open(json.loads(text), bucket.size, device)

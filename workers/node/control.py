@@ -35,6 +35,7 @@ from celery.worker.control import Panel, ok
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import ControlRefused
 from rollout_queue.workers.node.runtime import WorkerRuntime
+from rollout_queue.workers.node.sync import round_named
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,8 @@ class ControlPanel:
             runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
         except ControlRefused as exc:
             # No "accepted" ack for a command we cannot trust: a forger replaying a
-            # real sync's id must not be able to drop a worker from that sync.
-            epoch = plan.get("epoch", -1) if isinstance(plan, dict) else -1
-            log.warning("weight sync epoch %s refused: %s", epoch, exc)
+            # real sync's round must not be able to drop a worker from that sync.
+            log.warning("weight sync round %s refused: %s", round_named(plan), exc)
             return {"ok": False, "node": runtime.node, "error": f"ControlRefused: {exc}"}
         return runtime.sync.accept(plan)
 

@@ -20,6 +20,9 @@ in ``weight_sync.sender``):
              arrived, finalize; an UpdateResult per rank
     commit   reset prefix cache, new version, resume, open intake → push "done" ack
 
+Log lines, acks and errors name the round by its one name (``SyncRound``,
+``plan.round``); a newer round (a later epoch) displaces the one in hand.
+
 Every wait has the plan's deadline (``WorkerTimeouts``); a failure is acked
 as a kind and a message (``SyncFailure``). A worker left out of a sync, or
 whose sync failed, is fenced (takes no tasks) until a later sync brings it
@@ -41,7 +44,13 @@ from typing import Any
 import redis
 
 from rollout_queue.tasks import keys
-from rollout_queue.tasks.errors import ManifestMismatch, RendezvousTimeout, RendezvousUnreachable, SyncRefused
+from rollout_queue.tasks.errors import (
+    ManifestMismatch,
+    RendezvousTimeout,
+    RendezvousUnreachable,
+    SyncRefused,
+    WeightSyncError,
+)
 from rollout_queue.weight_sync import wire
 from rollout_queue.weight_sync.protocol import (
     PROTOCOL_VERSION,
@@ -50,6 +59,7 @@ from rollout_queue.weight_sync.protocol import (
     SyncDecision,
     SyncFailure,
     SyncPlan,
+    SyncRound,
     UpdateRequest,
     UpdateResult,
 )
@@ -81,8 +91,8 @@ class SyncParticipant:
         # timeout (giving up is one more round trip), so each is waited for here
         # and, past its deadline, left to end when its connection does.
         self._decision_reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-decision")
-        self._current: Future[None] | None = None  # the last sync submitted, and its epoch
-        self._current_epoch = -1
+        self._current: Future[None] | None = None  # the last sync submitted, and its round
+        self._current_round: SyncRound | None = None
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
         self._shapes_loaded = False
@@ -107,23 +117,25 @@ class SyncParticipant:
         a sender asking for replies reads (an operator, the tests).
         """
         arrived = time.time()
-        epoch = int(raw_plan.get("epoch", -1)) if isinstance(raw_plan, dict) else -1
+        named = round_named(raw_plan)
         plan: SyncPlan | None = None
         try:
             plan = SyncPlan.model_validate(raw_plan)
             if plan.protocol != PROTOCOL_VERSION:
                 raise SyncRefused(f"protocol {plan.protocol}; this worker speaks {PROTOCOL_VERSION}")
             if self.node not in plan.members:
-                raise SyncRefused(f"{self.node} is not a member of sync epoch {plan.epoch}")
+                raise SyncRefused(f"{self.node} is not a member of sync round {plan.round}")
             plan.manifest = self._manifest(plan.manifest_digest)
             self._check_manifest(plan)
             with self._lock:
-                if self._current is not None and not self._current.done() and self._current_epoch >= plan.epoch:
-                    if self._current_epoch == plan.epoch:  # the trigger heard twice: its acks stand
-                        log.warning("weight sync epoch %d: trigger heard again, ignored", plan.epoch)
-                        return {"ok": False, "node": self.node, "error": f"already in sync epoch {plan.epoch}"}
-                    raise SyncRefused(f"{self.node} is already in sync epoch {self._current_epoch}")
-                # A newer epoch while an older one still runs: the trainer gave that one up (a
+                current = self._current_round
+                running = self._current is not None and not self._current.done()
+                if running and current is not None and current.epoch >= plan.round.epoch:
+                    if current == plan.round:  # the trigger heard twice: its acks stand
+                        log.warning("weight sync round %s: trigger heard again, ignored", plan.round)
+                        return {"ok": False, "node": self.node, "error": f"already in sync round {plan.round}"}
+                    raise SyncRefused(f"{self.node} is already in sync round {current}")
+                # A newer round while an older one still runs: the trainer gave that one up (a
                 # trigger heard late, a failed sync still acking). The older one ends soon, as
                 # a trainer that gives up a sync writes a decision that leaves the late worker
                 # out; this one runs after it (one sync thread), its "ready" ack inside the
@@ -133,9 +145,9 @@ class SyncParticipant:
                 # and this handler's own time.
                 timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
                 self._current = self._pool.submit(self.sync, plan, timing)
-                self._current_epoch = plan.epoch
+                self._current_round = plan.round
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
-            log.warning("weight sync epoch %s refused: %s", epoch, exc)
+            log.warning("weight sync round %s refused: %s", named, exc)
             failure = SyncFailure.of(exc)
             if plan is not None:
                 self._ack(plan, "accepted", False, error=failure)
@@ -198,7 +210,7 @@ class SyncParticipant:
             decision = self._await_decision(plan)
             if not decision.go or self.node not in decision.roster:
                 reason = decision.reason or "left out of the roster"
-                raise SyncRefused(f"trainer called off epoch {plan.epoch} for {self.node}: {reason}")
+                raise SyncRefused(f"trainer called off round {plan.round} for {self.node}: {reason}")
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
             stats = self._update_engine(plan, decision)
@@ -206,7 +218,7 @@ class SyncParticipant:
             for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
                 seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
             t = time.monotonic()
-            self.host.resume(plan.version, timeout=plan.timeouts.resume)
+            self.host.resume(plan.weight_version, timeout=plan.timeouts.resume)
             paused = False
             seconds["commit"] = time.monotonic() - t
             self.state.finish_update()  # a sleeping engine's KV cache stays asleep
@@ -214,11 +226,11 @@ class SyncParticipant:
             for observe in self.on_synced:
                 observe(time.monotonic() - t_start)
             self._ack(plan, "done", True, seconds=seconds)
-            log.info("weight sync epoch %d: now at version %d", plan.epoch, plan.version)
+            log.info("weight sync round %s: now at version %d", plan.round, plan.weight_version)
         except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
             failure = SyncFailure.of(exc)
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.error("weight sync epoch %d failed: %s", plan.epoch, self.last_error)
+            log.error("weight sync round %s failed: %s", plan.round, self.last_error)
             self._recover(changed, paused, plan)
             if not ready:  # the trainer waits for "ready" first: tell it there at once
                 self._ack(plan, "ready", False, error=failure, seconds=seconds)
@@ -249,12 +261,10 @@ class SyncParticipant:
             hint = (f"{plan.store_host} is this worker's own loopback, not the trainer's host"
                     if _is_loopback(plan.store_host)
                     else "check the address, routes and firewalls between the hosts")
-            raise RendezvousUnreachable(
-                f"{self.node} cannot reach the trainer's rendezvous store at {plan.store_host}:"
-                f"{plan.store_port} ({exc}): {hint}; set RQ_RENDEZVOUS_HOST on the trainer to an "
-                "address of the trainer that every worker host can reach",
-                phase="ready", workers=[self.node],
-            ) from exc
+            raise self._store_failure(
+                RendezvousUnreachable, plan, "cannot reach", f"{exc}",
+                f"{hint}; set RQ_RENDEZVOUS_HOST on the trainer to an address of the trainer that every worker "
+                "host can reach") from exc
 
     def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
         if changed:
@@ -269,9 +279,9 @@ class SyncParticipant:
                 log.exception("resume after a failed sync failed")
         if changed:
             self.state.fail_update(
-                Fence(FenceReason.HALF_LOADED, f"weights half-loaded by failed sync epoch {plan.epoch}"))
-        elif plan.version > self.host.weight_version:
-            self.state.fail_update(Fence(FenceReason.MISSED_SYNC, f"missed sync to version {plan.version}"))
+                Fence(FenceReason.HALF_LOADED, f"weights half-loaded by failed sync round {plan.round}"))
+        elif plan.weight_version > self.host.weight_version:
+            self.state.fail_update(Fence(FenceReason.MISSED_SYNC, f"missed sync to version {plan.weight_version}"))
         else:
             self.state.fail_update(None)
 
@@ -280,7 +290,7 @@ class SyncParticipant:
         waiting no longer than the plan's ``timeouts.decision`` (and a grace)."""
         from torch.distributed import DistError, DistNetworkError
 
-        key = keys.sync_decision(plan.sync_id)
+        key = keys.sync_decision(plan.round)
         waited = plan.timeouts.decision + DECISION_GRACE_S
         deadline = time.monotonic() + waited
 
@@ -299,12 +309,18 @@ class SyncParticipant:
             # A client that timed out may still get the late answer: never reuse it.
             self._store = None
             why = str(exc).strip()[:200] or "no answer in time"
-            raise RendezvousTimeout(
-                f"{self.node} got no decision for sync epoch {plan.epoch} from the trainer's store at "
-                f"{plan.store_host}:{plan.store_port} within {waited:.0f}s ({type(exc).__name__}: {why}): "
-                "the trainer is gone or cut off; resuming on the weights held",
-                phase="ready", workers=[self.node],
+            raise self._store_failure(
+                RendezvousTimeout, plan, f"got no decision for sync round {plan.round} within {waited:.0f}s from",
+                f"{type(exc).__name__}: {why}", "the trainer is gone or cut off; resuming on the weights held",
             ) from exc
+
+    def _store_failure(self, error: type[WeightSyncError], plan: SyncPlan, what: str, why: str,
+                       advice: str) -> WeightSyncError:
+        """This worker's failure with the trainer's rendezvous store before the
+        transfer (the "ready" phase): ``what`` it did not get from the store,
+        ``why``, and what to do."""
+        return error(f"{self.node} {what} the trainer's rendezvous store at {plan.store_host}:{plan.store_port} "
+                     f"({why}): {advice}", phase="ready", workers=[self.node])
 
     def _decision_store(self, plan: SyncPlan, deadline: float) -> Any:
         address = (plan.store_host, plan.store_port)
@@ -322,21 +338,25 @@ class SyncParticipant:
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: SyncFailure | None = None,
              seconds: dict[str, float] | None = None) -> None:
-        ack = SyncAck(node=self.node, epoch=plan.epoch, sync_id=plan.sync_id, version=plan.version,
-                      phase=phase,  # type: ignore[arg-type]
+        ack = SyncAck(node=self.node, round=plan.round, phase=phase,  # type: ignore[arg-type]
                       ok=ok, error=error, seconds=seconds or {})
-        name = keys.sync_acks(plan.sync_id, phase)
+        name = keys.sync_acks(plan.round, phase)
         try:
             pipe = self.client.pipeline(transaction=False)  # one round trip
             pipe.rpush(name, ack.model_dump_json())
             pipe.expire(name, 3600)
             pipe.execute()
         except redis.RedisError:
-            log.exception("could not push the %s ack of epoch %d", phase, plan.epoch)
+            log.exception("could not push the %s ack of round %s", phase, plan.round)
 
     def busy(self) -> bool:
         with self._lock:
             return self._current is not None and not self._current.done()
+
+
+def round_named(raw_plan: Any) -> str:
+    """The round an unchecked plan names, for a log line ("?" when it names none)."""
+    return str(raw_plan.get("round", "?")) if isinstance(raw_plan, dict) else "?"
 
 
 def _is_loopback(host: str) -> bool:

@@ -402,28 +402,26 @@ class Reaper:
         delivery = (payload.get("properties") or {}).get("delivery_info") or {}
         exchange, routing_key = delivery.get("exchange", ""), delivery.get("routing_key", "")
         counter = keys.redeliveries(task_id)
-        with client.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(processing, counter)
-                    if pipe.lpos(processing, item) is None:  # restored by another reaper
-                        pipe.unwatch()
-                        return "gone", task_id
-                    count = int(pipe.get(counter) or 0)
-                    if count >= self.max_redeliveries:
-                        pipe.unwatch()
-                        self._fail(task_id, count)
-                        client.lrem(processing, 1, item)
-                        return "failed", task_id
-                    pipe.multi()
-                    pipe.lrem(processing, 1, item)
-                    self._push(channel, pipe, payload, exchange, routing_key)
-                    pipe.incr(counter)
-                    pipe.expire(counter, self.counter_ttl_s)
-                    pipe.execute()
-                    return "restored", task_id
-                except redis.WatchError:
-                    continue
+        def attempt(pipe: Any) -> tuple[str, str]:
+            pipe.watch(processing, counter)
+            if pipe.lpos(processing, item) is None:  # restored by another reaper
+                pipe.unwatch()
+                return "gone", task_id
+            count = int(pipe.get(counter) or 0)
+            if count >= self.max_redeliveries:
+                pipe.unwatch()
+                self._fail(task_id, count)
+                client.lrem(processing, 1, item)
+                return "failed", task_id
+            pipe.multi()
+            pipe.lrem(processing, 1, item)
+            self._push(channel, pipe, payload, exchange, routing_key)
+            pipe.incr(counter)
+            pipe.expire(counter, self.counter_ttl_s)
+            pipe.execute()
+            return "restored", task_id
+
+        return _watched(client, attempt)
 
     def _restore_one(self, channel: Any, ledger: str, tag: str, count: bool = True) -> tuple[str, str]:
         """Move one message from ``unacked`` back to its queue, atomically.
@@ -431,78 +429,74 @@ class Reaper:
         ``count``: a redelivery (its holder died): counted, and failed for good
         past ``max_redeliveries``."""
         client = channel.client
-        with client.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(keys.KOMBU_UNACKED)
-                    raw = pipe.hget(keys.KOMBU_UNACKED, tag)
-                    if raw is None:  # acked, or already restored by another reaper
-                        pipe.multi()
-                        pipe.srem(ledger, tag)
-                        pipe.execute()
-                        return "gone", ""
-                    try:
-                        payload, exchange, routing_key = _unacked_entry(raw)
-                    except PoisonMessage as poison:
-                        pipe.unwatch()
-                        moved = dead_letter_unacked(
-                            client, tag, raw, ledger=ledger, queue=_queue_of_unacked(raw),
-                            node=keys.node_of_inflight_key(ledger), poison=poison)
-                        return ("dead-lettered" if moved else "gone"), poison.kind
-                    task_id = str((payload.get("headers") or {}).get("id") or tag)
-                    counter = keys.redeliveries(task_id)
-                    pipe.watch(counter)
-                    delivered = int(pipe.get(counter) or 0)
-                    if count and delivered >= self.max_redeliveries:
-                        pipe.unwatch()
-                        self._fail(task_id, delivered)
-                        self._drop(client, ledger, tag)
-                        return "failed", task_id
-                    holder = keys.node_of_inflight_key(ledger)
-                    pipe.multi()
-                    pipe.zrem(keys.KOMBU_UNACKED_INDEX, tag)
-                    pipe.hdel(keys.KOMBU_UNACKED, tag)
-                    self._push(channel, pipe, payload, exchange, routing_key)
-                    pipe.srem(ledger, tag)
-                    if holder != self.node:  # it may still run it, cut off: tell it (workers.queue.handed_on)
-                        pipe.sadd(keys.handed_on(holder), tag)
-                        pipe.expire(keys.handed_on(holder), self.counter_ttl_s)
-                    if count:
-                        pipe.incr(counter)
-                        pipe.expire(counter, self.counter_ttl_s)
-                    pipe.execute()
-                    return "restored", task_id
-                except redis.WatchError:
-                    continue
+        def attempt(pipe: Any) -> tuple[str, str]:
+            pipe.watch(keys.KOMBU_UNACKED)
+            raw = pipe.hget(keys.KOMBU_UNACKED, tag)
+            if raw is None:  # acked, or already restored by another reaper
+                pipe.multi()
+                pipe.srem(ledger, tag)
+                pipe.execute()
+                return "gone", ""
+            try:
+                payload, exchange, routing_key = _unacked_entry(raw)
+            except PoisonMessage as poison:
+                pipe.unwatch()
+                moved = dead_letter_unacked(
+                    client, tag, raw, ledger=ledger, queue=_queue_of_unacked(raw),
+                    node=keys.node_of_inflight_key(ledger), poison=poison)
+                return ("dead-lettered" if moved else "gone"), poison.kind
+            task_id = str((payload.get("headers") or {}).get("id") or tag)
+            counter = keys.redeliveries(task_id)
+            pipe.watch(counter)
+            delivered = int(pipe.get(counter) or 0)
+            if count and delivered >= self.max_redeliveries:
+                pipe.unwatch()
+                self._fail(task_id, delivered)
+                self._drop(client, ledger, tag)
+                return "failed", task_id
+            holder = keys.node_of_inflight_key(ledger)
+            pipe.multi()
+            pipe.zrem(keys.KOMBU_UNACKED_INDEX, tag)
+            pipe.hdel(keys.KOMBU_UNACKED, tag)
+            self._push(channel, pipe, payload, exchange, routing_key)
+            pipe.srem(ledger, tag)
+            if holder != self.node:  # it may still run it, cut off: tell it (workers.queue.handed_on)
+                pipe.sadd(keys.handed_on(holder), tag)
+                pipe.expire(keys.handed_on(holder), self.counter_ttl_s)
+            if count:
+                pipe.incr(counter)
+                pipe.expire(counter, self.counter_ttl_s)
+            pipe.execute()
+            return "restored", task_id
+
+        return _watched(client, attempt)
 
     @staticmethod
     def _reroute(channel: Any, queue: str) -> tuple[str, str]:
         """The oldest message of a dead worker's own queue → the shared queue it was routed
         past (its ``FALLBACK_QUEUE_HEADER``), atomically; not a redelivery: nobody ran it."""
-        with channel.client.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(queue)
-                    item = pipe.lindex(queue, -1)  # consumers pop from the right: the oldest
-                    if item is None:
-                        return "gone", ""
-                    try:
-                        payload = loads(bytes_to_str(item))
-                        headers = payload.get("headers") or {}
-                        fallback = str(headers.get(keys.FALLBACK_QUEUE_HEADER) or keys.GENERATE_QUEUE)
-                        task_id = str(headers.get("id") or "")
-                        payload.setdefault("properties", {}).setdefault("delivery_info", {}).update(
-                            exchange="", routing_key=fallback)
-                        target, moved = fallback, dumps(payload)
-                    except Exception:  # noqa: BLE001  unreadable: dead-lettered, not lost
-                        target, moved, task_id = keys.dead_letters(queue), item, "undecodable item"
-                    pipe.multi()
-                    pipe.rpop(queue)
-                    pipe.rpush(target, moved)  # the served end: it waited its turn already
-                    pipe.execute()
-                    return ("restored" if target != keys.dead_letters(queue) else "dead-lettered"), task_id
-                except redis.WatchError:
-                    continue
+        def attempt(pipe: Any) -> tuple[str, str]:
+            pipe.watch(queue)
+            item = pipe.lindex(queue, -1)  # consumers pop from the right: the oldest
+            if item is None:
+                return "gone", ""
+            try:
+                payload = loads(bytes_to_str(item))
+                headers = payload.get("headers") or {}
+                fallback = str(headers.get(keys.FALLBACK_QUEUE_HEADER) or keys.GENERATE_QUEUE)
+                task_id = str(headers.get("id") or "")
+                payload.setdefault("properties", {}).setdefault("delivery_info", {}).update(
+                    exchange="", routing_key=fallback)
+                target, moved = fallback, dumps(payload)
+            except Exception:  # noqa: BLE001  unreadable: dead-lettered, not lost
+                target, moved, task_id = keys.dead_letters(queue), item, "undecodable item"
+            pipe.multi()
+            pipe.rpop(queue)
+            pipe.rpush(target, moved)  # the served end: it waited its turn already
+            pipe.execute()
+            return ("restored" if target != keys.dead_letters(queue) else "dead-lettered"), task_id
+
+        return _watched(channel.client, attempt)
 
     @staticmethod
     def _push(channel: Any, pipe: Any, payload: dict[str, Any], exchange: str, routing_key: str) -> None:
@@ -538,6 +532,18 @@ class Reaper:
             pipe.hdel(keys.KOMBU_UNACKED, tag)
             pipe.srem(ledger, tag)
             pipe.execute()
+
+
+def _watched(client: redis.Redis, attempt: Callable[[Any], tuple[str, str]]) -> tuple[str, str]:
+    """``attempt(pipe)``, once more each time a key it watched changed before its
+    transaction ran (Redis's optimistic lock: WATCH, read, MULTI, write, EXEC);
+    its answer."""
+    with client.pipeline() as pipe:
+        while True:
+            try:
+                return attempt(pipe)
+            except redis.WatchError:
+                continue
 
 
 def _unacked_entry(raw: bytes | str) -> tuple[dict[str, Any], str, str]:
