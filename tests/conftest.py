@@ -24,8 +24,23 @@ from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 
 
+# vLLM's own switch: each vLLM engine the suite starts (workers, benches, the
+# offline references) keeps its model in the engine-core process instead of a
+# third one. On CPU vLLM otherwise spawns a model process under the engine
+# core (its ``mp`` executor: the CPU platform forces it), and every spawned
+# process imports torch and vLLM afresh, a third of an engine's start here.
+# An ``AsyncLLM`` (the worker's engine) still runs its engine core in a child
+# process, so the worker's process layout, its engine-core ties and its
+# kill tests are the production ones less the model process; an offline
+# ``LLM`` runs in its own process. Production workers keep vLLM's default; a
+# test that needs it (the GPU workers) sets the variable back to 1.
+ENGINE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     install_guard()  # an interrupted run leaves no worker or Redis behind
+    for name, value in ENGINE_PROCESS_ENV.items():
+        os.environ.setdefault(name, value)  # inherited by every process a test starts
 
 
 # Workers and this process's producer share it: control commands are signed.

@@ -41,6 +41,9 @@ pytestmark = pytest.mark.gpu
 # NCCL refuses two ranks of one communicator on one GPU: each load mode gets
 # its own pool (one worker on GPU 0, trainer on GPU 1) and its own sync.
 MODES = ("direct", "layerwise")
+# The GPU workers run vLLM's default process layout (tests.conftest.ENGINE_PROCESS_ENV
+# trims it for the CPU suite's start-up time).
+GPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # Token-id prompts: transformers 5 rebuilds a qwen2 model's WordLevel tokenizer
 # with a byte-level pre-tokenizer, so text would not round-trip; ids always do.
 PROMPTS = [[(i * 37 + j * 11) % 31000 + 1 for j in range(24)] for i in range(8)]
@@ -75,7 +78,7 @@ def gpu_workers(start_worker: WorkerStarter, redis_client: Any) -> dict[str, str
                    "--max-model-len", "2048", "--weight-load-mode", mode,
                    # the receiver with the calls the checks below read (weight_checksum, last_receive)
                    "--worker-extension-cls", BENCH_EXTENSION],
-            env={"CUDA_VISIBLE_DEVICES": "0"},
+            env={"CUDA_VISIBLE_DEVICES": "0", **GPU_ENGINE_ENV},
         )
         names[mode] = name
     return names
@@ -218,7 +221,7 @@ def lone_gpu_worker(start_worker: WorkerStarter, name: str) -> Proc:
         qwen(1), name, queue=LOST_QUEUE, pool=LOST_QUEUE, timeout=600,
         extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15",
                "--max-model-len", "4096", "--engine-answer-s", "20"],
-        env={"CUDA_VISIBLE_DEVICES": "0"},
+        env={"CUDA_VISIBLE_DEVICES": "0", **GPU_ENGINE_ENV},
     )
 
 
@@ -275,7 +278,7 @@ def gpu_worker(start_worker: WorkerStarter, model: Path, name: str, queue: str, 
         model, name, queue=queue, pool=queue, timeout=600,
         extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
                "--max-model-len", "2048", *extra],
-        env={"CUDA_VISIBLE_DEVICES": "0"},
+        env={"CUDA_VISIBLE_DEVICES": "0", **GPU_ENGINE_ENV},
     )
 
 
