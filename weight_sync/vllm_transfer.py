@@ -33,6 +33,7 @@ Every update takes the fleet's version one further (several
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -50,6 +51,8 @@ from rollout_queue.weight_sync.protocol import HandoffName, Manifest, SyncReport
 from rollout_queue.weight_sync.sender import WeightSender
 from rollout_queue.weight_sync.settings import SyncSettings
 from rollout_queue.weight_sync.transports.trainer_group import DEFAULT_PACKED_BUFFER_BYTES, packed_manifest
+
+log = logging.getLogger(__name__)
 
 TRANSPORT = "vllm"
 # In-flight requests freeze and continue on the new weights, as in a vLLM
@@ -212,7 +215,10 @@ class FleetWeightTransfer:
                 "master_port": init.master_port, "world_size": init.world_size, "offsets": offsets,
                 "packed_buffer_size_bytes": init.packed_buffer_size_bytes, "timeout_s": JOIN_TIMEOUT_S,
             }
+            started = time.monotonic()
             control.engine_command("transfer_join", args, workers=list(offsets), timeout=JOIN_TIMEOUT_S + 30.0)
+            log.info("trainer's group %s at %s:%s joined in %.2fs: %s", group.group_id, init.master_address,
+                     init.master_port, time.monotonic() - started, offsets)
             self.group = group
             self.rounds = TrainerGroupRounds(self.settings, group)
             return {"message": "Weight transfer initialized", "group": group.group_id, "ranks": offsets}
@@ -244,6 +250,10 @@ class FleetWeightTransfer:
             timeout = self.settings.timeouts.ready + self.settings.timeouts.transfer + self.settings.timeouts.commit
             report, fenced = self.rounds.round(manifest, group.version, timeout)
             group.fenced = fenced
+        log.info("update to version %d: %d tensors, %d bytes in %.2fs (%s); committed %s%s", report.version,
+                 report.tensors, report.bytes, report.seconds,
+                 ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in report.phases.items()),
+                 ", ".join(report.workers) or "none", f"; fenced {fenced}" if fenced else "")
         if not report.workers:
             raise WeightSyncError(
                 f"no worker took the update to version {group.version}: "
