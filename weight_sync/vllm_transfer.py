@@ -227,9 +227,10 @@ class FleetWeightTransfer:
         """Open an update: it will commit the fleet's version + 1."""
         with self._lock:
             group = self._joined("/start_weight_update")
-            if group.version is None:
-                assert self.rounds is not None
-                group.version = fleet_version(self.rounds.client, group.pool) + 1
+            assert self.rounds is not None
+            # Read again even if an update is open (its finish never came: the trainer
+            # gave it up): its version may have been committed by some workers.
+            group.version = fleet_version(self.rounds.client, group.pool) + 1
             return {"message": "Weight update started", "weight_version": group.version}
 
     def update(self, update: TransferUpdate) -> dict[str, Any]:
