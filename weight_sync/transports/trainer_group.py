@@ -199,15 +199,16 @@ class TrainerGroupReceiver(TransportReceiver):
         self.leave()
         timeout_s = float(init.get("timeout_s", 120.0))
         try:
-            self.stateless = StatelessProcessGroup.create(
-                host=init["master_address"], port=int(init["master_port"]), rank=rank,
-                world_size=int(init["world_size"]), store_timeout=int(timeout_s),
-            )
-            if device.type == "cuda":
-                from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            if device.type == "cuda":  # exactly as vLLM's NCCL engine joins (nccl_common)
+                from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
 
-                self.communicator = PyNcclCommunicator(self.stateless, device=device)
+                self.communicator = stateless_init_process_group(
+                    init["master_address"], int(init["master_port"]), rank, int(init["world_size"]), device)
             else:
+                self.stateless = StatelessProcessGroup.create(
+                    host=init["master_address"], port=int(init["master_port"]), rank=rank,
+                    world_size=int(init["world_size"]), store_timeout=int(timeout_s),
+                )
                 self.communicator = gloo_over_stateless(self.stateless, timeout_s)
         except Exception as exc:
             self.leave()
