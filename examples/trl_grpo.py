@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 SECRET = "trl-grpo-example-secret"
+# As `trl vllm-serve` starts vLLM: the logprobs TRL's importance sampling expects.
+TRL_SERVE_FLAGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
 
 
 def free_port() -> int:
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         url = stack.ensure_redis(args.redis_url)
         env = {"RQ_WEIGHT_SYNC_SECRET": SECRET}
         for index in range(args.workers):
-            stack.start_worker(WorkerSpec(model=model, extra=["--enforce-eager"], env=env), index=index)
+            spec = WorkerSpec(model=model, extra=["--enforce-eager", *TRL_SERVE_FLAGS], env=env)
+            stack.start_worker(spec, index=index)
         port = free_port()
         gateway = LocalProcess("gateway", [sys.executable, "-m", "rollout_queue.cli", "api"],
                                args.log_dir / "gateway.log",

@@ -250,6 +250,12 @@ class FleetWeightTransfer:
             assert self.rounds is not None
             timeout = self.settings.timeouts.ready + self.settings.timeouts.transfer + self.settings.timeouts.commit
             report, fenced = self.rounds.round(manifest, group.version, timeout)
+            # Live workers that joined the queue after the group formed: the trainer's
+            # broadcast cannot reach them; fenced by the fleet's version until a new init.
+            for worker in self.workers():
+                if worker.node not in group.offsets and worker.state != "stopping":
+                    fenced.setdefault(worker.node, "not in the trainer's group (started since its init): "
+                                                   "it joins at the next /init_weight_transfer_engine")
             group.fenced = fenced
         log.info("update to version %d: %d tensors, %d bytes in %.2fs (%s); committed %s%s", report.version,
                  report.tensors, report.bytes, report.seconds,
