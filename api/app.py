@@ -66,9 +66,11 @@ from rollout_queue.tasks.errors import (
 )
 from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.registry import connect, live_workers
-from rollout_queue.tasks.schemas import PromptKind, SamplingParams
+from rollout_queue.tasks.schemas import PromptKind, SamplingParams, WorkerInfo
 from rollout_queue.tasks.settings import ClientSettings
 from rollout_queue.tasks.streaming import STREAM_HEADER
+from rollout_queue.weight_sync.settings import SyncSettings
+from rollout_queue.weight_sync.vllm_transfer import FleetWeightTransfer
 
 T = TypeVar("T")
 
@@ -118,6 +120,10 @@ class Gateway:
         self.limits = LimitsReader(self._live_workers, settings.queue, None, settings.limits_refresh_s)
         self._redis: aioredis.Redis | None = None  # abort sets
         self.sessions = Sessions(client.redis_url.get_secret_value(), settings.queue)
+        # vLLM's weight-transfer routes (api.vllm_server); RQ_RENDEZVOUS_HOST: where
+        # the workers reach this gateway's store for a round's decision.
+        self.weight_transfer = FleetWeightTransfer(
+            SyncSettings(weight_sync_secret=client.weight_sync_secret), self._queue_workers)
 
     def send(
         self, prompts: list[Any], params: SamplingParams, task_id: str, expires_s: float,
@@ -168,6 +174,9 @@ class Gateway:
 
     def _live_workers(self) -> list[Any]:
         return live_workers(self._registry)
+
+    def _queue_workers(self) -> list[WorkerInfo]:
+        return [w for w in live_workers(self._registry) if self.settings.queue in w.queues]
 
     async def admit(
         self, body: BaseModel, kind: PromptKind, prompts: list[Any], params: SamplingParams
@@ -344,7 +353,7 @@ def create_app(settings: ApiSettings, client: ClientSettings | None = None) -> F
             gateway.check_model(body.model)
         return await asyncio.to_thread(token_routes.detokenize, gateway.namer.tokenizer, body)
 
-    app.include_router(vllm_server_routes(gateway, auth))
+    app.include_router(vllm_server_routes(gateway, auth, gateway.weight_transfer))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

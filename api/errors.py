@@ -4,8 +4,9 @@ Every error the gateway answers with is ``{"error": {"message", "type",
 "param", "code"}}`` with the status an OpenAI client expects: 400 for a
 request it cannot serve, 401 without the right token, 404 for another
 model, 409 when a control command finds no worker or is refused, 413 past
-a size limit, 429 (or 503) when saturated, 501 for vLLM routes the fleet
-does not serve (``api.vllm_server``), 503 without Redis, 504 on timeout;
+a size limit, 429 (or 503) when saturated, 503 without Redis, 504 on
+timeout (vLLM's weight-transfer routes answer 400 or 409 only, mapped in
+``api.vllm_server``: TRL retries 5xx mid-transfer);
 499 (nginx's "client closed request") is only counted, its client is gone.
 The error classes live in ``tasks.errors``; only the mapping is here.
 """

@@ -640,11 +640,13 @@ def test_transports_are_found_by_name_and_an_unknown_name_lists_the_known_ones()
     from rollout_queue.weight_sync import transports
     from rollout_queue.weight_sync.transports.groups import GroupReceiver, GroupSender
     from rollout_queue.weight_sync.transports.shm import ShmReceiver, ShmSender
+    from rollout_queue.weight_sync.transports.trainer_group import TrainerGroupReceiver
 
-    assert transports.names() == ["cuda_ipc", "gloo", "nccl", "shm"]
+    assert transports.names() == ["cuda_ipc", "gloo", "nccl", "shm", "vllm"]
     assert transports.sender_class("nccl") is GroupSender and transports.receiver_class("gloo") is GroupReceiver
     assert transports.sender_class("shm") is ShmSender and transports.receiver_class("shm") is ShmReceiver
-    with pytest.raises(ValueError, match="cuda_ipc, gloo, nccl, shm"):
+    assert transports.receiver_class("vllm") is TrainerGroupReceiver
+    with pytest.raises(ValueError, match="cuda_ipc, gloo, nccl, shm, vllm"):
         transports.sender_class("rdma")
 
 

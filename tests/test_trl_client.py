@@ -30,6 +30,12 @@ from rollout_queue.api.tokens import TokenNamer
 from rollout_queue.api.translate import _vllm_prompt_logprobs, chat_prompts, completion_params
 from rollout_queue.tasks.errors import BadRequest
 from rollout_queue.tasks.schemas import PromptOutput, SamplingParams
+from rollout_queue.weight_sync.transports.trainer_group import (
+    TrainerGroupReceiver,
+    gloo_packed_broadcast,
+    gloo_trainer_init,
+    packed_manifest,
+)
 from tests.conftest import CONTROL_SECRET, WorkerStarter, worker_registered
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway, wait_for_metric
@@ -213,16 +219,20 @@ def test_server_info_world_size_and_prefix_cache_reset_answer_as_vllm(trl_client
     trl_client.reset_prefix_cache()  # raises unless every worker answered {"success": ...} with 200
 
 
-def test_weight_transfer_is_refused_by_name_never_with_a_status_trl_retries(
+def test_weight_transfer_out_of_turn_or_for_another_world_answers_409_never_a_status_trl_retries(
     trl_client: VLLMClient, trl_gateway: Gateway,
 ) -> None:
-    with pytest.raises(RuntimeError, match="no weight-transfer engine"):
-        trl_client.init_communicator(device="cpu")
-    for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                  "/finish_weight_update"):
-        response = httpx.post(f"{trl_gateway.base}{route}", json={}, timeout=30)
-        assert response.status_code == 501, route
-        assert "tasks.sync_weights" in response.json()["error"]["message"]
+    assert trl_client.get_server_info()["weight_transfer_config"] == {"backend": "nccl"}
+    base = trl_gateway.base
+    for route in ("/start_weight_update", "/finish_weight_update"):
+        response = httpx.post(f"{base}{route}", json={}, timeout=30)
+        assert response.status_code == 409, (route, response.text)
+        assert "/init_weight_transfer_engine first" in response.json()["error"]["message"]
+    wrong_world = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 7, "packed": True}
+    response = httpx.post(f"{base}/init_weight_transfer_engine", json={"init_info": wrong_world}, timeout=30)
+    assert response.status_code == 409 and "world_size 7" in response.json()["error"]["message"]
+    response = httpx.post(f"{base}/update_weights", json={"update_info": {"names": ["x"]}}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "dtype_names"
 
 
 # ------------------------------------------------------------- one request, the whole fleet
@@ -278,3 +288,161 @@ def test_a_saturated_gateway_answers_503_with_retry_after_which_trls_client_retr
     retry = VLLMClient(base_url=base).session.get_adapter(base).max_retries
     assert retry.is_retry("POST", 503, has_retry_after=True) and retry.is_retry("POST", 503)
     assert retry.is_retry("POST", 429, has_retry_after=True) and not retry.is_retry("POST", 429)
+
+
+# ------------------------------------------------------------- weights from TRL's trainer
+#
+# TRL's weight path is CUDA-only (vLLM's NCCL communicator); on CPU the test
+# swaps exactly TRL's two transport functions for their gloo twins
+# (weight_sync.transports.trainer_group) and drives the gateway with the
+# otherwise unchanged client. The reference is model B itself, in transformers
+# (float32): a fresh vLLM engine on B costs another 20-40 s engine start.
+
+WEIGHT_PROMPTS = TOKEN_PROMPTS[:6]  # spread over both workers (RQ_API_SPREAD_MIN_PROMPTS=2)
+
+
+def test_vllms_packed_layout_is_cut_where_vllms_pack_tensors_cuts_it() -> None:
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    tensors = [("a", torch.randn(10, 3)), ("b", torch.randn(7).half()), ("c", torch.randn(100)),
+               ("d", torch.randn(3, 3).bfloat16()), ("e", torch.randn(50))]
+    chunks = []
+    source = iter(tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "c" alone passes the 300-byte buffer
+        while (chunk := pack_tensors(source, lambda item: item[1], 300)) is not None:
+            chunks.append(chunk)
+    manifest = packed_manifest([n for n, _ in tensors], [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                               [list(t.shape) for _, t in tensors], 300)
+    assert manifest.bucket_sizes == [chunk.packed_tensor.numel() for chunk in chunks]
+    assert [[s.name for s in manifest.tensors if s.bucket == k] for k in range(len(chunks))] == \
+        [chunk.names for chunk in chunks]
+    with pytest.raises(ValueError, match="'x' has dtype 'complex64'"):
+        packed_manifest(["x"], ["complex64"], [[2]], 300)
+
+
+def test_a_chunk_is_loaded_converted_to_the_engines_dtype_also_where_a_tensor_sits_unaligned() -> None:
+    import torch
+
+    from rollout_queue.weight_sync import wire
+
+    sent = {"h": torch.randn(3).half(), "f": torch.randn(2, 2), "i": torch.arange(3, dtype=torch.int64)}
+    manifest = packed_manifest(list(sent), [str(t.dtype).removeprefix("torch.") for t in sent.values()],
+                               [list(t.shape) for t in sent.values()], 1 << 20)
+    chunk = torch.cat([wire.flat_bytes(t) for t in sent.values()])
+    loaded: dict[str, torch.Tensor] = {}
+
+    class Sink:
+        def load(self, buffer: Any, specs: Any, offsets: Any) -> None:
+            loaded.update((name, view.clone()) for name, view in wire.bucket_views(buffer, specs, offsets))
+
+    receiver = TrainerGroupReceiver("vllm")
+    receiver.engine_dtype = torch.float32
+    receiver._load(Sink(), chunk, manifest.tensors)  # type: ignore[arg-type]
+    assert manifest.tensors[1].offset % 4 != 0  # "f" follows 6 bytes of "h"
+    assert loaded["h"].dtype == torch.float32 and torch.equal(loaded["h"], sent["h"].float())
+    assert torch.equal(loaded["f"], sent["f"]) and torch.equal(loaded["i"], sent["i"])
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_a: Path, model_b: Path) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    return {name: AutoModelForCausalLM.from_pretrained(str(path), torch_dtype="float32").eval()
+            for name, path in (("A", model_a), ("B", model_b))}
+
+
+def reference_logprobs(model: Any, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob after the ones before it (all but the first)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            logits = model(torch.tensor([ids])).logits[0].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.append([float(logprobs[i, ids[i + 1]]) for i in range(len(ids) - 1)])
+    return out
+
+
+def fleet_logprobs(gateway: Gateway, prompts: list[list[int]]) -> tuple[list[list[float]], set[str]]:
+    """The fleet's prompt logprobs, and the workers that served them."""
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    response = httpx.post(f"{gateway.base}/v1/completions", json=body, timeout=RESULT_TIMEOUT)
+    assert response.status_code == 200, response.text
+    served = response.json()
+    logprobs = [[entry[str(token)]["logprob"] for entry, token in zip(choice["prompt_logprobs"][1:], ids[1:])]
+                for choice, ids in zip(served["choices"], prompts)]
+    return logprobs, set(served["rollout"]["worker"].split(","))
+
+
+def assert_close(got: list[list[float]], want: list[list[float]]) -> None:
+    for row_got, row_want in zip(got, want, strict=True):
+        assert row_got == pytest.approx(row_want, rel=5e-4, abs=2e-3)  # float32, vLLM vs transformers
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_trls_client_pushes_a_whole_model_into_both_workers_and_a_bad_update_changes_nothing(
+    trl_gateway: Gateway, trl_workers: list[Proc], hf_models: dict[str, Any], redis_client: redis_lib.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import copy
+
+    import torch
+    import trl.generation.vllm_client as trl_module
+
+    from rollout_queue.tasks.registry import fleet_version, live_workers
+
+    refs = {name: reference_logprobs(model, WEIGHT_PROMPTS) for name, model in hf_models.items()}
+    assert abs(refs["A"][0][0] - refs["B"][0][0]) > 0.05, "models A and B must differ for the test to mean anything"
+    before, _ = fleet_logprobs(trl_gateway, WEIGHT_PROMPTS)
+    assert_close(before, refs["A"])
+    version = fleet_version(redis_client, "trl")
+
+    monkeypatch.setattr(trl_module, "open_trainer_endpoint", gloo_trainer_init)
+    monkeypatch.setattr(trl_module, "packed_nccl_broadcast_producer", gloo_packed_broadcast)
+    client = VLLMClient(base_url=trl_gateway.base, group_port=free_port(), connection_timeout=30)
+    client.init_communicator(device="cuda")  # a device TRL accepts; nothing touches CUDA after the swap
+    try:
+        client.update_model_params(hf_models["B"])
+        after, served_by = fleet_logprobs(trl_gateway, WEIGHT_PROMPTS)
+        assert served_by == set(WORKERS)
+        assert_close(after, refs["B"])
+        assert fleet_version(redis_client, "trl") == version + 1
+        assert {w.node: w.weight_version for w in live_workers(redis_client, "trl")} == \
+            {node: version + 1 for node in WORKERS}
+
+        # The trainer's bfloat16 weights into the float32 engines: converted, not refused.
+        halved = copy.deepcopy(hf_models["B"]).to(torch.bfloat16)
+        client.update_model_params(halved)
+        rounded = reference_logprobs(halved.float(), WEIGHT_PROMPTS)
+        assert_close(fleet_logprobs(trl_gateway, WEIGHT_PROMPTS)[0], rounded)
+        version += 1
+        assert fleet_version(redis_client, "trl") == version + 1
+
+        # A tensor the model lacks, and one of the wrong shape: refused before any weight changes.
+        base = trl_gateway.base
+        assert httpx.post(f"{base}/start_weight_update", json={}, timeout=30).status_code == 200
+        for name, shape in (("model.layers.0.mlp.not_a_tensor.weight", [4]),
+                            ("model.layers.0.mlp.down_proj.weight", [3, 3])):
+            info = {"names": [name], "dtype_names": ["float32"], "shapes": [shape]}
+            refused = httpx.post(f"{base}/update_weights", json={"update_info": info}, timeout=60)
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["code"] == "manifest_mismatch"
+            assert name in refused.json()["error"]["message"]
+        assert httpx.post(f"{base}/finish_weight_update", json={}, timeout=30).status_code == 200
+        still, _ = fleet_logprobs(trl_gateway, WEIGHT_PROMPTS)
+        assert_close(still, rounded)
+        assert fleet_version(redis_client, "trl") == version + 1
+    finally:
+        client.close_communicator()
+        shut = httpx.post(f"{trl_gateway.base}/shutdown_weight_transfer_engine", json={}, timeout=60)
+    assert shut.status_code == 200 and sorted(shut.json()["workers"]) == sorted(WORKERS)

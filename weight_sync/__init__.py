@@ -16,10 +16,13 @@ What lives here, one concept a module:
     bench_receiver  the receiver plus the calls only benchmarks and tests make
 
     sync_weights    the trainer's face: ``broadcast``, ``catch_up``, ``status``
+    vllm_transfer   the fleet as one vLLM weight-transfer engine (the gateway's
+                    routes for a trainer written for ``vllm serve``, TRL's)
     settings        the trainer's ``SyncSettings`` and ``SyncTimeouts``
     transports      how the bytes travel, one module per transport, by name:
                     gloo and nccl (a process group), shm and cuda_ipc (a
-                    handoff to a colocated worker)
+                    handoff to a colocated worker), vllm (the group a vLLM-server
+                    trainer makes itself)
 
 The worker host's part (acks, pause, the engine call, commit) is
 ``workers.node.sync``.

@@ -159,7 +159,9 @@ class SyncPlan(_Message):
     members: dict[str, int]
     # The group transport (``weight_sync.transports``), for every member not
     # named in ``handoffs``; those get the weights handed over in place.
-    backend: Literal["gloo", "nccl"]
+    # "vllm": the trainer's own group, joined at /init_weight_transfer_engine
+    # (``transports.trainer_group``); the trainer broadcasts, not the coordinator.
+    backend: Literal["gloo", "nccl", "vllm"]
     handoffs: dict[str, HandoffName] = {}
     # The manifest travels once per layout, not in every trigger (a 7B model's is
     # ~50 KB of JSON: ~2 ms to publish and as much to read): the plan names it

@@ -298,6 +298,22 @@ class WeightReceiver:
     def rq_update(self, request: dict[str, Any]) -> dict[str, Any]:
         return self._receiver().update(request)
 
+    def rq_transfer_join(self, init: dict[str, Any]) -> int:
+        """Join the trainer's own group (vLLM's weight-transfer init, ``transports.trainer_group``)
+        as rank ``init["rank_offset"]`` + this rank; returns that rank."""
+        receiver = self._receiver()
+        end = receiver.end("vllm")
+        rank = int(init["rank_offset"]) + int(getattr(self, "rank", 0))
+        return end.join(init, rank, receiver.device(), self.model_config.dtype)  # type: ignore[attr-defined, no-any-return]
+
+    def rq_transfer_leave(self) -> bool:
+        """Leave the trainer's group; False when this rank was in none."""
+        end = self._receiver().transports.get("vllm")
+        joined = end is not None and end.group_round is not None  # type: ignore[attr-defined]
+        if end is not None:
+            end.leave()  # type: ignore[attr-defined]
+        return joined
+
     def rq_begin_update(self, request: UpdateRequest) -> int:
         return self._receiver().begin_update(request)
 

@@ -5,6 +5,9 @@
     nccl       group     any worker, CUDA (an NCCL process group)  groups
     shm        handoff   a colocated CPU worker on this host       shm
     cuda_ipc   handoff   a colocated worker on the trainer's GPU   cuda_ipc
+    vllm       group     the trainer's own group (vLLM's           trainer_group
+                         StatelessProcessGroup: TRL's client), joined
+                         at /init_weight_transfer_engine
 
 A *group* transport broadcasts the buckets over a process group of the
 trainer and every worker that gets it; a *handoff* transport packs each
@@ -34,6 +37,9 @@ _REGISTRY: dict[str, tuple[str, str, str]] = {}
 
 GROUP_TRANSPORTS = ("gloo", "nccl")
 HANDOFF_TRANSPORTS = ("shm", "cuda_ipc")
+# Transports whose engine end converts a tensor of another dtype to the engine's
+# (the trainer announces its own dtypes), so the worker does not refuse it.
+CONVERTING_TRANSPORTS = ("vllm",)
 
 
 def register(name: str, module: str, sender: str, receiver: str) -> None:
@@ -70,5 +76,9 @@ register("gloo", f"{_HERE}.groups", "GroupSender", "GroupReceiver")
 register("nccl", f"{_HERE}.groups", "GroupSender", "GroupReceiver")
 register("shm", f"{_HERE}.shm", "ShmSender", "ShmReceiver")
 register("cuda_ipc", f"{_HERE}.cuda_ipc", "CudaIpcSender", "CudaIpcReceiver")
+register("vllm", f"{_HERE}.trainer_group", "TrainerGroupSender", "TrainerGroupReceiver")
 
-__all__ = ["GROUP_TRANSPORTS", "HANDOFF_TRANSPORTS", "names", "receiver_class", "register", "sender_class"]
+__all__ = [
+    "CONVERTING_TRANSPORTS", "GROUP_TRANSPORTS", "HANDOFF_TRANSPORTS", "names", "receiver_class", "register",
+    "sender_class",
+]

@@ -102,6 +102,18 @@ def _wake_up(runtime: WorkerRuntime, args: dict[str, Any]) -> bool:
     return True
 
 
+def _transfer_join(runtime: WorkerRuntime, args: dict[str, Any]) -> list[int]:
+    """Join the trainer's own group (vLLM's weight transfer, ``weight_sync.vllm_transfer``):
+    ``args["offsets"]`` hands each node its first rank. Answers the ranks joined."""
+    offsets = args.get("offsets", {})
+    if runtime.node not in offsets:
+        raise ValueError(f"{runtime.node} was handed no rank in the trainer's group")
+    init = {key: value for key, value in args.items() if key != "offsets"}
+    init["rank_offset"] = int(offsets[runtime.node])
+    timeout = float(args.get("timeout_s", 120.0)) + 10.0  # the join's own deadline comes first
+    return [int(rank) for rank in runtime.host.collective_rpc("rq_transfer_join", timeout, init)]
+
+
 # The rq_engine ops: name -> what it does on the worker's runtime.
 ENGINE_OPS: dict[str, EngineOp] = {
     "info": lambda runtime, args: runtime.info().model_dump(mode="json"),
@@ -116,6 +128,8 @@ ENGINE_OPS: dict[str, EngineOp] = {
     "resume": _resume,
     "sleep": _sleep,
     "wake_up": _wake_up,
+    "transfer_join": _transfer_join,
+    "transfer_leave": lambda runtime, args: any(runtime.host.collective_rpc("rq_transfer_leave", 30.0)),
 }
 
 

@@ -51,7 +51,7 @@ from rollout_queue.tasks.errors import (
     SyncRefused,
     WeightSyncError,
 )
-from rollout_queue.weight_sync import wire
+from rollout_queue.weight_sync import transports, wire
 from rollout_queue.weight_sync.protocol import (
     PROTOCOL_VERSION,
     Manifest,
@@ -174,7 +174,7 @@ class SyncParticipant:
         problems: list[str] = []
         assert plan.manifest is not None
         for spec in plan.manifest.tensors:
-            if spec.dtype != self.host.dtype:
+            if spec.dtype != self.host.dtype and plan.backend not in transports.CONVERTING_TRANSPORTS:
                 problems.append(f"{spec.name}: dtype {spec.dtype}, engine runs {self.host.dtype}")
             if self._shapes is not None:
                 shape = self._shapes.get(spec.name)
