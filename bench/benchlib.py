@@ -4,7 +4,8 @@ Every benchmark compares the queue against vLLM's offline ``LLM`` built from
 the same ``EngineSettings`` (``cli.offline``), in the same run, with both
 engines loaded side by side and the legs alternated, so a noisy machine
 slows both alike. Each prints exactly one JSON line on stdout; logs go to
-stderr (vLLM's included) and to ``.run/bench/``.
+stderr (vLLM's included) and to ``.run/bench/`` (a folder each for the benches
+that start workers of their own, so that two can run side by side).
 
 A bench process never runs torch on the CPU itself: on CUDA, vLLM *forks*
 its EngineCore from it, and a fork of a process whose OpenMP pool has started

@@ -105,7 +105,7 @@ def main() -> None:
 
     client_settings = ClientSettings()
     url = args.redis_url or client_settings.redis_url.get_secret_value()
-    with LocalStack(benchlib.ROOT / ".run" / "bench", prefix="resume") as stack:
+    with LocalStack(benchlib.ROOT / ".run" / "bench" / "resume", prefix="resume") as stack:
         stack.ensure_redis(url)
         configure(client_settings.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         client = stack.client()

@@ -96,7 +96,7 @@ def main() -> None:
 
     client = ClientSettings()
     url = args.redis_url or client.redis_url.get_secret_value()
-    with LocalStack(benchlib.ROOT / ".run" / "bench", prefix="scaling") as stack:
+    with LocalStack(benchlib.ROOT / ".run" / "bench" / "scaling", prefix="scaling") as stack:
         stack.ensure_redis(url)
         configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         stack.start_worker(spec(0), index=0, timeout=900)

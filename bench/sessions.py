@@ -107,7 +107,7 @@ def main() -> None:
     client = ClientSettings()
     url = args.redis_url or client.redis_url.get_secret_value()
     results: dict[str, list[dict[str, Any]]] = {"sticky": [], "shared": []}
-    with LocalStack(benchlib.ROOT / ".run" / "bench", prefix="sessions") as stack:
+    with LocalStack(benchlib.ROOT / ".run" / "bench" / "sessions", prefix="sessions") as stack:
         stack.ensure_redis(url)
         configure(client.model_copy(update={"redis_url": SecretStr(stack.redis_url)}))
         for index in (0, 1):

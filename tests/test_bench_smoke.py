@@ -6,12 +6,21 @@ session's ``gen_worker`` (the bench's default model is its model:
 ``RQ_BENCH_QUEUE``); those that start workers of their own (two for scaling
 and sessions, a killed one for resume, a dummy-weight one for the weight
 transfer) or none do so at their smallest.
+
+They run two at a time (``LANES``), longest first, from one module fixture;
+each bench's test waits for its own run. A bench spends most of a smoke run
+starting engines (imports, single-threaded), so two side by side take about
+half the time of one after the other on two cores. Nothing is shared between
+two running benches but the Redis database and the shared worker: each bench
+that starts workers has its own pool, queue and log folder.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -47,6 +56,9 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
     "weight_transfer.py": (["--shape", "qwen2-tiny", "--iters", "1"], False),
 }
 BENCH_TIMEOUT_S = 600
+LANES = 2
+# Started first: the longest smoke runs (each starts two or three engines of its own).
+LONGEST = ["shared_gpu.py", "resume.py", "scaling.py", "sessions.py", "weight_transfer.py"]
 
 
 def test_every_bench_in_bench_has_a_smoke_run() -> None:
@@ -87,17 +99,30 @@ def run_bench(bench: str, flags: list[str], env: dict[str, str]) -> tuple[int | 
     return proc.popen.returncode, proc.log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1]
 
 
-@pytest.mark.parametrize("bench", sorted(BENCHES))
-def test_the_bench_runs_at_smoke_size_and_prints_its_json_line(
-    bench: str, redis_url: str, request: pytest.FixtureRequest
-) -> None:
-    flags, shared = BENCHES[bench]
+@pytest.fixture(scope="module")
+def bench_runs(redis_url: str, gen_worker: Proc) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
+    """Every bench's smoke run, started ``LANES`` at a time; by bench, its exit code and log."""
     # The workers a bench starts serve without a warm-up: a smoke run's figures do not matter.
     env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1"}
-    if shared:
-        request.getfixturevalue("gen_worker")
-        env["RQ_BENCH_QUEUE"] = "generate"
-    code, log = run_bench(bench, flags, env)
+    order = LONGEST + sorted(set(BENCHES) - set(LONGEST))
+    with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
+        runs = {}
+        for bench in order:
+            flags, shared = BENCHES[bench]
+            bench_env = {**env, "RQ_BENCH_QUEUE": "generate"} if shared else env
+            runs[bench] = lanes.submit(run_bench, bench, flags, bench_env)
+        try:
+            yield runs
+        finally:
+            for run in runs.values():
+                run.cancel()  # those not started (a failed module); the running ones end at their timeout
+
+
+@pytest.mark.parametrize("bench", sorted(BENCHES))
+def test_the_bench_runs_at_smoke_size_and_prints_its_json_line(
+    bench: str, bench_runs: dict[str, Future[tuple[int | None, str]]]
+) -> None:
+    code, log = bench_runs[bench].result()
     tail = "\n".join(log.splitlines()[-30:])
     assert code == 0, f"{bench} exited with {code}:\n{tail}"
     assert json_lines(log), f"{bench} printed no JSON line:\n{tail}"
