@@ -7,6 +7,9 @@ session's ``gen_worker`` (the bench's default model is its model:
 and sessions, a killed one for resume, a dummy-weight one for the weight
 transfer) or none do so at their smallest.
 
+``examples/trl_grpo.py`` (TRL's GRPOTrainer against a stack of its own) runs
+beside them, for two steps.
+
 They run two at a time (``LANES``), longest first, from one module fixture;
 each bench's test waits for its own run. A bench spends most of a smoke run
 starting engines (imports, single-threaded), so two side by side take about
@@ -59,6 +62,11 @@ BENCH_TIMEOUT_S = 600
 LANES = 2
 # Started first: the longest smoke runs (each starts two or three engines of its own).
 LONGEST = ["shared_gpu.py", "resume.py", "scaling.py", "sessions.py", "weight_transfer.py"]
+# The examples no other test runs, in the same lanes (examples/grpo.py: tests/test_rl_loop.py):
+# TRL's GRPOTrainer against a stack of its own (two workers and a gateway), two steps.
+EXAMPLES: dict[str, list[str]] = {
+    "trl_grpo.py": ["--steps", "2", "--workers", "2", "--log-dir", str(ROOT / ".run" / "examples" / "trl-grpo")],
+}
 
 
 def test_every_bench_in_bench_has_a_smoke_run() -> None:
@@ -80,9 +88,9 @@ def json_lines(text: str) -> list[dict[str, object]]:
     return found
 
 
-def run_bench(bench: str, flags: list[str], env: dict[str, str]) -> tuple[int | None, str]:
-    """Run ``bench`` to its end (or ``BENCH_TIMEOUT_S``); its exit code and this run's log."""
-    proc = Proc(f"bench-{bench.removesuffix('.py')}", [python(), str(ROOT / "bench" / bench), *flags], env)
+def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "bench") -> tuple[int | None, str]:
+    """Run ``folder/bench`` to its end (or ``BENCH_TIMEOUT_S``); its exit code and this run's log."""
+    proc = Proc(f"{folder}-{bench.removesuffix('.py')}", [python(), str(ROOT / folder / bench), *flags], env)
     try:
         proc.popen.wait(BENCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -107,7 +115,11 @@ def bench_runs(redis_url: str, gen_worker: Proc) -> Iterator[dict[str, Future[tu
     order = LONGEST + sorted(set(BENCHES) - set(LONGEST))
     with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
         runs = {}
-        for bench in order:
+        for bench in order[:2]:  # the two longest, then the examples, then the rest
+            runs[bench] = lanes.submit(run_bench, bench, BENCHES[bench][0], env)
+        for example, flags in EXAMPLES.items():
+            runs[example] = lanes.submit(run_bench, example, flags, env, "examples")
+        for bench in order[2:]:
             flags, shared = BENCHES[bench]
             bench_env = {**env, "RQ_BENCH_QUEUE": "generate"} if shared else env
             runs[bench] = lanes.submit(run_bench, bench, flags, bench_env)
@@ -122,7 +134,18 @@ def bench_runs(redis_url: str, gen_worker: Proc) -> Iterator[dict[str, Future[tu
 def test_the_bench_runs_at_smoke_size_and_prints_its_json_line(
     bench: str, bench_runs: dict[str, Future[tuple[int | None, str]]]
 ) -> None:
-    code, log = bench_runs[bench].result()
+    assert_ran_with_a_json_line(f"bench/{bench}", bench_runs[bench])
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_the_example_runs_to_its_end_and_prints_its_json_line(
+    example: str, bench_runs: dict[str, Future[tuple[int | None, str]]]
+) -> None:
+    assert_ran_with_a_json_line(f"examples/{example}", bench_runs[example])
+
+
+def assert_ran_with_a_json_line(script: str, run: Future[tuple[int | None, str]]) -> None:
+    code, log = run.result()
     tail = "\n".join(log.splitlines()[-30:])
-    assert code == 0, f"{bench} exited with {code}:\n{tail}"
-    assert json_lines(log), f"{bench} printed no JSON line:\n{tail}"
+    assert code == 0, f"{script} exited with {code}:\n{tail}"
+    assert json_lines(log), f"{script} printed no JSON line:\n{tail}"
