@@ -900,8 +900,12 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
     fenced, refused = count("fenced: Redis is full"), count("a result write was refused")
     was = {key: client.config_get(key)[key] for key in ("maxmemory", "maxmemory-policy")}
     # Long enough to be generating when Redis fills (128 tokens a prompt finished first on a quiet machine).
+    # An earlier test's last task can still be held (acked a moment later): a
+    # held tag alone once let Redis fill before the busy task was even fetched.
+    wait_for(lambda: not held_tags(server, "rel-a@tests"), 60, "rel-a to ack what earlier tests sent")
     busy = send(producer, [f"busy p{p}" for p in range(16)], {"max_tokens": 480, "ignore_eos": True})
-    wait_for(lambda: bool(held_tags(server, "rel-a@tests")), 60, "rel-a to hold the busy task")
+    rel_worker.wait_until(lambda: count(f"[{busy.id}] received") > 0 and bool(held_tags(server, "rel-a@tests")),
+                          60, "rel-a to hold the busy task")
     filled = fill_to_maxmemory(client)
     full_since = time.monotonic()
     try:
