@@ -31,18 +31,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Body, Query
 from fastapi.params import Depends
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rollout_queue.api import errors
 from rollout_queue.api.checks import ModelLimits
 from rollout_queue.tasks import control
 from rollout_queue.tasks.errors import BadRequest, ControlError, InvalidRequest, ManifestMismatch, RolloutError
 from rollout_queue.weight_sync.vllm_transfer import FleetWeightTransfer, TransferInit, TransferUpdate
+
+M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["WEIGHT_TRANSFER_ROUTES", "vllm_server_routes"]
 
@@ -120,13 +122,16 @@ def vllm_server_routes(gateway: Any, auth: list[Depends], transfer: FleetWeightT
         except Exception as exc:  # noqa: BLE001  every error answers 400 or 409 (module docstring)
             return weight_transfer_error(exc)
 
-    @router.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(init_info: Annotated[dict[str, Any], Body(embed=True)]) -> JSONResponse:
+    async def answer_parsed(model: type[M], raw: dict[str, Any], step: Callable[[M], dict[str, Any]]) -> JSONResponse:
         try:
-            parsed = TransferInit.model_validate(init_info)
+            parsed = model.model_validate(raw)
         except ValidationError as exc:
             return weight_transfer_error(exc)
-        return await answer(lambda: transfer.init(parsed))
+        return await answer(lambda: step(parsed))
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(init_info: Annotated[dict[str, Any], Body(embed=True)]) -> JSONResponse:
+        return await answer_parsed(TransferInit, init_info, transfer.init)
 
     @router.post("/start_weight_update")
     async def start_weight_update() -> JSONResponse:
@@ -134,11 +139,7 @@ def vllm_server_routes(gateway: Any, auth: list[Depends], transfer: FleetWeightT
 
     @router.post("/update_weights")
     async def update_weights(update_info: Annotated[dict[str, Any], Body(embed=True)]) -> JSONResponse:
-        try:
-            parsed = TransferUpdate.model_validate(update_info)
-        except ValidationError as exc:
-            return weight_transfer_error(exc)
-        return await answer(lambda: transfer.update(parsed))
+        return await answer_parsed(TransferUpdate, update_info, transfer.update)
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(weight_version: Annotated[str | None, Body(embed=True)] = None) -> JSONResponse:
