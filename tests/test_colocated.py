@@ -40,12 +40,13 @@ def tokens(result: dict[str, Any]) -> list[list[int]]:
 def workers(start_worker: WorkerStarter, model_a: Path, redis_client: Any) -> list[Any]:
     env = {"RQ_WEIGHT_SYNC_SECRET": SECRET}
     bench = ["--worker-extension-cls", BENCH_EXTENSION]
-    # near: colocated, vLLM's packed CPU weights (layerwise reload from the shared
-    # segments); far: not colocated, plain weights (gloo, received in place).
+    # near: colocated, plain weights (direct loads: from the shared segments, or
+    # in place from the trainer's own shared storages); far: not colocated,
+    # vLLM's packed CPU weights (gloo, layerwise reload).
     procs = [
-        start_worker(model_a, NEAR, queue=QUEUE, pool=POOL, env=env, wait=False, extra=[*bench, "--colocated"]),
-        start_worker(model_a, FAR, queue=QUEUE, pool=POOL, env=env, wait=False,
-                     extra=[*bench, "--cpu-weights", "plain"]),
+        start_worker(model_a, NEAR, queue=QUEUE, pool=POOL, env=env, wait=False,
+                     extra=[*bench, "--colocated", "--cpu-weights", "plain"]),
+        start_worker(model_a, FAR, queue=QUEUE, pool=POOL, env=env, wait=False, extra=bench),
     ]
     for node, proc in zip([NEAR, FAR], procs):
         proc.wait_until(lambda node=node: worker_registered(redis_client, node), 300, node)
@@ -113,6 +114,36 @@ def test_a_colocated_worker_is_handed_the_weights_through_shared_memory_beside_a
         for node in (NEAR, FAR):
             assert all(tokens(r) == reference_a and r["weight_version"] == version for r in on_a[node])
     assert versions(redis_client) == {NEAR: 3, FAR: 3}
+
+
+def test_a_trainer_whose_weights_live_in_shared_memory_hands_over_its_own_storages(
+    workers: Any, sender: Any, weights: Any, reference_a: Any, redis_client: Any,
+) -> None:
+    # The trainer's side of "one copy in all": its tensors in shared memory, as
+    # model.share_memory() leaves a module's parameters.
+    shared_b = {name: tensor.clone().share_memory_() for name, tensor in weights["B"].items()}
+    current = max(versions(redis_client).values())
+    received = []
+    for step in (1, 2):  # the first learns where each tensor lands, the second copies them there
+        report = sender.sync(shared_b, version=current + step)
+        assert report.backend == "shm+gloo" and sorted(report.workers) == [FAR, NEAR]
+        received.append(control.engine_command("last_receive", workers=[NEAR], timeout=30)[NEAR][0])
+    assert received[0]["in_place_bytes"] == 0
+    everything = sum(t.numel() * t.element_size() for t in shared_b.values())
+    assert 0 < received[1]["in_place_bytes"] <= everything
+    assert received[1]["in_place_tensors"] > len(shared_b) // 2
+    on_b = by_worker(GREEDY)
+    assert {str(tokens(r)) for r in on_b[NEAR]} == {str(tokens(r)) for r in on_b[FAR]} != {str(reference_a)}
+
+    # The trainer's tensors change in place (an optimizer step): the next sync
+    # names the same storages, and the engine reads the new values.
+    for name, tensor in shared_b.items():
+        tensor.copy_(weights["A"][name])
+    report = sender.sync(shared_b, version=current + 3)
+    assert sorted(report.workers) == [FAR, NEAR]
+    assert control.engine_command("last_receive", workers=[NEAR], timeout=30)[NEAR][0]["in_place_bytes"] > 0
+    for node, results in by_worker(GREEDY).items():
+        assert all(tokens(r) == reference_a and r["weight_version"] == current + 3 for r in results), node
 
 
 LONG = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}

@@ -256,6 +256,48 @@ class EngineReceiver:
         with self.in_place.watch(model, buffer, specs, offsets):
             model.load_weights(weights=views)
 
+    def load_tensors(self, tensors: Sequence[tuple[TensorSpec, Any, int, int]]) -> tuple[int, int]:
+        """Load tensors that lie in several buffers (a handoff of the trainer's own
+        storages). With direct loading, the tensors the in-place map knows are
+        copied straight into their parameter regions (one batched copy), those
+        it does not know yet are loaded while it watches, buffer by buffer (the
+        first sync), the rest go through one ``load_weights``."""
+        import torch
+
+        model = self.model()
+        if self.load_mode != "direct":
+            model.load_weights(weights=[self._typed(spec, buffer, at) for spec, buffer, at, _ in tensors])
+            return 0, 0
+        targets = self.in_place.targets(model, [spec for spec, _, _, _ in tensors])
+        sources: list[Any] = []
+        destinations: list[Any] = []
+        known: list[tuple[str, Any]] = []
+        unknown: dict[int, tuple[Any, list[tuple[TensorSpec, int]]]] = {}  # by buffer
+        for spec, buffer, at, index in tensors:
+            region = targets.get(spec.name)
+            if region is not None:
+                destinations.append(region)
+                sources.append(buffer[at : at + spec.nbytes])
+            elif self.in_place.known(spec.name):
+                known.append(self._typed(spec, buffer, at))
+            else:
+                unknown.setdefault(index, (buffer, []))[1].append((spec, at))
+        if destinations:
+            self.touched()
+            torch._foreach_copy_(destinations, sources)
+        if known:
+            model.load_weights(weights=known)
+        for buffer, placed in unknown.values():
+            specs = [spec for spec, _ in placed]
+            offsets = [at for _, at in placed]
+            with self.in_place.watch(model, buffer, specs, offsets):
+                model.load_weights(weights=wire.bucket_views(buffer, specs, offsets))
+        return len(destinations), sum(int(region.numel()) for region in destinations)
+
+    @staticmethod
+    def _typed(spec: TensorSpec, buffer: Any, at: int) -> tuple[str, Any]:
+        return wire.bucket_views(buffer, [spec], [at])[0]
+
     def arrived(self, names: Sequence[str]) -> None:
         self.received.update(names)
 

@@ -212,7 +212,8 @@ class WeightSender:
 
             t = time.monotonic()
             try:
-                self.transfer(plan, decision, tensors_by_name, deadline)
+                own = all(tensors_by_name[name] is tensor for name, tensor in tensors)
+                self.transfer(plan, decision, tensors_by_name, deadline, own_tensors=own)
                 broken: WeightSyncError | None = None
             except WeightSyncError as exc:
                 # One peer gone (a link cut mid-transfer) fails the collective here,
@@ -473,9 +474,10 @@ class WeightSender:
         return decision, silent
 
     def transfer(self, plan: SyncPlan, decision: SyncDecision, tensors: dict[str, torch.Tensor],
-                 deadline: float) -> None:
+                 deadline: float, *, own_tensors: bool = False) -> None:
         """4. Each transport of the plan delivers the buckets to its workers:
-        the handoffs first (they only announce), then the group."""
+        the handoffs first (they only announce), then the group. ``own_tensors``:
+        ``tensors`` are the caller's own, not copies made for this sync."""
         assert plan.manifest is not None  # attached by trigger(); never serialized
         failed: WeightSyncError | None = None
         for name in plan.transports():
@@ -483,7 +485,8 @@ class WeightSender:
             if not nodes:
                 continue
             job = SendJob(plan=plan, decision=decision, manifest=plan.manifest, tensors=tensors,
-                          store=self.store, nodes=nodes, deadline=deadline, executor=self._pool)
+                          store=self.store, nodes=nodes, deadline=deadline, executor=self._pool,
+                          own_tensors=own_tensors)
             try:
                 self.transport(name).send(job)
             except WeightSyncError as exc:

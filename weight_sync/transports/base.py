@@ -38,6 +38,9 @@ class SendJob:
     nodes: list[str]  # the workers this transport serves in this sync
     deadline: float  # time.monotonic() by which the send must be done
     executor: ThreadPoolExecutor  # for blocking legs, waited for with a timeout
+    # The tensors are the caller's own (none cast or moved for this sync): a
+    # handoff may name their storages instead of packing copies of them.
+    own_tensors: bool = False
 
 
 class TransportSender(abc.ABC):
@@ -89,6 +92,12 @@ class BucketSink(Protocol):
     def load(self, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int], *,
              learn_in_place: bool = True) -> None:
         """``load_weights`` on these tensors of ``buffer``, each at its offset."""
+
+    def load_tensors(self, tensors: Sequence[tuple[TensorSpec, Any, int, int]]) -> tuple[int, int]:
+        """Load tensors that lie in several buffers (per tensor: its spec, its
+        buffer, its byte offset there, the buffer's index): one copy each for what
+        lands in place, one ``load_weights`` for the rest; returns the count and
+        bytes of the tensors copied in place."""
 
     def arrived(self, names: Sequence[str]) -> None:
         """These manifest tensors are in the model now."""

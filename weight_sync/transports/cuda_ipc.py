@@ -1,9 +1,11 @@
 """The CUDA IPC handoff: a colocated worker whose engine runs on the trainer's GPU.
 
-The trainer packs each bucket into a buffer on its GPU (kept between syncs,
-one per bucket: a few IPC handles, however many tensors) and announces the
-buffer's CUDA IPC handle once the packing stream is synchronized; the
-engine opens the handle on its own device (the same physical GPU, checked
+The trainer names its own parameters' storages by CUDA IPC handles (one per
+storage, shared once: the optimizer updates them in place), or, when its
+tensors are copies made for the sync (a cast), packs each bucket into a
+buffer on its GPU (kept between syncs, one per bucket: a few IPC handles,
+however many tensors); either is announced once the trainer's stream is
+synchronized. The engine opens the handles on its own device (the same physical GPU, checked
 by UUID: device indices differ between processes with another
 ``CUDA_VISIBLE_DEVICES``) and loads from it. No NCCL group (NCCL refuses two
 ranks on one GPU), no copy through the host.
@@ -38,14 +40,19 @@ class CudaIpcSender(HandoffSender):
 
     def allocate(self, index: int, size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         import torch
-        from torch.multiprocessing.reductions import reduce_tensor
 
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device())
-        _, args = reduce_tensor(buffer)
+        return buffer, self.share(buffer)
+
+    def share(self, storage: torch.Tensor) -> dict[str, Any]:
+        """Any CUDA memory of this device can be named by an IPC handle."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(storage)
         (_, shape, stride, offset, storage_cls, dtype, _, handle, storage_bytes, storage_offset, _,
          counter_handle, counter_offset, event_handle, event_sync) = args
-        return buffer, {
-            "uuid": device_uuid(buffer.device.index), "shape": list(shape), "stride": list(stride),
+        return {
+            "uuid": device_uuid(storage.device.index), "shape": list(shape), "stride": list(stride),
             "offset": int(offset), "storage": storage_cls.__name__, "dtype": str(dtype),
             "handle": bytes(handle).hex(), "storage_bytes": int(storage_bytes),
             "storage_offset": int(storage_offset), "counter_handle": bytes(counter_handle).hex(),

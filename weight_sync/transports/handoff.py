@@ -1,16 +1,29 @@
-"""What the handoff transports (shm, cuda_ipc) share: pack once, name it in the store.
+"""What the handoff transports (shm, cuda_ipc) share: name memory the engine can map.
 
-Trainer: packs each bucket into a buffer the colocated engine can map (kept
-between syncs, one per bucket, so a steady sync allocates nothing and the
-engine maps nothing new), waits until the bytes are there (CUDA: its stream
-is synchronized), and writes the buffer's description under
-``keys.sync_handoff`` in its store: bucket k is announced while bucket k+1
-is packed. No process group, no wire.
+Trainer, two ways:
 
-Engine: per bucket, waits for its key (the plan's receive deadline), maps
-the buffer (kept while the description holds), and hands the bucket's
-tensors to ``load_weights``. The trainer's buffers are written again only
-by the next sync, after every worker's "done" ack of this one.
+- *storages* (one copy in all): when the tensors are the caller's own (its
+  parameters, updated in place between syncs; the engine's dtype, so none
+  was cast) and each lies in memory the engine can map (a CUDA tensor on the
+  engine's GPU; a CPU tensor in shared memory, ``model.share_memory()``), the
+  trainer names each storage under them once (a CUDA IPC handle, a
+  ``/dev/shm`` name) and announces that layout under ``keys.sync_handoff``
+  bucket 0. No packing; the engine copies from the trainer's tensors
+  straight into its parameters. The layout is kept while the storages are
+  the same ones, so a steady sync shares nothing new.
+- *packed* (otherwise): each bucket is packed into a buffer the engine can
+  map (kept between syncs, one per bucket, so a steady sync allocates
+  nothing and the engine maps nothing new), and its description is written
+  under ``keys.sync_handoff`` once the bytes are there (CUDA: the stream is
+  synchronized): bucket k is announced while bucket k+1 is packed.
+
+Either way, before announcing, the trainer waits until its writes are done,
+and its memory is written again only by the next sync, after every worker's
+"done" ack of this one (the sender's commit phase). No process group, no wire.
+
+Engine: reads bucket 0's key (the plan's receive deadline), maps what it
+names (kept while the description holds) and loads: a layout of storages
+tensor by tensor, packed buckets bucket by bucket.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rollout_queue.tasks import keys
-from rollout_queue.tasks.errors import RendezvousTimeout, WorkerLost
+from rollout_queue.tasks.errors import RendezvousTimeout, SyncRefused, WorkerLost
 from rollout_queue.weight_sync import wire
 from rollout_queue.weight_sync.protocol import Manifest, SyncPlan, SyncRound, UpdateRequest
 from rollout_queue.weight_sync.transports.base import BucketSink, SendJob, TransportReceiver, TransportSender
@@ -41,19 +54,37 @@ class HandoffSender(TransportSender):
         self._buffers: list[torch.Tensor] = []
         self._descriptions: list[str] = []
         self._announced: tuple[Any, list[str]] | None = None  # the store and the keys of the last send
+        # The storages layout last announced: what it was made of (names and
+        # addresses), and its text.
+        self._layout: tuple[tuple[Any, ...], str] | None = None
 
     @abc.abstractmethod
     def allocate(self, index: int, size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         """A new buffer of ``size`` bytes for bucket ``index``, and its description."""
 
+    def share(self, storage: torch.Tensor) -> dict[str, Any] | None:
+        """A description of ``storage`` (uint8, over one whole storage of the
+        trainer's) that the engine can map, or None when it cannot be shared as
+        it lies (the sync is packed then)."""
+        return None
+
     def packed(self) -> None:
-        """The packing copies just issued must be complete before the bucket is announced."""
+        """The writes just issued (packing, or the trainer's own) must be complete
+        before the engine reads."""
 
     def release(self) -> None:
         """The buffers are being dropped."""
 
     def send(self, job: SendJob) -> None:
         try:
+            layout = self._storages_layout(job) if job.own_tensors else None
+            if layout is not None:
+                self.leaving(0)
+                self.packed()
+                key = keys.sync_handoff(job.plan.round, self.name, 0)
+                job.store.set(key, layout)
+                self._announced = (job.store, [key])
+                return
             buffers = self._ensure(job.manifest.bucket_sizes)
             announced: list[str] = []
             for bucket in wire.iter_buckets(job.manifest):
@@ -71,6 +102,39 @@ class HandoffSender(TransportSender):
                 f"handoff of sync round {job.plan.round} over {self.name} failed: {type(exc).__name__}: {exc}",
                 phase="transfer", workers=job.nodes,
             ) from exc
+
+    def _storages_layout(self, job: SendJob) -> str | None:
+        """The layout naming the storages under ``job``'s tensors, or None when one
+        of them cannot be named (not contiguous, elsewhere, not mappable)."""
+        import torch
+
+        device = self.device()
+        made: list[tuple[str, int, int, int]] = []
+        for spec in job.manifest.tensors:
+            tensor = job.tensors[spec.name]
+            if tensor.device != device or not tensor.is_contiguous():
+                return None
+            storage = tensor.untyped_storage()
+            made.append((spec.name, storage.data_ptr(), storage.nbytes(), tensor.data_ptr()))
+        key = tuple(made)
+        if self._layout is not None and self._layout[0] == key:
+            return self._layout[1]
+        described: dict[int, int] = {}  # storage address -> its index in the layout
+        storages: list[dict[str, Any]] = []
+        places: list[tuple[int, int]] = []
+        for spec, (_, address, nbytes, data) in zip(job.manifest.tensors, made):
+            if address not in described:
+                whole = torch.empty(0, dtype=torch.uint8, device=device).set_(
+                    job.tensors[spec.name].untyped_storage())
+                description = self.share(whole)
+                if description is None:
+                    return None
+                described[address] = len(storages)
+                storages.append({**description, "bytes": nbytes})
+            places.append((described[address], data - address))
+        text = json.dumps({"storages": storages, "tensors": places})
+        self._layout = (key, text)
+        return text
 
     def _ensure(self, sizes: list[int]) -> list[torch.Tensor]:
         if [int(b.numel()) for b in self._buffers] != list(sizes):
@@ -96,6 +160,7 @@ class HandoffSender(TransportSender):
         self.release()
         self._buffers = []
         self._descriptions = []
+        self._layout = None
 
 
 class HandoffReceiver(TransportReceiver):
@@ -107,6 +172,9 @@ class HandoffReceiver(TransportReceiver):
         self.store_address: tuple[str, int] | None = None
         self.round: SyncRound | None = None  # the round being received
         self._mapped: dict[str, Any] = {}  # description -> the buffer mapped from it
+        # The storages layout last received: its text, and per manifest tensor
+        # (spec, the mapped storage, the tensor's byte offset in it, the storage's index).
+        self._layout: tuple[str, list[tuple[Any, Any, int, int]]] | None = None
 
     @abc.abstractmethod
     def open(self, description: dict[str, Any], size: int, device: Any) -> Any:
@@ -125,14 +193,22 @@ class HandoffReceiver(TransportReceiver):
             self.store_address = address
         self.round = plan.round
 
-    def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
+    def _announced(self, bucket: int, deadline: float) -> str:
         assert self.round is not None  # set by begin()
+        self.store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        return str(self.store.get(keys.sync_handoff(self.round, self.name, bucket)).decode())
+
+    def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
+        t0 = time.monotonic()
+        first = self._announced(0, deadline)
+        if first.startswith('{"storages"'):
+            return self._receive_storages(sink, manifest, device, first, time.monotonic() - t0)
+        self._layout = None
         wait_s = load_s = 0.0
         used: set[str] = set()
         for bucket in wire.iter_buckets(manifest):
             t0 = time.monotonic()
-            self.store.set_timeout(datetime.timedelta(seconds=max(deadline - t0, 0.001)))
-            text = self.store.get(keys.sync_handoff(self.round, self.name, bucket.index)).decode()
+            text = first if bucket.index == 0 else self._announced(bucket.index, deadline)
             buffer = self._mapped.get(text)
             if buffer is None or int(buffer.numel()) < bucket.size:
                 buffer = self.open(json.loads(text), bucket.size, device)
@@ -148,9 +224,36 @@ class HandoffReceiver(TransportReceiver):
         self._mapped = {text: self._mapped[text] for text in used}
         return {"wire_s": wait_s, "load_s": load_s, "in_place_tensors": 0, "in_place_bytes": 0}
 
+    def _receive_storages(self, sink: BucketSink, manifest: Manifest, device: Any, text: str,
+                          wait_s: float) -> dict[str, float]:
+        """Load every manifest tensor from the trainer's own storages, as the layout names them."""
+        t0 = time.monotonic()
+        if self._layout is None or self._layout[0] != text:
+            self._layout = None
+            self._mapped = {}  # a packed layout's buffers are not needed any more
+            layout = json.loads(text)
+            storages = [self.open(description, int(description["bytes"]), device)
+                        for description in layout["storages"]]
+            if len(layout["tensors"]) != len(manifest.tensors):
+                raise SyncRefused(f"the trainer's layout names {len(layout['tensors'])} tensors, "
+                                  f"the manifest {len(manifest.tensors)}")
+            placed = []
+            for spec, (index, offset) in zip(manifest.tensors, layout["tensors"]):
+                if offset < 0 or offset + spec.nbytes > int(storages[index].numel()):
+                    raise SyncRefused(f"{spec.name} ({spec.nbytes} bytes at {offset}) lies outside "
+                                      f"the trainer's storage {index} ({int(storages[index].numel())} bytes)")
+                placed.append((spec, storages[index], int(offset), int(index)))
+            self._layout = (text, placed)
+        t1 = time.monotonic()
+        in_place_tensors, in_place_bytes = sink.load_tensors(self._layout[1])
+        sink.arrived([spec.name for spec in manifest.tensors])
+        return {"wire_s": wait_s + t1 - t0, "load_s": time.monotonic() - t1, "in_place_tensors": in_place_tensors,
+                "in_place_bytes": in_place_bytes}
+
     def abort(self) -> None:
         self.store = None
         self.store_address = None
+        self._layout = None
 
 
 __all__ = ["HandoffReceiver", "HandoffSender"]

@@ -1,9 +1,12 @@
 """The shared-memory handoff: a colocated CPU worker on the trainer's host.
 
-The trainer packs each bucket into a file of ``/dev/shm`` (``rq-sync-<id>-<k>``,
-kept between syncs, removed when the sender closes or its process exits);
-the worker's engine maps the same file and loads from it. One copy on each
-side (pack, ``load_weights``), no socket, no gloo.
+A trainer whose parameters live in shared memory (``model.share_memory()``:
+torch names each storage by a ``/dev/shm`` file) announces those names, and
+the worker's engine copies straight from them into its parameters: one copy
+in all. Otherwise the trainer packs each bucket into a file of ``/dev/shm``
+(``rq-sync-<id>-<k>``, kept between syncs, removed when the sender closes or
+its process exits) that the engine maps: one copy on each side (pack,
+``load_weights``). No socket, no gloo.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm"
 _SEGMENT = re.compile(r"rq-sync-[0-9a-f]{12}-\d+")
+_TORCH_SEGMENT = re.compile(r"torch_\d+_\d+_\d+")  # torch's own shared storages
 
 
 def _unlink(paths: list[str]) -> None:
@@ -55,6 +59,24 @@ class ShmSender(HandoffSender):
         self._paths.append(path)
         return buffer, {"segment": os.path.basename(path), "size": size}
 
+    def share(self, storage: torch.Tensor) -> dict[str, Any] | None:
+        """A storage already in shared memory (``model.share_memory()``) is named by
+        its ``/dev/shm`` file; any other is packed (moving the caller's tensors
+        into shared memory is the caller's choice, not the sync's)."""
+        untyped = storage.untyped_storage()
+        if not untyped.is_shared():
+            return None
+        try:
+            manager, name, _ = untyped._share_filename_cpu_()  # the name torch gave its segment
+        except RuntimeError:
+            return None
+        segment = name.decode().lstrip("/")
+        if not _TORCH_SEGMENT.fullmatch(segment) or not os.path.exists(os.path.join(SHM_DIR, segment)):
+            return None
+        # torch's segment starts with its reference count: a reader maps it through
+        # torch (with the trainer's shm manager), not as a plain file.
+        return {"segment": segment, "size": int(untyped.nbytes()), "manager": manager.decode()}
+
     def release(self) -> None:
         _unlink(self._paths)
         self._paths.clear()
@@ -65,9 +87,12 @@ class ShmReceiver(HandoffReceiver):
         import torch
 
         segment = str(description.get("segment", ""))
-        if not _SEGMENT.fullmatch(segment):  # never map another file than a sync's segment
+        if not (_SEGMENT.fullmatch(segment) or _TORCH_SEGMENT.fullmatch(segment)):
+            # never map another file than a sync's segment or a shared torch storage
             raise SyncRefused(f"shared-memory segment {segment!r} is not a weight-sync segment")
         path = os.path.join(SHM_DIR, segment)
+        if _TORCH_SEGMENT.fullmatch(segment):
+            return self._open_torch_storage(description, path, size)
         try:
             found = os.path.getsize(path)
         except OSError as exc:
@@ -78,6 +103,21 @@ class ShmReceiver(HandoffReceiver):
         if found < size:
             raise SyncRefused(f"shared-memory segment {path} holds {found} bytes, the bucket {size}")
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+    @staticmethod
+    def _open_torch_storage(description: dict[str, Any], path: str, size: int) -> Any:
+        """A storage the trainer keeps in torch's shared memory, mapped as torch maps it."""
+        import torch
+
+        manager = str(description.get("manager", ""))
+        if not manager.endswith("/manager.sock") or not os.path.exists(manager) or not os.path.exists(path):
+            raise SyncRefused(
+                f"the trainer's shared storage {path} (shm manager {manager!r}) is not on this host: the shm "
+                "transport needs the worker on the trainer's host; start the worker without --colocated "
+                "or sync with RQ_TRANSPORT=gloo")
+        storage = torch.UntypedStorage._new_shared_filename_cpu(
+            manager.encode(), ("/" + os.path.basename(path)).encode(), size)
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 __all__ = ["ShmReceiver", "ShmSender"]
