@@ -4,8 +4,10 @@ In one run, against one real worker started with ``--colocated`` (dummy
 weights of the chosen shape):
 
   CPU   the same weights synced over gloo (``RQ_TRANSPORT=gloo``: today's
-        path) and handed over through shared memory (``shm``): first and
-        steady seconds of each, and shm/gloo.
+        path), handed over through shared memory (``shm``, packed into
+        segments), and handed over from the trainer's own storages once they
+        are in shared memory (``shared``: ``share_memory_()``, one copy in
+        all): first and steady seconds of each, and each over gloo.
   CUDA  the weights handed over by CUDA IPC (``cuda_ipc``), first and steady,
         beside an on-device copy of the same bytes in the same process (the
         floor: the handoff copies them at least once); then the engine's GPU
@@ -83,14 +85,22 @@ def cpu_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -
     gloo.close()
     shm = sync_weights.WeightSender(SyncSettings(**chosen), stack.tag)
     shm_s, shm_report = timed_syncs(shm, weights, args.iters, 1 + args.iters)
-    shm.close()
     assert shm_report.backend == "shm", shm_report.backend
+    # The trainer's tensors moved into shared memory (model.share_memory()): the
+    # handoff names them, and the engine copies from them straight into place.
+    for tensor in weights.values():
+        tensor.share_memory_()
+    own_s, own_report = timed_syncs(shm, weights, args.iters, 1 + 2 * args.iters)
+    shm.close()
     return {
         "bench": "colocated", "device": "cpu", "shape": shape, "dtype": "float32", "bytes": total,
         "cpu_weights": args.cpu_weights, "bucket_mib": args.bucket_mib, "iters": args.iters,
         "gloo_first_s": round(gloo_s[0], 4), "gloo_steady_s": round(steady(gloo_s), 4),
         "shm_first_s": round(shm_s[0], 4), "shm_steady_s": round(steady(shm_s), 4),
         "shm_over_gloo": round(steady(shm_s) / steady(gloo_s), 3),
+        "shared_first_s": round(own_s[0], 4), "shared_steady_s": round(steady(own_s), 4),
+        "shared_over_gloo": round(steady(own_s) / steady(gloo_s), 3),
+        "shared_worker_phases_s": {k: round(v, 4) for k, v in own_report.worker_phases.items()},
         "gloo_worker_phases_s": {k: round(v, 4) for k, v in gloo_report.worker_phases.items()},
         "shm_worker_phases_s": {k: round(v, 4) for k, v in shm_report.worker_phases.items()},
         "shm_phases_s": {k: round(v, 4) for k, v in shm_report.phases.items()},

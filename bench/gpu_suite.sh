@@ -7,6 +7,7 @@
 # $OUT defaults to .artifacts/gpu.
 #   tests 480      pytest -m gpu tests/test_gpu.py (two GPUs for some)
 #   sync 300       bench/weight_transfer.py, qwen2-7b shape (SYNC_ARGS; traces in sync.log, sync-worker.log)
+#   colocated 300  bench/colocated.py: the CUDA IPC handoff on one GPU (COLOCATED_ARGS, default the 7B shape)
 #   pattern 200    bench/sync_pattern.py
 #   throughput 540 bench/throughput.py, worker and offline engine side by side (THROUGHPUT_ARGS, default --rounds 5)
 #   alone 470      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
@@ -28,7 +29,7 @@ if ! redis-cli -p 6379 ping >/dev/null 2>&1 && ! python3 -c "import redis; redis
 fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
-steps=${*:-tests sync pattern throughput alone shared streaming latency scaling resume}
+steps=${*:-tests sync pattern colocated throughput alone shared streaming latency scaling resume}
 # The benches' default GPU model (random weights, qwen2-0.5b's shape), built once here, outside every step's limit.
 python3 -c "import sys; sys.path.insert(0, 'bench'); import benchlib; benchlib.build_model(benchlib.ROOT / '.models', 'qwen2-0.5b', benchlib.TINY_MODEL_SEED)"
 
@@ -58,6 +59,7 @@ for step in $steps; do
     sync)       RQ_SYNC_TRACE=1 bench sync 300 bench/weight_transfer.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-}
                 rc=$?; cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null; (exit $rc) ;;
     pattern)    bench pattern 200 bench/sync_pattern.py --device cuda ;;
+    colocated)  bench colocated ${COLOCATED_LIMIT:-300} bench/colocated.py --device cuda ${COLOCATED_ARGS---shapes qwen2-7b --iters 5} ;;
     throughput) bench throughput 540 bench/throughput.py --device cuda ${THROUGHPUT_ARGS---rounds 5} ;;
     alone)      bench alone ${ALONE_LIMIT:-470} bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
     shared)     bench shared ${SHARED_LIMIT:-240} bench/shared_gpu.py --device cuda ${SHARED_ARGS---rounds 1 --repeats 2} ;;

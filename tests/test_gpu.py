@@ -276,7 +276,9 @@ COLO = "gpu-colocated"
 def gpu_worker(start_worker: WorkerStarter, model: Path, name: str, queue: str, extra: list[str]) -> Proc:
     return start_worker(
         model, name, queue=queue, pool=queue, timeout=600,
-        extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
+        # 0.1 each: the module's two workers hold 0.3 each, and vLLM refuses to start
+        # an engine whose share is more than what is free.
+        extra=["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.1",
                "--max-model-len", "2048", *extra],
         env={"CUDA_VISIBLE_DEVICES": "0", **GPU_ENGINE_ENV},
     )
@@ -333,4 +335,15 @@ def test_colocated_cuda_ipc_handoff_matches_a_fresh_engine_and_survives_three_sl
         assert all(len(o["samples"][0]["token_ids"]) == 4 for o in result["outputs"])
         print(f"[colocated] cycle {cycle} (sleep level {level}): handoff {report.seconds:.3f}s "
               f"phases {report.phases} worker {report.worker_phases}")
+
+    # The trainer's tensors in the engine's dtype, its own (none cast for the sync):
+    # the handoff names their storages, and from the second sync on the engine
+    # copies them straight into its parameters.
+    own = {k: p.detach().to(torch.bfloat16) for k, p in params.items()}
+    for version in (5, 6):
+        report = sender.sync(own, version=version, timeout=300)
+        print(f"[colocated] own storages, sync {version}: {report.seconds:.4f}s phases {report.phases} "
+              f"worker {report.worker_phases} receive {last_receive(node)}")
+    assert last_receive(node)["in_place_bytes"] > 0
+    assert checksums([node])[node] == pytest.approx(expected_sum(own), rel=1e-6)
     sync_weights.close(COLO)
