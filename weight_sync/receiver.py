@@ -262,8 +262,6 @@ class EngineReceiver:
         copied straight into their parameter regions (one batched copy), those
         it does not know yet are loaded while it watches, buffer by buffer (the
         first sync), the rest go through one ``load_weights``."""
-        import torch
-
         model = self.model()
         if self.load_mode != "direct":
             model.load_weights(weights=[self._typed(spec, buffer, at) for spec, buffer, at, _ in tensors])
@@ -284,7 +282,10 @@ class EngineReceiver:
                 unknown.setdefault(index, (buffer, []))[1].append((spec, at))
         if destinations:
             self.touched()
-            torch._foreach_copy_(destinations, sources)
+            # One copy_ each: torch's multi-tensor copy runs byte-wide kernels here
+            # (seen on an H200: 2.4x the time of plain copies of the same bytes).
+            for region, source in zip(destinations, sources):
+                region.copy_(source, non_blocking=True)
         if known:
             model.load_weights(weights=known)
         for buffer, placed in unknown.values():
