@@ -129,7 +129,7 @@ class FakeEngineHost:
         self.generated_tokens = 0
         self.stats = EngineStats()
 
-    def is_sleeping(self) -> bool:
+    def weights_asleep(self) -> bool:
         return False
 
     def inflight_requests(self) -> int:

@@ -441,7 +441,7 @@ class EngineHostFake:
     settings: Any = None
     dtype = "float32"
 
-    def is_sleeping(self) -> bool:
+    def weights_asleep(self) -> bool:
         return False
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -147,6 +147,9 @@ class EngineHost:
 
     def __init__(self, settings: EngineSettings, state: NodeState | None = None) -> None:
         self.settings = settings
+        # Whether the engine's weights sleep: only this host puts them to sleep
+        # or wakes them, so a sync asks this flag, not the engine (a round trip).
+        self._weights_asleep = False
         # Whether requests may enter the engine (a sync's pause, sleep) is the node's state.
         self.state = state if state is not None else NodeState()
         self.weight_version = 0
@@ -551,6 +554,7 @@ class EngineHost:
         # Even after a sync wakes the weights to load new ones, no request
         # enters until the KV cache wakes.
         self.state.sleep()
+        self._weights_asleep = True  # before the call: a sleep that times out may still land
         self.call(self.engine.sleep(level), timeout=120)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -558,13 +562,14 @@ class EngineHost:
         if problem is not None:
             raise EngineError(f"{problem} (nothing to wake)")
         self.call(self.engine.wake_up(tags), timeout=120)
+        if tags is None or "weights" in tags:
+            self._weights_asleep = False
         if tags is None or "kv_cache" in tags:
             self.state.wake()
 
-    def is_sleeping(self) -> bool:
-        if not self.settings.enable_sleep_mode:
-            return False
-        return bool(self.call(self.engine.is_sleeping(), timeout=30))
+    def weights_asleep(self) -> bool:
+        """Whether this host put the engine's weights to sleep and has not woken them."""
+        return self._weights_asleep
 
     def device_uuids(self) -> list[str]:
         """The UUID of each engine rank's GPU ("" for a CPU rank): how a colocated

@@ -198,8 +198,9 @@ class SyncParticipant:
         ready = False
         try:
             self.state.begin_update()
-            self._check_rendezvous(plan)
-            if self.host.is_sleeping():  # loading into sleeping weights crashes vLLM
+            if self._store is None or self._store_address != (plan.store_host, plan.store_port):
+                self._check_rendezvous(plan)  # a kept store client has reached it already
+            if self.host.weights_asleep():  # loading into sleeping weights crashes vLLM
                 self.host.wake_up(["weights"])
             t = time.monotonic()
             paused = True  # from here a failure resumes: pause() closes intake first and may fail after
