@@ -61,6 +61,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -142,6 +143,38 @@ def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
     return unique
 
 
+@dataclass
+class RoundOutcome:
+    """What one round's phases 2-5 left: its plan and decision, who was silent or
+    failed (and why), the transfer's break if any, who committed, the seconds."""
+
+    plan: SyncPlan
+    decision: SyncDecision
+    silent: dict[str, str]
+    failed: dict[str, str]
+    broken: WeightSyncError | None
+    committed: list[str]
+    worker_phases: dict[str, float]
+    phases: dict[str, float]
+
+    def report(self, manifest: Manifest, seconds: float, moving: tuple[str, ...] = ("transfer",)) -> SyncReport:
+        """The round's report; ``moving``: the phases the bytes took (their rate)."""
+        return SyncReport(
+            version=self.plan.weight_version,
+            epoch=self.plan.round.epoch,
+            round=self.plan.round,
+            workers=sorted(self.committed),
+            tensors=len(manifest.tensors),
+            bytes=manifest.total_bytes,
+            seconds=seconds,
+            gb_per_s=manifest.total_bytes / max(sum(self.phases[p] for p in moving), 1e-9) / 1e9,
+            backend="+".join(self.plan.transports()),
+            reused_group=self.decision.reuses_group(self.plan.round),
+            phases=self.phases,
+            worker_phases=self.worker_phases,
+        )
+
+
 class WeightSender:
     """The trainer's end of the protocol: rank 0, host of the rendezvous store."""
 
@@ -196,73 +229,71 @@ class WeightSender:
             backend = self.choose_backend(tensors, members)
             handoffs = self.choose_handoffs(members, backend)
             manifest, tensors_by_name = self.manifest(tensors, members, backend)
-
-            t = time.monotonic()
-            self.rendezvous()
-            phases["rendezvous"] = time.monotonic() - t
-
-            t = time.monotonic()
-            plan, silent = self.trigger(members, manifest, version, pause, backend, deadline, handoffs)
-            phases["trigger"] = time.monotonic() - t
-
-            t = time.monotonic()
-            decision, not_ready = self.await_ready(plan, set(plan.members) - set(silent), deadline)
-            silent.update(not_ready)
-            phases["ready"] = time.monotonic() - t
-
-            t = time.monotonic()
-            try:
-                own = all(tensors_by_name[name] is tensor for name, tensor in tensors)
-                self.transfer(plan, decision, tensors_by_name, deadline, own_tensors=own)
-                broken: WeightSyncError | None = None
-            except WeightSyncError as exc:
-                # One peer gone (a link cut mid-transfer) fails the collective here,
-                # while the others may have received every bucket: their acks say.
-                broken = exc
-            phases["transfer"] = time.monotonic() - t
-
-            t = time.monotonic()
-            try:
-                committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
-            except BrokerLost as exc:
-                # Who joined the group, and who committed, is unknown here.
-                self._reset_transports()
-                if broken is None:
-                    raise
-                raise BrokerLost(f"{exc}; the transfer had failed too: {broken}", phase=exc.phase,
-                                 workers=exc.workers) from exc
-            phases["commit"] = time.monotonic() - t
-            if broken is not None and not committed:
-                raise broken
-
-            seconds = time.monotonic() - started
-            report = SyncReport(
-                version=version,
-                epoch=plan.round.epoch,
-                round=plan.round,
-                workers=sorted(committed),
-                tensors=len(manifest.tensors),
-                bytes=manifest.total_bytes,
-                seconds=seconds,
-                gb_per_s=manifest.total_bytes / max(phases["transfer"], 1e-9) / 1e9,
-                backend="+".join(plan.transports()),
-                reused_group=decision.reuses_group(plan.round),
-                phases=phases,
-                worker_phases=worker_phases,
-            )
+            own = all(tensors_by_name[name] is tensor for name, tensor in tensors)
+            outcome = self.run_round(members, manifest, version, pause, backend, handoffs, deadline,
+                                     tensors_by_name, own_tensors=own, phases=phases)
+            plan, silent, failed, broken = outcome.plan, outcome.silent, outcome.failed, outcome.broken
+            report = outcome.report(manifest, time.monotonic() - started)
             lost = {**silent, **failed}
             if lost:
                 error = WorkerLost(
                     f"weight sync round {plan.round} to version {version}: "
                     + "; ".join(f"{node} ({why})" for node, why in sorted(lost.items()))
                     + (f"; the transfer failed: {broken}" if broken is not None else "")
-                    + f". {len(committed)} worker(s) committed; the others are fenced until the next sync",
+                    + f". {len(outcome.committed)} worker(s) committed; the others are fenced until the next sync",
                     phase="transfer" if broken is not None else "ready" if not failed else "commit",
                     workers=lost,
                 )
                 error.report = report  # type: ignore[attr-defined]
                 raise error
             return report
+
+    def run_round(
+        self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode, backend: str,
+        handoffs: dict[str, HandoffName], deadline: float, tensors: dict[str, torch.Tensor], *,
+        own_tensors: bool = False, phases: dict[str, float] | None = None,
+    ) -> RoundOutcome:
+        """Phases 2-5 of one round, each timed into ``phases``: rendezvous, trigger,
+        ready, transfer, commit. A transfer that breaks does not end the round: the
+        workers that got every bucket still commit, and the break is in the outcome."""
+        phases = {} if phases is None else phases
+        t = time.monotonic()
+        self.rendezvous()
+        phases["rendezvous"] = time.monotonic() - t
+
+        t = time.monotonic()
+        plan, silent = self.trigger(members, manifest, version, pause, backend, deadline, handoffs)
+        phases["trigger"] = time.monotonic() - t
+
+        t = time.monotonic()
+        decision, not_ready = self.await_ready(plan, set(plan.members) - set(silent), deadline)
+        silent.update(not_ready)
+        phases["ready"] = time.monotonic() - t
+
+        t = time.monotonic()
+        try:
+            self.transfer(plan, decision, tensors, deadline, own_tensors=own_tensors)
+            broken: WeightSyncError | None = None
+        except WeightSyncError as exc:
+            # One peer gone (a link cut mid-transfer) fails the collective here,
+            # while the others may have received every bucket: their acks say.
+            broken = exc
+        phases["transfer"] = time.monotonic() - t
+
+        t = time.monotonic()
+        try:
+            committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
+        except BrokerLost as exc:
+            # Who joined the group, and who committed, is unknown here.
+            self._reset_transports()
+            if broken is None:
+                raise
+            raise BrokerLost(f"{exc}; the transfer had failed too: {broken}", phase=exc.phase,
+                             workers=exc.workers) from exc
+        phases["commit"] = time.monotonic() - t
+        if broken is not None and not committed:
+            raise broken
+        return RoundOutcome(plan, decision, silent, failed, broken, committed, worker_phases, phases)
 
     # --------------------------------------------------------------- phases
 

@@ -133,28 +133,12 @@ class TrainerGroupRounds(WeightSender):
             phases["membership"] = time.monotonic() - t
             self.transport(TRANSPORT).group_round = self.group.group_round  # type: ignore[attr-defined]
             self._planned = (("vllm", id(manifest)), manifest, *manifest.wire())
-            t = time.monotonic()
-            self.rendezvous()
-            phases["rendezvous"] = time.monotonic() - t
-            t = time.monotonic()
-            plan, silent = self.trigger(members, manifest, version, PAUSE, TRANSPORT, deadline)
-            phases["trigger"] = time.monotonic() - t
-            t = time.monotonic()
-            decision, not_ready = self.await_ready(plan, set(plan.members) - set(silent), deadline)
-            silent.update(not_ready)
-            phases["ready"] = time.monotonic() - t
-            t = time.monotonic()
-            self.transfer(plan, decision, {}, deadline)
-            committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
-            phases["transfer_and_commit"] = time.monotonic() - t
-            report = SyncReport(
-                version=version, epoch=plan.round.epoch, round=plan.round, workers=sorted(committed),
-                tensors=len(manifest.tensors),
-                bytes=manifest.total_bytes, seconds=time.monotonic() - started,
-                gb_per_s=manifest.total_bytes / max(phases["transfer_and_commit"], 1e-9) / 1e9,
-                backend=TRANSPORT, reused_group=True, phases=phases, worker_phases=worker_phases,
-            )
-            return report, {**silent, **failed}
+            outcome = self.run_round(members, manifest, version, PAUSE, TRANSPORT, {}, deadline, {},
+                                     phases=phases)
+            # The bytes leave from the trainer's own process: they move while this
+            # side waits for the commit.
+            report = outcome.report(manifest, time.monotonic() - started, moving=("transfer", "commit"))
+            return report, {**outcome.silent, **outcome.failed}
 
 
 class FleetWeightTransfer:
