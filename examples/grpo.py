@@ -284,7 +284,9 @@ class Policy:
         self.torch = torch
         self.device = torch.device(device)
         # float32 master weights on either device (on CUDA: cuda:0, the colocated workers' GPU).
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        # transformers wraps ``to`` with a signature mypy misreads (it moves the module in place).
+        self.model.to(self.device)  # type: ignore[arg-type]
         self.model.eval()  # no dropout: the recomputed logprobs must match the workers'
         # CPU: foreach=False, one parameter's temporaries at a time, not the whole model's at
         # once. CUDA: torch's default (foreach), a few kernel launches instead of a few per tensor.
