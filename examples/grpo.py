@@ -486,7 +486,7 @@ def train_and_sync(config: GrpoConfig, policy: Any, samples: Sequence[Sample], v
     training = time.time()
     try:
         stats = policy.train_step(samples, group_advantages(samples), config.clip_epsilon)
-    except BaseException:
+    except Exception:  # not on Ctrl-C or SIGTERM: those stop the run and the stack at once
         if config.sleep_level:
             wake_after_failure(config, policy)
         raise
