@@ -33,8 +33,11 @@ fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
 steps=${*:-tests sync pattern throughput alone shared streaming latency scaling resume grpo}
-# The benches' default GPU model (random weights, qwen2-0.5b's shape), built once here, outside every step's limit.
-python3 -c "import sys; sys.path.insert(0, 'bench'); import benchlib; benchlib.build_model(benchlib.ROOT / '.models', 'qwen2-0.5b', benchlib.TINY_MODEL_SEED)"
+# The benches' default GPU model (random weights, qwen2-0.5b's shape), built once here, outside every step's limit
+# (not for grpo alone: it runs SmolLM2).
+if [ "$steps" != "grpo" ]; then
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import benchlib; benchlib.build_model(benchlib.ROOT / '.models', 'qwen2-0.5b', benchlib.TINY_MODEL_SEED)"
+fi
 
 # What a step leaves when its limit kills it: workers, gateways, --alone's engine processes, engine cores.
 cleanup() {

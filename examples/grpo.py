@@ -158,7 +158,7 @@ class GrpoConfig:
     reward: Reward = field(default=sum_reward)
     # Colocated on one GPU (--device cuda): the pool sleeps at this vLLM level around each
     # optimizer step and ``sync_weights.wake(model)`` hands the new weights over (0: it stays
-    # awake and ``sync_weights.broadcast`` hands them over; ``sleep_order``).
+    # awake and ``sync_weights.broadcast`` hands them over; ``train_and_sync``).
     sleep_level: int = 0
 
 
@@ -459,7 +459,7 @@ class TrainedStep:
 
     stats: TrainStats
     report: Any  # the SyncReport of the handoff
-    slept_at: float  # the sleep call began (= trained_from without sleep)
+    slept_at: float  # the sleep call began (without a sleep: = training)
     training: float  # the optimizer step began
     trained: float
     synced: float  # the weights are in the pool, and it serves again
@@ -831,7 +831,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 # The share of GPU memory a colocated worker's engine takes (vLLM's gpu_memory_utilization).
 # SmolLM2-135M: 0.54 GB of float32 weights, 46 KB of float32 KV cache a token (30 layers x 3 KV
-# heads x 64 x 2 x 4 B), so 0.2 of an H200 (28 GB) holds ~500k tokens against the ~2k a step
+# heads x 64 x 2 x 4 B), so 0.2 of an H200 (28 GB) holds ~600k tokens against the ~2k a step
 # needs; the other 0.8 (~110 GB) is the trainer's (weights, gradients and AdamW's two moments:
 # ~2.2 GB, activations and the handoff buffers: ~1 GB) and vLLM's own margin.
 COLOCATED_GPU_FRACTION = 0.2
