@@ -16,6 +16,10 @@
 #   latency 210    bench/latency.py (LATENCY_ARGS)
 #   scaling 400    bench/scaling.py (SCALING_ARGS)
 #   resume 260     bench/resume.py (RESUME_ARGS)
+#   grpo 300       examples/grpo.py --device cuda: GRPO on SmolLM2-135M (.models/smollm2-135m-instruct, converted
+#                  before this step), trainer and one worker colocated on GPU 0 (GRPO_LIMIT, GRPO_ARGS, default
+#                  "--bench --seed 1 --steps 20 --bench-timing-steps 4"); files in $OUT/grpo, the step log,
+#                  summary and plots also as $OUT/grpo-*
 # Groups whose limits, cleanups and the model's build (~30 s, once per machine) stay under 9 minutes:
 # "alone"; "streaming latency"; "shared resume".
 # Run it as a script file: its cleanup matches engine processes by name, and a command line
@@ -29,9 +33,12 @@ if ! redis-cli -p 6379 ping >/dev/null 2>&1 && ! python3 -c "import redis; redis
 fi
 export REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379/0}
 nvidia-smi -L | tee "$OUT/gpus.txt"
-steps=${*:-tests sync pattern colocated throughput alone shared streaming latency scaling resume}
-# The benches' default GPU model (random weights, qwen2-0.5b's shape), built once here, outside every step's limit.
-python3 -c "import sys; sys.path.insert(0, 'bench'); import benchlib; benchlib.build_model(benchlib.ROOT / '.models', 'qwen2-0.5b', benchlib.TINY_MODEL_SEED)"
+steps=${*:-tests sync pattern colocated throughput alone shared streaming latency scaling resume grpo}
+# The benches' default GPU model (random weights, qwen2-0.5b's shape), built once here, outside every step's limit
+# (not for grpo alone: it runs SmolLM2).
+if [ "$steps" != "grpo" ]; then
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import benchlib; benchlib.build_model(benchlib.ROOT / '.models', 'qwen2-0.5b', benchlib.TINY_MODEL_SEED)"
+fi
 
 # What a step leaves when its limit kills it: workers, gateways, --alone's engine processes, engine cores.
 cleanup() {
@@ -67,6 +74,14 @@ for step in $steps; do
     latency)    bench latency ${LATENCY_LIMIT:-210} bench/latency.py --device cuda ${LATENCY_ARGS:-} ;;
     scaling)    bench scaling 400 bench/scaling.py --device cuda ${SCALING_ARGS:-} ;;
     resume)     bench resume ${RESUME_LIMIT:-260} bench/resume.py --device cuda ${RESUME_ARGS:-} ;;
+    grpo)       timeout -k 15 "${GRPO_LIMIT:-300}" python3 examples/grpo.py --device cuda \
+                  --model .models/smollm2-135m-instruct --log-dir "$OUT/grpo" \
+                  ${GRPO_ARGS---bench --seed 1 --steps 20 --bench-timing-steps 4} > "$OUT/grpo.log" 2>&1
+                rc=$?; grep '^{' "$OUT/grpo.log" | tail -n 1 >> "$OUT/bench-gpu.jsonl"
+                for f in steps.jsonl summary.json grpo.png timeline.png; do
+                  cp "$OUT/grpo/$f" "$OUT/grpo-$f" 2>/dev/null
+                done
+                (exit $rc) ;;
     *) echo "unknown step $step" >&2; false ;;
   esac
   rc=$?

@@ -369,21 +369,7 @@ class LocalStack:
         if not self.redis_url:
             raise LocalStackError("call ensure_redis() before starting workers")
         name = self.worker_name(index)
-        argv = [
-            sys.executable, "-m", "rollout_queue.cli", "worker",
-            "--model", str(spec.model), "--device", spec.device, "--dtype", spec.dtype,
-            "--max-model-len", str(spec.max_model_len),
-            "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
-            "--max-inflight", str(spec.max_inflight),
-            "--name", name, "--queues", f"{self.queue},{self.queue}-w{index}", "--pool", self.tag,
-            *spec.extra,
-        ]
-        # The URL travels in the environment, never on a command line (ps shows those),
-        # under both names: the caller's RQ_REDIS_URL would otherwise win in the worker.
-        env = {**redis_url_env(self.redis_url), **spec.env}
-        if not (env.get("RQ_WEIGHT_SYNC_SECRET") or os.environ.get("RQ_WEIGHT_SYNC_SECRET")):
-            # A throwaway local worker: its control plane is open unless a secret is given.
-            argv.append("--insecure-control")
+        argv, env = self.worker_command(spec, index)
         proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env)
         self._workers.append(proc)
         self._queues.update((self.queue, f"{self.queue}-w{index}"))
@@ -404,6 +390,26 @@ class LocalStack:
                 raise LocalStackError(f"{elsewhere}\n{exc}") from exc
             raise
         return proc
+
+    def worker_command(self, spec: WorkerSpec, index: int = 0) -> tuple[list[str], dict[str, str]]:
+        """The command line and the environment additions ``start_worker`` runs worker ``index`` with."""
+        argv = [
+            sys.executable, "-m", "rollout_queue.cli", "worker",
+            "--model", str(spec.model), "--device", spec.device, "--dtype", spec.dtype,
+            "--max-model-len", str(spec.max_model_len),
+            "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
+            "--max-inflight", str(spec.max_inflight),
+            "--name", self.worker_name(index), "--queues", f"{self.queue},{self.queue}-w{index}",
+            "--pool", self.tag,
+            *spec.extra,
+        ]
+        # The URL travels in the environment, never on a command line (ps shows those),
+        # under both names: the caller's RQ_REDIS_URL would otherwise win in the worker.
+        env = {**redis_url_env(self.redis_url), **spec.env}
+        if not (env.get("RQ_WEIGHT_SYNC_SECRET") or os.environ.get("RQ_WEIGHT_SYNC_SECRET")):
+            # A throwaway local worker: its control plane is open unless a secret is given.
+            argv.append("--insecure-control")
+        return argv, env
 
     def broker_elsewhere(self, proc: LocalProcess) -> str | None:
         """What is wrong when the worker's log names a broker other than this stack's

