@@ -92,28 +92,49 @@ class InPlaceMap:
     ) -> Iterator[None]:
         """Learn, from the ``load_weights`` calls inside, which of ``specs`` (at
         ``offsets`` in ``buffer``, received bytes) can be received in place from now on."""
-        recorder = _CopyRecorder(model, buffer, specs, offsets)
+        with self.watch_buffers(model, [(buffer, specs, offsets)]):
+            yield
+
+    @contextmanager
+    def watch_buffers(
+        self, model: Any, buffers: Sequence[tuple[Any, Sequence[TensorSpec], Sequence[int]]]
+    ) -> Iterator[None]:
+        """``watch`` over tensors that lie in several buffers (each with its specs
+        and their offsets in it): one ``load_weights`` for all of them."""
+        recorder = _CopyRecorder(model, buffers)
         with recorder:
             yield
-        for spec in specs:
-            copies = recorder.copies.get(spec.name, [])
-            if spec.name in recorder.tainted or len(copies) != 1:
-                self.refused.add(spec.name)
-                self.places.pop(spec.name, None)
-            else:
-                self.places[spec.name] = copies[0]
+        for _, specs, _ in buffers:
+            for spec in specs:
+                copies = recorder.copies.get(spec.name, [])
+                if spec.name in recorder.tainted or len(copies) != 1:
+                    self.refused.add(spec.name)
+                    self.places.pop(spec.name, None)
+                else:
+                    self.places[spec.name] = copies[0]
 
 
-class _CopyRecorder(TorchFunctionMode):
-    """Sees every torch call made while loading, and follows the bucket's bytes."""
+class _Received:
+    """One buffer of received bytes: where it starts and the tensors in it, by offset."""
 
-    def __init__(self, model: Any, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int]) -> None:
-        super().__init__()
-        self.storage = buffer.untyped_storage().data_ptr()
+    def __init__(self, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int]) -> None:
         self.base = buffer.data_ptr()
         placed = sorted(zip(offsets, specs), key=lambda pair: pair[0])
         self.starts = [at for at, _ in placed]
         self.specs = [spec for _, spec in placed]
+
+
+class _CopyRecorder(TorchFunctionMode):
+    """Sees every torch call made while loading, and follows the received bytes."""
+
+    def __init__(self, model: Any, buffers: Sequence[tuple[Any, Sequence[TensorSpec], Sequence[int]]]) -> None:
+        super().__init__()
+        # Received buffers by their storage (two buffers may share one storage: a
+        # trainer's tensors carved out of one allocation).
+        self.received: dict[int, list[_Received]] = {}
+        for buffer, specs, offsets in buffers:
+            self.received.setdefault(buffer.untyped_storage().data_ptr(), []).append(
+                _Received(buffer, specs, offsets))
         self.params: dict[int, tuple[str, Any]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             if param.is_contiguous() and param.device.type != "meta":
@@ -123,22 +144,24 @@ class _CopyRecorder(TorchFunctionMode):
 
     def _in_bucket(self, tensor: Any) -> bool:
         return (isinstance(tensor, torch.Tensor) and tensor.device.type != "meta"
-                and tensor.untyped_storage().data_ptr() == self.storage)
+                and tensor.untyped_storage().data_ptr() in self.received)
 
-    def _index_of(self, tensor: Any) -> int | None:
-        """Which received tensor ``tensor`` views (by where it starts), if any."""
+    def _locate(self, tensor: Any) -> tuple[_Received, int] | None:
+        """Which received tensor ``tensor`` views (its buffer, its index there), if any."""
         if not self._in_bucket(tensor):
             return None
-        offset = tensor.data_ptr() - self.base
-        at = bisect.bisect_right(self.starts, offset) - 1
-        if at < 0 or offset >= self.starts[at] + self.specs[at].nbytes:
-            return None
-        return at
+        for received in self.received[tensor.untyped_storage().data_ptr()]:
+            offset = tensor.data_ptr() - received.base
+            at = bisect.bisect_right(received.starts, offset) - 1
+            if at >= 0 and offset < received.starts[at] + received.specs[at].nbytes:
+                return received, at
+        return None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        touched = {self.specs[i].name for i in map(self._index_of, tree_flatten((args, kwargs))[0]) if i is not None}
+        touched = {found[0].specs[found[1]].name
+                   for found in map(self._locate, tree_flatten((args, kwargs))[0]) if found is not None}
         if not touched:
             return result
         name = getattr(func, "__name__", "")
@@ -154,14 +177,15 @@ class _CopyRecorder(TorchFunctionMode):
     def _whole_copy(self, dest: Any, src: Any) -> bool:
         """``dest.copy_(src)`` with ``src`` a whole received tensor and ``dest`` a
         contiguous region of one parameter; recorded when so."""
-        at = self._index_of(src)
-        if at is None or self._index_of(dest) is not None:
+        found = self._locate(src)
+        if found is None or self._locate(dest) is not None:
             return False
-        spec = self.specs[at]
+        received, at = found
+        spec = received.specs[at]
         owner = self.params.get(dest.untyped_storage().data_ptr())
         if (
             owner is None
-            or src.data_ptr() - self.base != self.starts[at]
+            or src.data_ptr() - received.base != received.starts[at]
             or src.numel() * src.element_size() != spec.nbytes
             or not src.is_contiguous()
             or not dest.is_contiguous()

@@ -260,8 +260,8 @@ class EngineReceiver:
         """Load tensors that lie in several buffers (a handoff of the trainer's own
         storages). With direct loading, the tensors the in-place map knows are
         copied straight into their parameter regions (one batched copy), those
-        it does not know yet are loaded while it watches, buffer by buffer (the
-        first sync), the rest go through one ``load_weights``."""
+        it does not know yet are loaded in one ``load_weights`` while it watches
+        (the first sync), the rest go through one ``load_weights``."""
         model = self.model()
         if self.load_mode != "direct":
             model.load_weights(weights=[self._typed(spec, buffer, at) for spec, buffer, at, _ in tensors])
@@ -288,11 +288,12 @@ class EngineReceiver:
                 region.copy_(source, non_blocking=True)
         if known:
             model.load_weights(weights=known)
-        for buffer, placed in unknown.values():
-            specs = [spec for spec, _ in placed]
-            offsets = [at for _, at in placed]
-            with self.in_place.watch(model, buffer, specs, offsets):
-                model.load_weights(weights=wire.bucket_views(buffer, specs, offsets))
+        if unknown:  # the first sync of a layout: one load_weights, watched
+            buffers = [(buffer, [spec for spec, _ in placed], [at for _, at in placed])
+                       for buffer, placed in unknown.values()]
+            with self.in_place.watch_buffers(model, buffers):
+                model.load_weights(weights=[view for buffer, specs, offsets in buffers
+                                            for view in wire.bucket_views(buffer, specs, offsets)])
         return len(destinations), sum(int(region.numel()) for region in destinations)
 
     @staticmethod
