@@ -431,7 +431,7 @@ def test_the_cuda_bench_times_both_modes_awake_and_on_policy_asleep_and_reports_
     assert {"sleep_s", "wake_s", "handoff_s"} <= set(timing["on_policy_sleep"]) <= set(summary["phases_s"])
     assert summary["phases_s"]["sleep_s"] == 0.3 and summary["phases_s"]["wake_s"] == 0.8
     assert (summary["device"], summary["sleep_level"], summary["engine_dtype"]) == ("cuda", 1, "float32")
-    assert summary["logprob_check"] == {"tolerance": 2e-2, "max_gap": 4e-3, "max_mean_gap": 5e-4,
+    assert summary["logprob_check"] == {"tolerance": 5e-2, "max_gap": 4e-3, "max_mean_gap": 5e-4,
                                         "checked_steps": 4, "passed": True}
     assert summary["sync_backends"] == ["cuda_ipc"] and summary["gpu"] == "NVIDIA H200"
     assert "sleep level 0" in out.getvalue() and "logprob check: max trainer-vs-worker gap" in out.getvalue()
