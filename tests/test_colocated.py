@@ -206,3 +206,18 @@ def test_a_sync_forced_over_gloo_reaches_the_colocated_worker_the_old_way(
         forced.close()
     assert report.backend == "gloo" and sorted(report.workers) == [FAR, NEAR]
     assert all(tokens(r) == reference_a for r in by_worker(GREEDY)[NEAR])
+
+
+def test_the_modules_sender_after_another_trainers_sync_forms_a_new_group_instead_of_waiting_in_its_old_one(
+    workers: Any, sender: Any, weights: Any, reference_a: Any, redis_client: Any,
+) -> None:
+    # The test before had a second sender move the far worker into a group of its own;
+    # the module's sender still holds the group it formed with it earlier. The ready
+    # acks say which group each worker holds, so this sync forms a new one at once
+    # (it used to wait in the old group until the transfer's deadline).
+    version = max(versions(redis_client).values()) + 1
+    report = sender.sync(weights["A"], version=version, timeout=60)
+    assert sorted(report.workers) == [FAR, NEAR] and not report.reused_group
+    again = sender.sync(weights["A"], version=version + 1, timeout=60)
+    assert again.reused_group  # and kept from then on
+    assert all(tokens(r) == reference_a for r in by_worker(GREEDY)[FAR])

@@ -39,7 +39,7 @@ from rollout_queue.tasks.schemas import PauseMode
 # 5: the workers' deadlines travel in the plan, failures as a kind and a message;
 # 6: a transport per worker (``SyncPlan.handoffs``), the roster beyond the group;
 # 7: one name per round (``SyncRound``) in the plan, the acks and the decision.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 _ROUND = re.compile(r"(0|[1-9][0-9]*)-([0-9A-Za-z_.-]+)")
 
@@ -212,6 +212,11 @@ class SyncAck(_Message):
     ok: bool
     error: SyncFailure | None = None
     seconds: dict[str, float] = {}
+    # "ready": the round whose process group this worker's engine holds for the
+    # plan's transport (None: none). A trainer keeps its group only while every
+    # member still holds it: another trainer's sync in between moves a worker
+    # into a group of its own.
+    group_round: SyncRound | None = None
 
 
 class SyncDecision(_Message):

@@ -499,6 +499,14 @@ class WeightSender:
                 offsets[node] = rank
                 rank += plan.members[node]
         group_round = self.transport(plan.backend).group_for(plan.round, offsets) if offsets else None
+        moved = sorted(node for node in offsets if acks[node].group_round != group_round)
+        if plan.backend in transports.GROUP_TRANSPORTS and group_round not in (None, plan.round) and moved:
+            # Another trainer's sync moved these workers into a group of their own
+            # since this one formed: waiting for them in the old group would hang.
+            log.info("weight sync round %s: %s no longer hold the process group of round %s; forming a new one",
+                     plan.round, ", ".join(moved), group_round)
+            self.transport(plan.backend).reset()
+            group_round = self.transport(plan.backend).group_for(plan.round, offsets)
         decision = SyncDecision(go=True, offsets=offsets, world=rank, group_round=group_round,
                                 handoff=[node for node in ready if node in plan.handoffs])
         self._decide(plan, decision)

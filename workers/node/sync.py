@@ -98,6 +98,9 @@ class SyncParticipant:
         self._shapes_loaded = False
         self._manifests: dict[str, Manifest] = {}  # by digest, the last few seen
         self._engine_digest: str | None = None  # of the manifest the engine holds
+        # Per transport, the round whose process group the engine holds (told in
+        # the "ready" ack): set when a sync through it committed, dropped when one failed.
+        self._groups: dict[str, SyncRound] = {}
         self._store: Any = None
         self._store_address: tuple[str, int] | None = None
         self.last_error: str | None = None
@@ -206,7 +209,7 @@ class SyncParticipant:
             paused = True  # from here a failure resumes: pause() closes intake first and may fail after
             self.host.pause(plan.pause, timeout=plan.timeouts.pause)
             seconds["pause"] = time.monotonic() - t
-            self._ack(plan, "ready", True, seconds=seconds)
+            self._ack(plan, "ready", True, seconds=seconds, group_round=self._groups.get(plan.transport_of(self.node)))
             ready = True
             decision = self._await_decision(plan)
             if not decision.go or self.node not in decision.roster:
@@ -215,6 +218,8 @@ class SyncParticipant:
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
             stats = self._update_engine(plan, decision)
+            if decision.group_round is not None:
+                self._groups[plan.transport_of(self.node)] = decision.group_round
             seconds["update"] = time.monotonic() - t
             for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
                 seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
@@ -268,6 +273,7 @@ class SyncParticipant:
                 "host can reach") from exc
 
     def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
+        self._groups.pop(plan.transport_of(self.node), None)  # a failed collective leaves no group
         if changed:
             try:
                 changed = any(self.host.collective_rpc("rq_abort_update", plan.timeouts.abort))
@@ -338,9 +344,9 @@ class SyncParticipant:
         return self._store
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: SyncFailure | None = None,
-             seconds: dict[str, float] | None = None) -> None:
+             seconds: dict[str, float] | None = None, group_round: SyncRound | None = None) -> None:
         ack = SyncAck(node=self.node, round=plan.round, phase=phase,  # type: ignore[arg-type]
-                      ok=ok, error=error, seconds=seconds or {})
+                      ok=ok, error=error, seconds=seconds or {}, group_round=group_round)
         name = keys.sync_acks(plan.round, phase)
         try:
             pipe = self.client.pipeline(transaction=False)  # one round trip
