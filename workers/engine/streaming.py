@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 # anyway (readers then end on the stored result).
 END_WRITE_TIMEOUT_S = 5.0
 
-# What a stream asks of the publisher: write its pending deltas (None), or
-# them and then an event of this kind.
+# What a stream asks of the publisher: write its pending deltas (marker None),
+# with a start event before them or an end event after them.
 Marker = Literal["start", "end"]
 Request = tuple["TaskStream", Marker | None, threading.Event | None]
 
