@@ -450,6 +450,9 @@ class StreamEvent(_Message):
     Each run of the task (``attempt``: a retry or a redelivery is a new one)
     writes ``start``, its ``delta`` events, then ``end``, numbered by ``seq``
     from 0 so a reader sees a gap (entries trimmed by the stream's bound).
+    A ``delta`` event carries every delta its worker gathered for the task
+    since its previous write (``workers.engine.streaming``): several prompts
+    and samples, possibly several deltas of one sample, in generated order.
     ``end`` is written before the result is stored; the result itself goes to
     the result backend as for any task.
     """

@@ -3,7 +3,9 @@
 A task sent with the ``rq_stream`` header has its worker publish incremental
 outputs (vLLM's delta output kind) to a Redis Stream per task
 (``keys.token_stream``), as ``StreamEvent`` entries: ``start`` (which worker,
-which attempt), ``delta`` (new text and tokens of some samples), ``end``.
+which attempt), ``delta`` (the new text and tokens of the task's samples
+since the worker's previous write: one event carries the deltas of many
+prompts, in the order they were generated), ``end``.
 The final ``GenerationResult`` still goes to the result backend. Tasks sent
 without the header publish nothing (streaming costs nothing unless asked for).
 
@@ -46,7 +48,7 @@ class StreamFollower:
         self.last_id = "0-0"
         self.attempt: str | None = None
         self.worker: str | None = None
-        self.delivered = 0  # delta events handed on, over every attempt
+        self.delivered = 0  # deltas handed on, over every attempt
         self.ended = False
         self._next_seq = 0
 
@@ -75,7 +77,7 @@ class StreamFollower:
         if event.kind == "end":
             self.ended = True
             return []
-        self.delivered += 1
+        self.delivered += len(event.deltas)
         return event.deltas
 
     def worker_gone(self) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ from rollout_queue.tasks import generate, keys
 from rollout_queue.tasks.errors import PromptTooLong, StreamInterrupted
 from rollout_queue.tasks.schemas import GenerationResult, SampleDelta, StreamEvent
 from rollout_queue.tasks.streaming import STREAM_HEADER, StreamFollower
+from rollout_queue.workers.engine.streaming import TaskStream
 from tests.conftest import MAX_MODEL_LEN, WorkerStarter, worker_registered
 from tests.procs import Proc
 from tests.test_api import MODEL, RESULT_TIMEOUT, Gateway, start_gateway
@@ -98,6 +100,52 @@ def test_follower_refuses_a_restart_after_delivering_tokens_but_follows_one_befo
 
 
 # --------------------------------------------------------------------------
+# The writer's coalescing (pure logic: a recording publisher, fake engine outputs)
+# --------------------------------------------------------------------------
+
+
+class _RecordingPublisher:
+    """Keeps the requests a ``TaskStream`` queues; the test plays the publisher thread."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[TaskStream, str | None]] = []
+
+    def request(self, stream: TaskStream, marker: str | None = None, written: Any = None) -> None:
+        self.requests.append((stream, marker))
+
+    def serve(self) -> list[StreamEvent]:
+        """Take every queued request in order, as the publisher thread does."""
+        requests, self.requests = self.requests, []
+        return [StreamEvent.model_validate_json(event) for stream, marker in requests
+                for _, event in stream.take(marker)]  # type: ignore[arg-type]
+
+
+def _output(*tokens: int, finish: str | None = None) -> Any:
+    """A delta ``RequestOutput`` of one sample, as the engine loop hands it on."""
+    comp = SimpleNamespace(index=0, token_ids=list(tokens), text="".join(f"<{t}>" for t in tokens),
+                           logprobs=None, finish_reason=finish, stop_reason=None)
+    return SimpleNamespace(outputs=[comp])
+
+
+def test_a_task_stream_writes_the_deltas_gathered_between_writes_as_one_event() -> None:
+    publisher = _RecordingPublisher()
+    stream = TaskStream(publisher, "rq:stream:t", "w@x", logprobs=None)  # type: ignore[arg-type]
+    stream.emit("start")
+    # Three engine steps of 100 prompts before the publisher runs, even before it
+    # serves the start: they follow it, in one event.
+    for step in range(3):
+        for prompt in range(100):
+            stream.on_output(prompt, _output(step))
+    assert len(publisher.requests) == 2  # start, and one flush for 300 outputs
+    start, delta = publisher.serve()
+    assert (start.kind, start.seq, delta.kind, delta.seq) == ("start", 0, "delta", 1)
+    assert [(d.prompt, d.token_ids) for d in delta.deltas] == [(p, [s]) for s in range(3) for p in range(100)]
+    stream.on_output(7, _output(3, finish="length"))  # after a write: a new flush
+    stream.emit("end")  # its request flushes what is pending first; the stale flush then finds nothing
+    assert [(e.kind, e.seq, len(e.deltas)) for e in publisher.serve()] == [("delta", 2, 1), ("end", 3, 0)]
+
+
+# --------------------------------------------------------------------------
 # Python producers: generate.stream
 # --------------------------------------------------------------------------
 
@@ -121,6 +169,37 @@ def test_generate_stream_yields_deltas_that_add_up_to_the_plain_result(gen_worke
         assert [lp for d in mine for lp in d.logprobs or []] == sample.logprobs  # type: ignore[union-attr]
         assert [d.finish_reason for d in mine][-1] == "length"  # type: ignore[union-attr]
         assert sample.token_ids == plain.outputs[index].samples[0].token_ids
+
+
+def test_a_streamed_task_of_many_prompts_writes_far_fewer_events_than_outputs(
+    gen_worker: Proc, redis_client: Any
+) -> None:
+    # 32 prompts (the worker's max in flight: one batch) x 32 tokens: 32 delta
+    # outputs a step, which the worker wrote as 32 events a step before the
+    # coalescing (a 512-prompt task on a GPU outran its readers so).
+    prompts, tokens = 32, 32
+    task_id = "stream-coalesced-test"
+    result = generate.apply_async(
+        ([f"Story {i}:" for i in range(prompts)], {"max_tokens": tokens, "ignore_eos": True, "temperature": 0}),
+        task_id=task_id, headers={STREAM_HEADER: True},
+    )
+    final = GenerationResult.model_validate(result.get(timeout=RESULT_TIMEOUT))
+    key = keys.token_stream(task_id)
+    events = [StreamEvent.model_validate_json(fields["event"]) for _, fields in redis_client.xrange(key)]
+    redis_client.delete(key)
+    assert [e.kind for e in events[:1] + events[-1:]] == ["start", "end"]
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert {e.attempt for e in events} == {events[0].attempt}
+    deltas = [d for e in events for d in e.deltas]
+    delta_events = len(events) - 2
+    print(f"\n{prompts} x {tokens} tokens: {len(deltas)} delta outputs in {delta_events} events")
+    assert delta_events * 4 <= len(deltas), f"{delta_events} events for {len(deltas)} outputs: not coalesced"
+    assert max(len({d.prompt for d in e.deltas}) for e in events) > 1
+    for index, output in enumerate(final.outputs):
+        mine = [d for d in deltas if d.prompt == index]
+        assert [t for d in mine for t in d.token_ids] == output.samples[0].token_ids
+        assert "".join(d.text for d in mine) == output.samples[0].text
+        assert mine[-1].finish_reason == "length"
 
 
 def test_generate_stream_raises_the_task_error_instead_of_hanging(gen_worker: Proc) -> None:
