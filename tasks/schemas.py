@@ -410,6 +410,9 @@ class GenerationResult(_Message):
     outputs: list[PromptOutput]
     usage: Usage
     timing: Timing
+    # A traced task's stamps, stamp name -> unix time (tasks/trace.py); absent
+    # from results nobody asked to trace.
+    trace: dict[str, float] | None = None
 
 
 

@@ -109,6 +109,21 @@ def test_result_has_every_field_of_the_contract(gen_worker: Proc) -> None:
     assert parsed.usage.completion_tokens == GREEDY["max_tokens"]
     assert parsed.timing.generate_s > 0 and parsed.timing.queued_s >= 0
     assert parsed.outputs[0].samples[0].weight_versions == [(0, 0)]
+    assert "trace" not in result  # only a traced call's result carries one
+
+
+def test_a_traced_task_returns_every_phase_stamp_in_path_order(gen_worker: Proc) -> None:
+    from rollout_queue.tasks import trace
+
+    handle = generate.apply_async((TOKEN_PROMPTS, {"temperature": 0, "max_tokens": 4}), trace=True)
+    result = handle.get(timeout=TIMEOUT)
+    stamps = result["trace"]
+    assert sorted(stamps) == sorted(trace.STAMPS)
+    assert trace.in_order(stamps) == [], {name: stamps[name] for name in trace.STAMPS}
+    phases = trace.phases_ms(stamps)
+    assert set(phases) == {*trace.PHASES, "total"}
+    assert phases["total"] == pytest.approx(sum(phases[name] for name in trace.PHASES))
+    assert samples(result) == samples(run(TOKEN_PROMPTS, {"temperature": 0, "max_tokens": 4}))
 
 
 # ------------------------------------------------------------------ prompts

@@ -21,7 +21,7 @@ from celery import Task
 from celery.exceptions import Ignore
 from pydantic import ValidationError
 
-from rollout_queue.tasks import keys
+from rollout_queue.tasks import keys, trace
 from rollout_queue.tasks.errors import InvalidRequest, Requeue
 from rollout_queue.tasks.generate import (
     FIRST_PROMPT_HEADER,
@@ -199,11 +199,13 @@ class GenerationService:
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
+        headers = task.request.headers or {}
+        traced = trace.requested(headers)  # tasks.trace: None unless the producer asked
+        trace.stamp(traced, "started", started)
         request = parse_request(prompts, params)
         self._admit(task, request)
-        headers = task.request.headers or {}
         deadline = started + time_limit(task.request.timelimit, self.soft_time_limit, self.hard_time_limit)
-        outputs, version, checkpointed = self._tracked(task, request, headers, deadline)
+        outputs, version, checkpointed = self._tracked(task, request, headers, deadline, traced)
         if self.handed_on is not None:
             # Handed on while cut off: the new holder's run counts (its
             # checkpoint included), this one is dropped unstored.
@@ -216,7 +218,11 @@ class GenerationService:
         result = self._result(task, request, outputs, version, started, done)
         for callback in self.on_finished:
             callback(result, done - started)
-        return result.model_dump(mode="json")
+        body = result.model_dump(mode="json", exclude={"trace"})
+        if traced is not None:
+            trace.stamp(traced, "returned")
+            body["trace"] = traced  # the backend adds "storing" (workers.queue.result_backend)
+        return body
 
     def _result(
         self, task: Task, request: GenerateRequest, outputs: list[PromptOutput], version: int,
@@ -252,7 +258,8 @@ class GenerationService:
             self.handed_on.check(task, wait=False)
 
     def _tracked(
-        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float
+        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float,
+        traced: dict[str, Any] | None = None,
     ) -> tuple[list[PromptOutput], int, bool]:
         """:meth:`_generate`, counted in the worker's task counters while it runs."""
         task_id = task.request.id
@@ -262,7 +269,7 @@ class GenerationService:
                 self._running[task_id] = len(request.prompts)
         ok = False
         try:
-            generated = self._generate(task, request, headers, deadline)
+            generated = self._generate(task, request, headers, deadline, traced)
             ok = True
             return generated
         finally:
@@ -274,7 +281,8 @@ class GenerationService:
                 self.failed_tasks += not ok
 
     def _generate(
-        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float
+        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float,
+        traced: dict[str, Any] | None = None,
     ) -> tuple[list[PromptOutput], int, bool]:
         """Run the task's prompts: outputs, final version, whether it was checkpointed."""
         task_id = task.request.id
@@ -295,6 +303,7 @@ class GenerationService:
             checkpoint=checkpoint,
             saved=saved,
             on_output=None if stream is None else stream.on_output,
+            trace=traced,
         )
         outputs, version = self.host.generate(request, options)
         self._end_if_terminated(task)

@@ -7,11 +7,15 @@ again). Here it is retried as a lost connection is: with the backend's
 retry policy (about ``RQ_RESULT_STORE_TIMEOUT`` seconds, backing off up to
 1 s between tries), and the log says Redis is full rather than that its
 connection was lost. Selected by the worker (:func:`backend_url`).
+
+A traced task's result (``tasks.trace``) gets its ``storing`` stamp here, as
+the backend begins to encode and write it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery.backends.redis import RedisBackend
@@ -30,6 +34,12 @@ class ResultBackend(RedisBackend):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         errors: tuple[type[BaseException], ...] = tuple(getattr(self, "connection_errors", ()))
         self.connection_errors = (*errors, OutOfMemoryError)
+
+    def store_result(self, task_id: str, result: Any, state: str, *args: Any, **kwargs: Any) -> Any:
+        traced = result.get("trace") if isinstance(result, dict) else None
+        if isinstance(traced, dict):
+            traced["storing"] = time.time()
+        return super().store_result(task_id, result, state, *args, **kwargs)
 
     def on_connection_error(self, max_retries: int | None, exc: Exception, intervals: Any,
                             retries: int) -> float:
