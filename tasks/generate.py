@@ -147,7 +147,9 @@ class GenerateTask(Task):
     executor: Executor | None = None
     # Engine failures (a poison request) are retried this often, then fail.
     max_retries = 2
-    track_started = True
+    # STARTED is stored by the worker's service beside the task's run, not by
+    # Celery before it (workers.node.service.GenerationService.mark_started).
+    track_started = False
     throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
 
     def delay(self, *args: Any, **kwargs: Any) -> GenerationAsyncResult | SplitResult:
