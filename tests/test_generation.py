@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,22 @@ def test_a_traced_task_returns_every_phase_stamp_in_path_order(gen_worker: Proc)
     assert set(phases) == {*trace.PHASES, "total"}
     assert phases["total"] == pytest.approx(sum(phases[name] for name in trace.PHASES))
     assert samples(result) == samples(run(TOKEN_PROMPTS, {"temperature": 0, "max_tokens": 4}))
+
+
+def test_a_task_reads_started_while_it_generates_and_success_once_done(gen_worker: Proc) -> None:
+    handle = generate.apply_async(([[5, 17, 99]], {"temperature": 0, "max_tokens": 400, "ignore_eos": True}))
+    seen = []
+    deadline = time.monotonic() + TIMEOUT
+    while not handle.ready():
+        assert time.monotonic() < deadline, f"no result within {TIMEOUT:.0f}s; states seen {seen}"
+        state = handle.state
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        time.sleep(0.01)
+    assert "STARTED" in seen, seen
+    assert handle.state == "SUCCESS"
+    assert len(handle.get(timeout=TIMEOUT)["outputs"][0]["samples"][0]["token_ids"]) == 400
+    handle.forget()
 
 
 # ------------------------------------------------------------------ prompts
