@@ -16,7 +16,8 @@ With ``--trace`` the queue leg's tasks carry a phase trace (``tasks.trace``),
 and the line also holds each phase's p50 and p99 (``phases_p50_ms``,
 ``phases_p99_ms``: publish, Redis and fetch, strategy, thread hand-off,
 prepare, engine add, first token, decode, result build, before store, store
-and read; ``total`` is apply_async to .get()), and ``apply_async_p50_ms``
+and read; ``total`` is apply_async to .get(), ``outside_engine`` the total less
+first token and decode: the queue's own time), and ``apply_async_p50_ms``
 (the call itself, which returns a little after the message is out).
 """
 
@@ -134,7 +135,7 @@ def trace_summary(traces: list[dict[str, float]], apply_ms: list[float]) -> dict
             by_phase.setdefault(name, []).append(ms)
     if out_of_order:
         benchlib.log(f"warning: {out_of_order} of {len(traces)} traces have stamps out of order")
-    order = [*trace.PHASES, "total"]
+    order = [*trace.PHASES, "total", "outside_engine"]
     phases = {name: by_phase[name] for name in order if len(by_phase.get(name, [])) >= 2}
     return {
         "trace": True,

@@ -82,13 +82,20 @@ def valid(value: Any) -> bool:
         isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) for k, v in value.items())
 
 
+# The phases inside vLLM's engine (its request's life there); the rest is the queue's.
+ENGINE_PHASES = ("first_token", "decode")
+
+
 def phases_ms(trace: Mapping[str, float]) -> dict[str, float]:
     """Each phase's duration in milliseconds, for the phases whose two stamps are in ``trace``;
-    ``total`` from ``called`` to ``read`` when both are."""
+    with every stamp, ``total`` (``called`` to ``read``) and ``outside_engine`` (the total
+    less the engine's phases: what the queue adds to the task, whatever the engine did)."""
     found = {name: (trace[end] - trace[start]) * 1000.0
              for name, (start, end) in PHASES.items() if start in trace and end in trace}
     if "called" in trace and "read" in trace:
         found["total"] = (trace["read"] - trace["called"]) * 1000.0
+        if all(name in found for name in ENGINE_PHASES):
+            found["outside_engine"] = found["total"] - sum(found[name] for name in ENGINE_PHASES)
     return found
 
 

@@ -159,5 +159,5 @@ def test_the_latency_smoke_run_breaks_the_queue_leg_down_by_phase(
     code, log = bench_runs["latency.py"].result()
     assert code == 0, "\n".join(log.splitlines()[-30:])
     (record,) = [line for line in json_lines(log) if line.get("bench") == "latency"]
-    assert list(record["phases_p50_ms"]) == [*PHASES, "total"]
+    assert list(record["phases_p50_ms"]) == [*PHASES, "total", "outside_engine"]
     assert record["traces_out_of_order"] == 0

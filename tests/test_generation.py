@@ -122,8 +122,9 @@ def test_a_traced_task_returns_every_phase_stamp_in_path_order(gen_worker: Proc)
     assert sorted(stamps) == sorted(trace.STAMPS)
     assert trace.in_order(stamps) == [], {name: stamps[name] for name in trace.STAMPS}
     phases = trace.phases_ms(stamps)
-    assert set(phases) == {*trace.PHASES, "total"}
+    assert set(phases) == {*trace.PHASES, "total", "outside_engine"}
     assert phases["total"] == pytest.approx(sum(phases[name] for name in trace.PHASES))
+    assert 0 < phases["outside_engine"] < phases["total"]
     assert samples(result) == samples(run(TOKEN_PROMPTS, {"temperature": 0, "max_tokens": 4}))
 
 
