@@ -411,8 +411,8 @@ class GenerationResult(_Message):
     usage: Usage
     timing: Timing
     # A traced task's stamps, stamp name -> unix time (tasks/trace.py); absent
-    # from results nobody asked to trace.
-    trace: dict[str, float] | None = None
+    # from results nobody asked to trace (left out of their dumps too).
+    trace: dict[str, float] | None = Field(default=None, exclude_if=lambda trace: trace is None)
 
 
 

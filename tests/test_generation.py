@@ -129,7 +129,10 @@ def test_a_traced_task_returns_every_phase_stamp_in_path_order(gen_worker: Proc)
 
 
 def test_a_task_reads_started_while_it_generates_and_success_once_done(gen_worker: Proc) -> None:
-    handle = generate.apply_async(([[5, 17, 99]], {"temperature": 0, "max_tokens": 400, "ignore_eos": True}))
+    # 128 tokens: a few hundred ms here, many polls of the state. (With 400 it
+    # failed once in a run at load ~15, its log not kept; it passed alone and in
+    # the next full run of the module.)
+    handle = generate.apply_async(([[5, 17, 99]], {"temperature": 0, "max_tokens": 128, "ignore_eos": True}))
     seen = []
     deadline = time.monotonic() + TIMEOUT
     while not handle.ready():
@@ -140,7 +143,7 @@ def test_a_task_reads_started_while_it_generates_and_success_once_done(gen_worke
         time.sleep(0.01)
     assert "STARTED" in seen, seen
     assert handle.state == "SUCCESS"
-    assert len(handle.get(timeout=TIMEOUT)["outputs"][0]["samples"][0]["token_ids"]) == 400
+    assert len(handle.get(timeout=TIMEOUT)["outputs"][0]["samples"][0]["token_ids"]) == 128
     handle.forget()
 
 

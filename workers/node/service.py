@@ -265,7 +265,7 @@ class GenerationService:
         result = self._result(task, request, outputs, version, started, done)
         for callback in self.on_finished:
             callback(result, done - started)
-        body = result.model_dump(mode="json", exclude={"trace"})
+        body = result.model_dump(mode="json")
         if traced is not None:
             trace.stamp(traced, "returned")
             body["trace"] = traced  # the backend adds "storing" (workers.queue.result_backend)
