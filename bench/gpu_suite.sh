@@ -13,7 +13,7 @@
 #   alone 470      bench/throughput.py --alone: queue, raw vLLM, plain vLLM, each alone (ALONE_ARGS, default --rounds 2)
 #   shared 240     bench/shared_gpu.py: a worker pair on one GPU vs one worker (SHARED_ARGS, default --rounds 1)
 #   streaming 300  bench/streaming.py (STREAMING_ARGS)
-#   latency 210    bench/latency.py (LATENCY_ARGS)
+#   latency 210    bench/latency.py (LATENCY_ARGS, default --trace: the per-phase breakdown)
 #   scaling 400    bench/scaling.py (SCALING_ARGS)
 #   resume 260     bench/resume.py (RESUME_ARGS)
 #   grpo 300       examples/grpo.py --device cuda: GRPO on SmolLM2-135M (.models/smollm2-135m-instruct, converted
@@ -71,7 +71,7 @@ for step in $steps; do
     alone)      bench alone ${ALONE_LIMIT:-470} bench/throughput.py --device cuda --alone ${ALONE_ARGS---rounds 2 --repeats 2} ;;
     shared)     bench shared ${SHARED_LIMIT:-240} bench/shared_gpu.py --device cuda ${SHARED_ARGS---rounds 1 --repeats 2} ;;
     streaming)  bench streaming ${STREAMING_LIMIT:-300} bench/streaming.py --device cuda ${STREAMING_ARGS:-} ;;
-    latency)    bench latency ${LATENCY_LIMIT:-210} bench/latency.py --device cuda ${LATENCY_ARGS:-} ;;
+    latency)    bench latency ${LATENCY_LIMIT:-210} bench/latency.py --device cuda ${LATENCY_ARGS---trace} ;;
     scaling)    bench scaling 400 bench/scaling.py --device cuda ${SCALING_ARGS:-} ;;
     resume)     bench resume ${RESUME_LIMIT:-260} bench/resume.py --device cuda ${RESUME_ARGS:-} ;;
     grpo)       timeout -k 15 "${GRPO_LIMIT:-300}" python3 examples/grpo.py --device cuda \

@@ -9,8 +9,16 @@ messaging, the result backend, validation and result building.
 
     .venv/bin/python bench/latency.py                        # CPU: tiny model
     python bench/latency.py --device cuda --model PATH       # GPU
+    .venv/bin/python bench/latency.py --trace                # and where the time goes
 
 Prints one JSON line: p50/p99 of both legs, added_p50_ms / added_p99_ms, ratio_p50.
+With ``--trace`` the queue leg's tasks carry a phase trace (``tasks.trace``),
+and the line also holds each phase's p50 and p99 (``phases_p50_ms``,
+``phases_p99_ms``: publish, Redis and fetch, strategy, thread hand-off,
+prepare, engine add, first token, decode, result build, before store, store
+and read; ``total`` is apply_async to .get(), ``outside_engine`` the total less
+first token and decode: the queue's own time), and ``apply_async_p50_ms``
+(the call itself, which returns a little after the message is out).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 
 import benchlib
 
+from rollout_queue.tasks import trace
 from rollout_queue.tasks.generate import generate
 from rollout_queue.tasks.schemas import SamplingParams
 
@@ -40,6 +49,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int)
     p.add_argument("--input-len", type=int)
     p.add_argument("--max-tokens", type=int)
+    p.add_argument("--trace", action="store_true", help="trace the queue leg's tasks phase by phase")
     args = p.parse_args()
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -58,11 +68,17 @@ def main() -> None:
     direct_params = to_vllm_params(params)
     times: dict[str, list[float]] = {"queue": [], "direct": []}
     tokens: dict[str, list[list[int]]] = {"queue": [], "direct": []}
+    traces: list[dict[str, float]] = []  # the queue leg's, warm-up included (cut below)
+    apply_ms: list[float] = []
 
     def queue_call(ids: list[int]) -> list[int]:
-        handle = generate.apply_async(([ids], params), queue=stack.queue)
+        began = time.time()
+        handle = generate.apply_async(([ids], params), queue=stack.queue, trace=args.trace)
+        apply_ms.append((time.time() - began) * 1000)
         result: dict[str, Any] = handle.get(timeout=300)
         handle.forget()
+        if args.trace:
+            traces.append(result["trace"])
         return list(result["outputs"][0]["samples"][0]["token_ids"])
 
     def direct_call(ids: list[int]) -> list[int]:
@@ -104,7 +120,30 @@ def main() -> None:
         "input_len": args.input_len,
         "max_tokens": args.max_tokens,
     }
+    if args.trace:
+        record.update(trace_summary(traces[warmup:], apply_ms[warmup:]))
     benchlib.emit(record, args)
+
+
+def trace_summary(traces: list[dict[str, float]], apply_ms: list[float]) -> dict[str, Any]:
+    """Each phase's p50 and p99 over the traced tasks (``tasks.trace``), in path order."""
+    by_phase: dict[str, list[float]] = {}
+    out_of_order = 0
+    for one in traces:
+        out_of_order += bool(trace.in_order(one))
+        for name, ms in trace.phases_ms(one).items():
+            by_phase.setdefault(name, []).append(ms)
+    if out_of_order:
+        benchlib.log(f"warning: {out_of_order} of {len(traces)} traces have stamps out of order")
+    order = [*trace.PHASES, "total", "outside_engine"]
+    phases = {name: by_phase[name] for name in order if len(by_phase.get(name, [])) >= 2}
+    return {
+        "trace": True,
+        "phases_p50_ms": {name: round(statistics.median(v), 2) for name, v in phases.items()},
+        "phases_p99_ms": {name: round(percentile(v, 99), 2) for name, v in phases.items()},
+        "apply_async_p50_ms": round(statistics.median(apply_ms), 2),
+        "traces_out_of_order": out_of_order,
+    }
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue
 
-from rollout_queue.tasks import keys
+from rollout_queue.tasks import broker, keys
 from rollout_queue.tasks.settings import ClientSettings
 
 app = Celery("rollout_queue")
@@ -101,6 +101,8 @@ def celery_config(settings: ClientSettings) -> dict[str, Any]:
     tls = redis_tls_options(settings)
     config: dict[str, Any] = {
         "broker_url": url,
+        # kombu's Redis transport, one Redis client per pool (tasks/broker.py).
+        "broker_transport": broker.TRANSPORT,
         "result_backend": url,
         "broker_transport_options": broker_transport,
         "result_backend_transport_options": backend_transport,

@@ -29,13 +29,13 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, Protocol, overload
 
-from celery import Task
+from celery import Task, signals
 from celery.exceptions import Reject
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import OutOfMemoryError, RedisError
 
-from rollout_queue.tasks import keys
+from rollout_queue.tasks import keys, trace
 from rollout_queue.tasks.app import app, settings
 from rollout_queue.tasks.errors import (
     BrokerFull,
@@ -77,7 +77,14 @@ REQUEUE_LIMIT = 100_000
 
 class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
     """A ``generate`` task's ``AsyncResult``: ``.get()`` returns the result as a dict
-    (as always), :meth:`result_model` as a ``GenerationResult``."""
+    (as always), :meth:`result_model` as a ``GenerationResult``. A traced task's
+    result gets its ``read`` stamp as ``.get()`` returns it (``tasks.trace``)."""
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().get(*args, **kwargs)
+        if isinstance(result, dict) and result.get("trace") is not None:
+            trace.stamp(result["trace"], "read")
+        return result
 
     def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
         """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""
@@ -140,7 +147,9 @@ class GenerateTask(Task):
     executor: Executor | None = None
     # Engine failures (a poison request) are retried this often, then fail.
     max_retries = 2
-    track_started = True
+    # STARTED is stored by the worker's service beside the task's run, not by
+    # Celery before it (workers.node.service.GenerationService.mark_started).
+    track_started = False
     throws = (InvalidRequest, PromptTooLong)  # expected: logged without a traceback
 
     def delay(self, *args: Any, **kwargs: Any) -> GenerationAsyncResult | SplitResult:
@@ -150,6 +159,9 @@ class GenerateTask(Task):
     def apply_async(
         self, args: Any = None, kwargs: Any = None, **options: Any
     ) -> GenerationAsyncResult | SplitResult:
+        """Celery's, validated first; ``trace=True`` (or ``RQ_TRACE_PHASES``): the result
+        carries the task's phase trace (``tasks.trace``)."""
+        called = time.time()
         arguments = dict(kwargs or {})
         positional = list(args or ())
         prompts = positional[0] if positional else arguments.pop("prompts", None)
@@ -172,6 +184,10 @@ class GenerateTask(Task):
             )
         request = build_request(prompts, params)
         headers = dict(options.pop("headers", None) or {})
+        client = settings()
+        if options.pop("trace", False) or client.trace_phases:
+            _trace_publishes()
+            headers[trace.TRACE_HEADER] = {"called": called}
         on_new_weights = options.pop("on_new_weights", None)
         if on_new_weights is not None:
             if on_new_weights not in ON_NEW_WEIGHTS:
@@ -181,7 +197,6 @@ class GenerateTask(Task):
                 )
             headers[ON_NEW_WEIGHTS_HEADER] = on_new_weights
         headers.setdefault(SENT_AT_HEADER, time.time())
-        client = settings()
         check_sequences(request, client.call_max_sequences)
         limit = prompts_per_task(request.params.n, client.task_max_prompts, client.task_max_sequences)
         if len(request.prompts) <= limit or "task_id" in options:
@@ -199,6 +214,8 @@ class GenerateTask(Task):
     ) -> GenerationAsyncResult:
         """Enqueue ``request`` as one task, whatever its size (``generate_many``'s chunks)."""
         headers = dict(headers)
+        if trace.TRACE_HEADER in headers:  # each part of a split call has stamps of its own
+            headers[trace.TRACE_HEADER] = dict(headers[trace.TRACE_HEADER])
         headers.setdefault(SENT_AT_HEADER, time.time())
         headers[SIGNATURE_HEADER] = signature(request.params)
         headers[MIN_VERSION_HEADER] = request.params.min_weight_version
@@ -363,6 +380,17 @@ class GenerateTask(Task):
                             self.request.id, rejected.reason)
                 return Reject(rejected.reason, requeue=True)
             raise
+
+
+_TRACING_PUBLISHES: list[bool] = []
+
+
+def _trace_publishes() -> None:
+    """Stamp traced messages as they are published (on the first traced call: an untraced
+    producer keeps no receiver on Celery's publish signal)."""
+    if not _TRACING_PUBLISHES:
+        signals.before_task_publish.connect(trace.on_before_publish, sender=keys.GENERATE_TASK, weak=False)
+        _TRACING_PUBLISHES.append(True)
 
 
 def _out_of_memory(exc: BaseException | None) -> OutOfMemoryError | None:

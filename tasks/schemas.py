@@ -14,9 +14,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -410,6 +412,16 @@ class GenerationResult(_Message):
     outputs: list[PromptOutput]
     usage: Usage
     timing: Timing
+    # A traced task's stamps, stamp name -> unix time (tasks/trace.py); absent
+    # from results nobody asked to trace (left out of their dumps too).
+    trace: dict[str, float] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_trace(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        if dumped.get("trace", 0) is None:
+            del dumped["trace"]
+        return dumped
 
 
 

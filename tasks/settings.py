@@ -167,6 +167,10 @@ class ClientSettings(Settings):
     # or result is a lost task): workers, the gateway and producers refuse another
     # policy unless this is set (tasks.registry.check_eviction_policy).
     allow_evicting_redis: bool = False
+    # Producers: every generate call carries a phase trace back in its result
+    # (tasks/trace.py; one call: apply_async(..., trace=True)). Workers always
+    # honour a traced task; an untraced one costs them nothing.
+    trace_phases: bool = False
 
     @model_validator(mode="after")
     def _visibility_above_time_limit(self) -> ClientSettings:

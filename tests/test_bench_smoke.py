@@ -39,7 +39,7 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
                           "--idle-s", "0.5", "--lifetime", "120"], False),
     "dedup_check.py": (["--iterations", "5"], False),
     "sync_pattern.py": (["--shape", "qwen2-tiny", "--iters", "2", "--direct-mib", "1"], False),
-    "latency.py": (["--iterations", "3", "--input-len", "8", "--max-tokens", "2"], True),
+    "latency.py": (["--iterations", "3", "--input-len", "8", "--max-tokens", "2", "--trace"], True),
     "throughput.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
                        "--rounds", "1"], True),
     "split.py": (["--prompts", "8", "--input-len", "8", "--max-tokens", "2", "--rounds", "1",
@@ -149,3 +149,15 @@ def assert_ran_with_a_json_line(script: str, run: Future[tuple[int | None, str]]
     tail = "\n".join(log.splitlines()[-30:])
     assert code == 0, f"{script} exited with {code}:\n{tail}"
     assert json_lines(log), f"{script} printed no JSON line:\n{tail}"
+
+
+def test_the_latency_smoke_run_breaks_the_queue_leg_down_by_phase(
+    bench_runs: dict[str, Future[tuple[int | None, str]]]
+) -> None:
+    from rollout_queue.tasks.trace import PHASES
+
+    code, log = bench_runs["latency.py"].result()
+    assert code == 0, "\n".join(log.splitlines()[-30:])
+    (record,) = [line for line in json_lines(log) if line.get("bench") == "latency"]
+    assert list(record["phases_p50_ms"]) == [*PHASES, "total", "outside_engine"]
+    assert record["traces_out_of_order"] == 0

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from rollout_queue.tasks.errors import GenerationTimeout, InvalidRequest, PromptTooLong
 from rollout_queue.tasks.schemas import GenerateRequest, PromptOutput, Sample, SamplingParams
+from rollout_queue.tasks.trace import stamp
 from rollout_queue.workers.engine import logprobs as lp
 from rollout_queue.workers.engine.errors import AbortedForSync, EngineLost, HandedOff
 from rollout_queue.workers.engine.progress import (
@@ -65,6 +66,8 @@ class RunOptions:
     those in ``saved`` from their saved tokens (``workers.engine.progress``).
     ``on_output``: a streamed task's hook (``workers.engine.streaming``), called
     on the engine loop with the prompt's index and each delta output.
+    ``trace``: a traced task's stamps (``tasks.trace``): the run adds ``submit``,
+    ``added``, ``first_token`` and ``last_output``; None: untraced.
     """
 
     deadline: float
@@ -74,6 +77,7 @@ class RunOptions:
     checkpoint: TaskCheckpointer | None = None
     saved: Mapping[SampleKey, SampleProgress] = field(default_factory=dict)
     on_output: Callable[[int, Any], None] | None = None
+    trace: dict[str, Any] | None = None
 
 
 class LiveRequest(Protocol):
@@ -189,17 +193,47 @@ def merge(whole: Any, out: Any) -> None:
     whole.add(out, aggregate=True)
 
 
-async def collect(queue: Any, rid: str, sinks: Sequence[Sink]) -> Any:
+def first_token_at(out: Any) -> float | None:
+    """When vLLM's ``AsyncLLM`` processed the request's first token (unix time), from the
+    output's request stats (vLLM keeps them while stats are logged); None without them."""
+    metrics = getattr(out, "metrics", None)
+    arrival = getattr(metrics, "arrival_time", 0.0) or 0.0  # wall clock, at add_request
+    latency = getattr(metrics, "first_token_latency", 0.0) or 0.0
+    if arrival and latency:
+        return float(arrival + latency)
+    first = getattr(metrics, "first_token_ts", 0.0) or 0.0  # the engine core's monotonic clock
+    return float(time.time() - time.monotonic() + first) if first else None
+
+
+def _stamp_outputs(trace: dict[str, Any], first_seen: float, whole: Any) -> None:
+    """A finished request's ``added`` (vLLM's arrival time: ``add_request`` entered),
+    ``first_token`` and ``last_output`` stamps: the earliest, earliest and latest over a
+    task's requests (on the engine loop; without vLLM's stats, the run's own ``added``
+    and the first output's arrival stand in)."""
+    now = time.time()
+    arrival = getattr(getattr(whole, "metrics", None), "arrival_time", 0.0) or 0.0
+    if arrival:
+        trace["added"] = min(arrival, trace.get("added", arrival))
+    first = first_token_at(whole) or first_seen
+    trace["first_token"] = min(first, trace.get("first_token", first))
+    trace["last_output"] = max(now, trace.get("last_output", now))
+
+
+async def collect(queue: Any, rid: str, sinks: Sequence[Sink], trace: dict[str, Any] | None = None) -> Any:
     """The request's final output (as ``AsyncLLM.generate`` drains its queue).
 
     With sinks the request sends deltas (every checkpoint interval where
     vLLM can: ``to_vllm_params``' ``every``), each merged into the first
     output. Deltas, not cumulative outputs: vLLM copies a cumulative
     output's whole token list at each output, quadratic in its length.
+    ``trace``: a traced task's stamps (``tasks.trace``).
     """
     whole = None
+    first_seen = 0.0
     while True:
         out = queue.get_nowait() or await queue.get()
+        if trace is not None and not first_seen:
+            first_seen = time.time()
         for sink in sinks:
             sink.delta(rid, out)
         if whole is None:
@@ -213,6 +247,8 @@ async def collect(queue: Any, rid: str, sinks: Sequence[Sink]) -> Any:
                     sink.grown(rid, by_index[completion.index])
         if out.finished:
             whole.outputs.sort(key=lambda completion: completion.index)
+            if trace is not None:
+                _stamp_outputs(trace, first_seen, whole)
             return whole
 
 
@@ -321,14 +357,20 @@ class GenerationRun:
             for rid, unit in zip(rids, units):
                 self.checkpoint.watch(rid, unit)
         sinks = self.sinks
+        traced = self.options.trace
 
         def drain(rid: str, queue: Any) -> Any:
-            return collect(queue, rid, sinks)
+            return collect(queue, rid, sinks, traced)
 
-        return self.host.submit(
-            rids, [unit.engine_prompt for unit in units], self._samplings(units),
+        samplings = self._samplings(units)
+        stamp(traced, "submit")
+        futures = self.host.submit(
+            rids, [unit.engine_prompt for unit in units], samplings,
             self.options.deadline, self.options.on_submitted, drain,
         )
+        if traced is not None:  # vLLM's arrival time replaces it when its stats are on
+            traced.setdefault("added", time.time())
+        return futures
 
     def _check(self, futures: Futures, rids: list[str]) -> None:
         """Raise what ended the requests other than their own finish: an engine

@@ -5,23 +5,35 @@ work this worker must not serve (fenced, paused or asleep: the host's
 ``NodeState`` says why; weights older than the task's
 ``min_weight_version``), runs the prompts on the ``EngineHost`` and builds
 the ``GenerationResult``.
+
+It also stores the task's ``STARTED`` state (``track_started``), which
+Celery would store on the task's thread before the task body, a read and a
+write of the result backend in its way (1.3 ms of a 1-prompt task's
+latency on the CPU test machine, docs/BENCHMARKS.md): here it is stored
+once the task's requests are in the engine, by a thread of its own, while
+they generate; the task waits for that write before it ends (a ``STARTED``
+written late would replace the final state Celery stores next). A task that
+fails before its requests reach the engine goes from ``PENDING`` to its
+final state.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
-from celery import Task
+from celery import Task, states
 from celery.exceptions import Ignore
 from pydantic import ValidationError
 
-from rollout_queue.tasks import keys
+from rollout_queue.tasks import keys, trace
 from rollout_queue.tasks.errors import InvalidRequest, Requeue
 from rollout_queue.tasks.generate import (
     FIRST_PROMPT_HEADER,
@@ -107,6 +119,9 @@ class GenerationService:
         # (terminate()): their prompts are aborted, they end REVOKED.
         self._running: dict[str, int] = {}
         self._terminated: set[str] = set()
+        # Running tasks' STARTED writes (mark_started); the task waits for its own before it ends.
+        self._marks = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="started-mark")
+        self._marking: dict[str, concurrent.futures.Future[None]] = {}
 
     def terminate(self, task_ids: set[str]) -> list[str]:
         """``revoke(terminate=True)`` of tasks this worker runs (``workers.node.control``):
@@ -132,6 +147,31 @@ class GenerationService:
             pipe.execute()
         log.warning("task %s revoked with terminate: aborting its %d prompt(s) in the engine", task_id, prompts)
 
+    def mark_started(self, task: Task) -> None:
+        """Store ``task``'s STARTED state beside its generation, as Celery's
+        ``track_started`` would before the task (``GenerateTask.track_started`` is off)."""
+        task_id = task.request.id
+        if not task_id or task.request.is_eager:
+            return
+        meta = {"pid": os.getpid(), "hostname": task.request.hostname}
+
+        def store() -> None:
+            task.backend.store_result(task_id, meta, states.STARTED, request=task.request)
+
+        with self._lock:
+            self._marking[task_id] = self._marks.submit(store)
+
+    def _started_marked(self, task_id: str | None) -> None:
+        """Wait for the task's STARTED write (before anything else is stored for it)."""
+        with self._lock:
+            mark = self._marking.pop(task_id, None) if task_id else None
+        if mark is None:
+            return
+        try:
+            mark.result()  # the backend's own retries bound it (RQ_RESULT_STORE_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001  the state is informational; the result is not
+            log.warning("could not store the STARTED state of task %s: %s", task_id, exc)
+
     def _end_if_terminated(self, task: Task) -> None:
         """Raise ``Ignore`` (Celery keeps the REVOKED state stored here) if ``task``
         was revoked with terminate while it ran."""
@@ -140,6 +180,7 @@ class GenerationService:
             if task_id not in self._terminated:
                 return
             self._terminated.discard(task_id)
+        self._started_marked(task_id)
         task.backend.mark_as_revoked(task_id, "terminated", request=task.request)
         raise Ignore(f"task {task_id} revoked with terminate=True: its prompts were aborted in the engine")
 
@@ -198,12 +239,20 @@ class GenerationService:
         return self.host.tool_calls.streamer(request.conversation(prompt))
 
     def execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
+        try:
+            return self._execute(task, prompts, params)
+        finally:
+            self._started_marked(task.request.id)
+
+    def _execute(self, task: Task, prompts: Any, params: Any) -> dict[str, Any]:
         started = time.time()
+        headers = task.request.headers or {}
+        traced = trace.requested(headers)  # tasks.trace: None unless the producer asked
+        trace.stamp(traced, "started", started)
         request = parse_request(prompts, params)
         self._admit(task, request)
-        headers = task.request.headers or {}
         deadline = started + time_limit(task.request.timelimit, self.soft_time_limit, self.hard_time_limit)
-        outputs, version, checkpointed = self._tracked(task, request, headers, deadline)
+        outputs, version, checkpointed = self._tracked(task, request, headers, deadline, traced)
         if self.handed_on is not None:
             # Handed on while cut off: the new holder's run counts (its
             # checkpoint included), this one is dropped unstored.
@@ -216,7 +265,11 @@ class GenerationService:
         result = self._result(task, request, outputs, version, started, done)
         for callback in self.on_finished:
             callback(result, done - started)
-        return result.model_dump(mode="json")
+        body = result.model_dump(mode="json")
+        if traced is not None:
+            trace.stamp(traced, "returned")
+            body["trace"] = traced  # the backend adds "storing" (workers.queue.result_backend)
+        return body
 
     def _result(
         self, task: Task, request: GenerateRequest, outputs: list[PromptOutput], version: int,
@@ -252,7 +305,8 @@ class GenerationService:
             self.handed_on.check(task, wait=False)
 
     def _tracked(
-        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float
+        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float,
+        traced: dict[str, Any] | None = None,
     ) -> tuple[list[PromptOutput], int, bool]:
         """:meth:`_generate`, counted in the worker's task counters while it runs."""
         task_id = task.request.id
@@ -262,7 +316,7 @@ class GenerationService:
                 self._running[task_id] = len(request.prompts)
         ok = False
         try:
-            generated = self._generate(task, request, headers, deadline)
+            generated = self._generate(task, request, headers, deadline, traced)
             ok = True
             return generated
         finally:
@@ -274,7 +328,8 @@ class GenerationService:
                 self.failed_tasks += not ok
 
     def _generate(
-        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float
+        self, task: Task, request: GenerateRequest, headers: dict[str, Any], deadline: float,
+        traced: dict[str, Any] | None = None,
     ) -> tuple[list[PromptOutput], int, bool]:
         """Run the task's prompts: outputs, final version, whether it was checkpointed."""
         task_id = task.request.id
@@ -287,14 +342,21 @@ class GenerationService:
         # A streamed task is not checkpointed: its client reads the tokens as they come.
         checkpoint, saved = (None, {}) if stream is not None else self._checkpoint(task_id, headers)
         callback = self.on_submitted
+
+        def submitted() -> None:
+            if callback is not None and task_id:
+                callback(task_id)
+            self.mark_started(task)
+
         options = RunOptions(
             deadline=deadline,
             aborted=self._aborted_reader(task_id),
-            on_submitted=None if callback is None else functools.partial(callback, task_id),
+            on_submitted=submitted,
             first_index=first_prompt(headers),
             checkpoint=checkpoint,
             saved=saved,
             on_output=None if stream is None else stream.on_output,
+            trace=traced,
         )
         outputs, version = self.host.generate(request, options)
         self._end_if_terminated(task)

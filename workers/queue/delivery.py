@@ -13,6 +13,10 @@ the consumer's event loop for every message before Celery builds a request:
    (``workers.queue.intake``: the next fetch waits for that);
 4. Celery's default strategy takes it from there (reserve, pool, ack late).
 
+A traced task (``tasks.trace``) gets its ``received`` stamp as the strategy
+is entered and its ``handed`` stamp as Celery's takes over, in the message's
+headers, which Celery's request copies for the task.
+
 ``die_before_ack`` is a fault for tests (``RQ_FAULT_DIE_BEFORE_ACK``): the
 process kills itself with SIGKILL when it would ack a task it ran, its result
 already stored.
@@ -30,6 +34,7 @@ from typing import Any
 from celery import signals
 from celery.worker.strategy import default as default_strategy
 
+from rollout_queue.tasks import trace
 from rollout_queue.tasks.errors import PoisonMessage
 from rollout_queue.tasks.generate import (
     FIRST_PROMPT_HEADER,
@@ -74,6 +79,7 @@ HEADER_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ON_NEW_WEIGHTS_HEADER: (lambda v: v in ON_NEW_WEIGHTS, f"one of {', '.join(ON_NEW_WEIGHTS)}"),
     STREAM_HEADER: (lambda v: isinstance(v, bool | int | str), "a flag"),
     "timelimit": (_time_limits, "[hard, soft] seconds (numbers >= 0 or null)"),
+    trace.TRACE_HEADER: (trace.valid, "a dict of stamp names to unix times"),
 }
 
 
@@ -111,6 +117,8 @@ def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack:
 
         def on_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any,
                        **options: Any) -> Any:
+            traced = trace.requested(message.headers)
+            trace.stamp(traced, "received")
             check_message(message)  # PoisonMessage: dead-lettered by the consumer
             headers = message.headers or {}
             task_id = headers.get("id")
@@ -125,8 +133,10 @@ def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack:
                 ack = _dying(ack)
             if not task_id or headers.get("eta"):
                 # A countdown (a requeue) waits in Celery's timer: not counted.
+                trace.stamp(traced, "handed")
                 return handle(message, body, ack, reject, callbacks, **options)
             intake.fetched(task_id, headers)
+            trace.stamp(traced, "handed")
             try:
                 return handle(message, body, ack, reject, callbacks, **options)
             except BaseException:

@@ -73,7 +73,7 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps
 
-from rollout_queue.tasks import keys
+from rollout_queue.tasks import broker, keys
 from rollout_queue.tasks.errors import PoisonMessage
 from rollout_queue.workers.queue.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
@@ -207,9 +207,9 @@ class QoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
 
-class Channel(kombu_redis.Channel):
+class Channel(broker.Channel):
     QoS = QoS
-    from_transport_options = kombu_redis.Channel.from_transport_options + (  # type: ignore[assignment]
+    from_transport_options = broker.Channel.from_transport_options + (  # type: ignore[assignment]
         "rq_processing_key", "rq_inflight_key", "rq_multi_queue_block_s",
     )
     rq_processing_key: str = ""
