@@ -43,10 +43,16 @@ def _entries(logprobs: Any, index: int) -> dict[int, tuple[float, int | None]] |
     return {token_id: (entry.logprob, entry.rank) for token_id, entry in position.items()}
 
 
+# What a top-k entry says for a token the request's structured output forbids
+# (vLLM's logprob there is -inf, which JSON cannot carry): vLLM's OpenAI server
+# answers the same.
+FORBIDDEN_LOGPROB = -9999.0
+
+
 def _top(entries: dict[int, tuple[float, int | None]], k: int) -> TopK:
     """The ``k`` best ``(token_id, logprob)``, by vLLM's rank."""
     ranked = sorted(entries.items(), key=lambda item: (item[1][1] or 0, -item[1][0]))
-    return [(int(tid), float(lp)) for tid, (lp, rank) in ranked if (rank or 0) <= k][:k]
+    return [(int(tid), max(float(lp), FORBIDDEN_LOGPROB)) for tid, (lp, rank) in ranked if (rank or 0) <= k][:k]
 
 
 def _sampled(logprobs: Any, token_ids: Sequence[int], start: int, missing: float | None) -> list[float | None]:
