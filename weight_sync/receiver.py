@@ -259,7 +259,7 @@ class EngineReceiver:
     def load_tensors(self, tensors: Sequence[tuple[TensorSpec, Any, int, int]]) -> tuple[int, int]:
         """Load tensors that lie in several buffers (a handoff of the trainer's own
         storages). With direct loading, the tensors the in-place map knows are
-        copied straight into their parameter regions (one batched copy), those
+        copied straight into their parameter regions (one ``copy_`` each), those
         it does not know yet are loaded in one ``load_weights`` while it watches
         (the first sync), the rest go through one ``load_weights``."""
         model = self.model()

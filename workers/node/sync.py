@@ -201,7 +201,7 @@ class SyncParticipant:
         ready = False
         try:
             self.state.begin_update()
-            if self._store is None or self._store_address != (plan.store_host, plan.store_port):
+            if not self._store_kept(plan):
                 self._check_rendezvous(plan)  # a kept store client has reached it already
             if self.host.weights_asleep():  # loading into sleeping weights crashes vLLM
                 self.host.wake_up(["weights"])
@@ -329,10 +329,14 @@ class SyncParticipant:
         return error(f"{self.node} {what} the trainer's rendezvous store at {plan.store_host}:{plan.store_port} "
                      f"({why}): {advice}", phase="ready", workers=[self.node])
 
+    def _store_kept(self, plan: SyncPlan) -> bool:
+        """Whether the store client kept from an earlier sync is connected to this plan's store."""
+        return self._store is not None and self._store_address == (plan.store_host, plan.store_port)
+
     def _decision_store(self, plan: SyncPlan, deadline: float) -> Any:
         address = (plan.store_host, plan.store_port)
         remaining = max(deadline - time.monotonic(), 0.1)
-        if self._store is None or self._store_address != address:
+        if not self._store_kept(plan):
             # TCPStore's own connect to a host gone silent outlasts its timeout
             # (the kernel's SYN retries, minutes): a bounded probe goes first.
             wire.check_reachable(plan.store_host, plan.store_port, min(plan.timeouts.probe, remaining))
