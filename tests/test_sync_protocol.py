@@ -235,6 +235,7 @@ PEER = textwrap.dedent(
         specs = [s for s in manifest.tensors if s.bucket == index]
         for name, view in wire.bucket_views(buf, specs):
             sums[name] = float(view.double().sum())
+    del group, store
     print(json.dumps(sums))
     """
 )

@@ -259,3 +259,55 @@ def test_a_lost_engines_fence_is_final_no_other_fence_replaces_it_and_nothing_li
     state.fence(FenceReason.REDIS_FULL, "redis is full")  # would be lifted once Redis has room
     state.lift(FenceReason.REDIS_FULL, *CAUGHT_UP)
     assert state.fence_reason is FenceReason.ENGINE_LOST and not state.consuming
+
+
+# ---------------------------------------------------------------------------
+# The prefix-cache reset around a sync (pure logic: a stand-in engine that
+# counts resets; the real engine's case, logprobs on the new weights right
+# after a sync, is in tests/test_weight_sync.py and tests/test_colocated.py)
+# ---------------------------------------------------------------------------
+
+
+class _CachingEngine:
+    def __init__(self) -> None:
+        self.resets = 0
+
+    async def reset_prefix_cache(self, **_: object) -> bool:
+        self.resets += 1
+        return True
+
+    async def add_request(self, rid: str, prompt: object, sampling: object) -> object:
+        return object()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_an_idle_sync_resets_the_prefix_cache_only_when_a_request_entered_since_the_last_reset() -> None:
+    from types import SimpleNamespace
+
+    from rollout_queue.workers.engine.host import EngineHost
+    from rollout_queue.workers.settings import EngineSettings
+
+    host = EngineHost(EngineSettings(model="tiny", device="cpu"), serving())
+    engine = host.engine = _CachingEngine()
+    host._thread.start()
+    try:
+        def sync(version: int) -> None:
+            host.pause("keep", timeout=5)
+            host.resume(version, timeout=5)
+
+        sync(1)
+        assert engine.resets == 1  # a fresh engine: whatever ran before is unknown
+        sync(2)
+        sync(3)
+        assert engine.resets == 1  # back to back: no request entered, no cached block to drop
+        host._add_all(["r1"], [[1, 2, 3]], [SimpleNamespace(n=1)], deadline=time.time() + 5)
+        host.release(["r1"])  # it ran and finished: its blocks stay cached
+        sync(4)
+        assert engine.resets == 2 and host.weight_version == 4
+        assert host.reset_prefix_cache()  # an operator's reset counts as well
+        sync(5)
+        assert engine.resets == 3
+    finally:
+        host.shutdown()

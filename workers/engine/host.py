@@ -170,6 +170,12 @@ class EngineHost:
         # Set when pause() found the engine idle and left it running: its
         # prefix-cache reset, already under way. None: pause() paused the engine.
         self._early_reset: concurrent.futures.Future[Any] | None = None
+        # Requests ever added, and their count when a prefix-cache reset last
+        # succeeded: equal, no request entered since, and a sync has no cached
+        # block to drop (syncs back to back; nothing ran since the last sync)
+        # and skips the reset, a walk over every KV block in the engine core.
+        self._requests_added = 0
+        self._reset_at = -1
         self._handing_off = False  # set by hand_off(): requests added later are aborted too
         self.generated_tokens = 0
         self.finished_requests = 0
@@ -333,6 +339,7 @@ class EngineHost:
             with self._submit_lock:
                 if not self.state.intake_open:
                     continue
+                self._requests_added += len(rids)
                 with self._lock:
                     for rid, one in zip(rids, samplings):
                         self._live[rid] = LiveRequest(
@@ -472,8 +479,13 @@ class EngineHost:
             # so the engine needs no pause (vLLM's costs a scheduler round trip
             # and a fixed 20 ms settle). The usual case: syncs between rollouts.
             # Nothing can fill the prefix cache until resume either, so its reset
-            # starts now and overlaps the update instead of following it.
-            self._early_reset = asyncio.run_coroutine_threadsafe(self.engine.reset_prefix_cache(), self._loop)
+            # starts now and overlaps the update instead of following it (none
+            # when no request ran since the last one).
+            if self._reset_at == self._requests_added:
+                self._early_reset = concurrent.futures.Future()
+                self._early_reset.set_result(True)
+            else:
+                self._early_reset = asyncio.run_coroutine_threadsafe(self._reset_prefix_cache(), self._loop)
             return
         if mode == "abort":
             with self._lock:
@@ -510,10 +522,7 @@ class EngineHost:
             # Cached blocks were computed with the old weights: never reuse
             # them. Kept requests are recomputed with the new weights.
             if early is None:
-                self.call(
-                    self.engine.reset_prefix_cache(reset_running_requests=self._keep_pause),
-                    timeout=timeout,
-                )
+                self.call(self._reset_prefix_cache(reset_running_requests=self._keep_pause), timeout=timeout)
             if self._pending_counts:
                 with self._lock:
                     for (rid, index), count in self._pending_counts.items():
@@ -531,7 +540,17 @@ class EngineHost:
         return self.call(self.engine.collective_rpc(method, args=args), timeout=timeout)
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self.call(self.engine.reset_prefix_cache(), timeout=30))
+        return self.call(self._reset_prefix_cache(), timeout=30)
+
+    async def _reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Reset the engine's prefix cache, noting when it succeeded (vLLM refuses
+        while blocks are in use, and says so in its return value)."""
+        added = self._requests_added
+        keep = {"reset_running_requests": True} if reset_running_requests else {}
+        done = bool(await self.engine.reset_prefix_cache(**keep))
+        if done:
+            self._reset_at = added  # requests added meanwhile leave it behind
+        return done
 
     def sleep_mode_problem(self) -> str | None:
         """Why this engine cannot sleep, or None when it can."""
