@@ -142,6 +142,14 @@ def sync_acks(sync_round: str, phase: str) -> str:
     return f"{PREFIX}:sync:{sync_round}:{'ready' if phase == 'accepted' else phase}"
 
 
+def sync_over(sync_round: str) -> str:
+    """Set by the trainer when a round has ended, after the pool's version is
+    written (whether or not anyone committed): the pool's version is then final
+    for that round. A worker that missed the round waits for it (or its deadline)
+    before the heartbeat may read itself as caught up."""
+    return f"{PREFIX}:sync:{sync_round}:over"
+
+
 def sync_decision(sync_round: str) -> str:
     """Key of the trainer's decision for a round in its rendezvous store."""
     return f"rq/decision/{sync_round}"

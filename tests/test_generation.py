@@ -129,19 +129,26 @@ def test_a_traced_task_returns_every_phase_stamp_in_path_order(gen_worker: Proc)
 
 
 def test_a_task_reads_started_while_it_generates_and_success_once_done(gen_worker: Proc) -> None:
-    # 128 tokens: a few hundred ms here, many polls of the state. (With 400 it
-    # failed once in a run at load ~15, its log not kept; it passed alone and in
-    # the next full run of the module.)
-    handle = generate.apply_async(([[5, 17, 99]], {"temperature": 0, "max_tokens": 128, "ignore_eos": True}))
-    seen = []
-    deadline = time.monotonic() + TIMEOUT
-    while not handle.ready():
-        assert time.monotonic() < deadline, f"no result within {TIMEOUT:.0f}s; states seen {seen}"
-        state = handle.state
-        if not seen or seen[-1] != state:
-            seen.append(state)
-        time.sleep(0.01)
-    assert "STARTED" in seen, seen
+    # Each state the backend stores is also published on the task's key: the
+    # test listens there from before the task is sent, so it sees every stored
+    # state in order however late it gets the CPU (polling .state raced the
+    # task: at load ~15 the first poll came after SUCCESS and saw nothing).
+    task_id = uuid.uuid4().hex
+    listener = generate.backend.client.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(generate.backend.get_key_for_task(task_id))
+    try:
+        handle = generate.apply_async(([[5, 17, 99]], {"temperature": 0, "max_tokens": 128, "ignore_eos": True}),
+                                      task_id=task_id)
+        stored: list[str] = []
+        deadline = time.monotonic() + TIMEOUT
+        while "SUCCESS" not in stored:
+            assert time.monotonic() < deadline, f"no result within {TIMEOUT:.0f}s; states stored {stored}"
+            message = listener.get_message(timeout=1.0)
+            if message is not None:
+                stored.append(generate.backend.decode_result(message["data"])["status"])
+    finally:
+        listener.close()
+    assert stored == ["STARTED", "SUCCESS"], stored
     assert handle.state == "SUCCESS"
     assert len(handle.get(timeout=TIMEOUT)["outputs"][0]["samples"][0]["token_ids"]) == 128
     handle.forget()

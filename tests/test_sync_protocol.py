@@ -202,7 +202,7 @@ def test_the_engine_request_travels_as_json_with_the_workers_deadlines_and_no_in
     # The defaults are the deadlines workers used before they travelled in the plan.
     assert WorkerTimeouts().model_dump() == {
         "probe": 5.0, "pause": 120.0, "store_connect": 30.0, "decision": 180.0, "group_join": 60.0,
-        "receive": 600.0, "update": 900.0, "resume": 60.0, "abort": 120.0,
+        "receive": 600.0, "update": 900.0, "resume": 60.0, "abort": 120.0, "outcome": 300.0,
     }
 
 

@@ -75,6 +75,33 @@ def test_the_heartbeat_lifts_only_the_fences_it_set_or_a_missed_sync() -> None:
     assert state.current == "fenced" and state.fence_reason is FenceReason.HALF_LOADED
 
 
+def test_a_missed_sync_stays_fenced_until_its_round_can_no_longer_commit_for_the_others() -> None:
+    # The heartbeat reads the pool's old version while the round runs on for the
+    # others: a fence it lifted then let the worker serve stale weights until the
+    # next heartbeat (seen under load: a task went to the worker that missed it).
+    state = serving()
+    state.begin_update()
+    state.fail_update(Fence(FenceReason.MISSED_SYNC, "missed sync to version 4", until=time.monotonic() + 0.3))
+    state.lift(*CAUGHT_UP)
+    assert state.current == "fenced" and not state.consuming
+    time.sleep(0.3)
+    state.lift(*CAUGHT_UP)  # no commit came: the fleet is still where the worker is
+    assert state.current == "serving" and state.consuming
+    state.begin_update()
+    state.fail_update(Fence(FenceReason.MISSED_SYNC, "missed sync to version 5", until=time.monotonic() + 60,
+                            round="5-3f9a1c2b7d0e"))
+    assert state.held_for == "5-3f9a1c2b7d0e"
+    state.lift(*CAUGHT_UP)
+    assert state.current == "fenced"
+    state.lift(*CAUGHT_UP, round_over=True)  # the trainer marked the round over: its version is final
+    assert state.current == "serving" and state.held_for is None
+    state.begin_update()
+    state.fail_update(Fence(FenceReason.MISSED_SYNC, "missed sync to version 6", until=time.monotonic() + 60))
+    state.begin_update()
+    state.finish_update()  # a sync that brings the weights lifts it at once
+    assert state.current == "serving"
+
+
 def test_a_full_redis_fence_stops_consuming_but_lets_held_tasks_run_until_redis_has_room() -> None:
     state = serving()
     state.fence(FenceReason.REDIS_FULL, "Redis is full")

@@ -143,6 +143,9 @@ class WorkerTimeouts(_Message):
     update: float = Field(default=900.0, gt=0)  # the engine call: join, receive, finish
     resume: float = Field(default=60.0, gt=0)  # the engine resumes (after a sync or failure)
     abort: float = Field(default=120.0, gt=0)  # the engine rolls a failed update back
+    # The trainer has written the round's outcome (the pool's version) within
+    # this long: a worker that missed the round stays fenced at least that long.
+    outcome: float = Field(default=300.0, gt=0)
 
 
 class SyncPlan(_Message):

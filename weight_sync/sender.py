@@ -105,6 +105,9 @@ log = logging.getLogger(__name__)
 # read outlasts the 1 s BLPOP); the phase's deadline bounds the retries.
 ACK_CONNECT_S = 2.0
 ACK_READ_S = 5.0
+# The pool's version is written this long after the sync's deadline at most
+# (the last ack read, then one SET): what a worker that missed the round waits.
+OUTCOME_GRACE_S = 10.0
 
 # Gloo buckets travel in pieces of this size (SyncSettings.chunk_bytes = None).
 GLOO_CHUNK_BYTES = 128 << 20
@@ -264,7 +267,23 @@ class WeightSender:
         t = time.monotonic()
         plan, silent = self.trigger(members, manifest, version, pause, backend, deadline, handoffs)
         phases["trigger"] = time.monotonic() - t
+        try:
+            return self._run_triggered(plan, silent, deadline, tensors, own_tensors, phases)
+        finally:
+            self._mark_over(plan)
 
+    def _mark_over(self, plan: SyncPlan) -> None:
+        """The round has ended and the pool's version is final for it (``keys.sync_over``)."""
+        try:
+            self.client.set(keys.sync_over(plan.round), 1, ex=3600)
+        except redis.RedisError as exc:  # the workers that missed it wait for its deadline instead
+            log.warning("could not mark sync round %s over: %s", plan.round, exc)
+
+    def _run_triggered(
+        self, plan: SyncPlan, silent: dict[str, str], deadline: float, tensors: dict[str, torch.Tensor],
+        own_tensors: bool, phases: dict[str, float],
+    ) -> RoundOutcome:
+        """Phases 3-5 of a round whose trigger went out: ready, transfer, commit."""
         t = time.monotonic()
         decision, not_ready = self.await_ready(plan, set(plan.members) - set(silent), deadline)
         silent.update(not_ready)
@@ -432,10 +451,12 @@ class WeightSender:
             # A worker waits for the decision no longer than the trainer may take to
             # write it (its trigger and ready phases): a trainer gone or cut off
             # leaves it resuming on its old weights.
-            timeouts=self.settings.timeouts.worker.model_copy(update={"decision": min(
-                self.settings.timeouts.trigger + self.settings.timeouts.ready,
-                max(deadline - time.monotonic(), 0.1),
-            )}),
+            timeouts=self.settings.timeouts.worker.model_copy(update={
+                "decision": min(self.settings.timeouts.trigger + self.settings.timeouts.ready,
+                                max(deadline - time.monotonic(), 0.1)),
+                # await_commit writes the pool's version once the deadline's acks are in.
+                "outcome": max(deadline - time.monotonic(), 0.1) + OUTCOME_GRACE_S,
+            }),
         )
         arguments = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
                                      self.settings.weight_sync_secret, destination=list(plan.members))

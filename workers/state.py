@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -61,6 +62,12 @@ CAUGHT_UP = (FenceReason.FLEET_AHEAD, FenceReason.MISSED_SYNC)
 class Fence:
     reason: FenceReason
     detail: str  # what the log, and a requeued task's message, say
+    # A missed sync's round may still commit for the others: until the trainer
+    # has written the pool's version the heartbeat would read the old one as
+    # caught up. Held until round ``round`` is over, or time.monotonic() passes
+    # ``until`` (the round's deadline: a trainer that never says).
+    until: float | None = None
+    round: str | None = None
 
 
 Lifecycle = Literal["starting", "running", "stopping"]
@@ -181,10 +188,21 @@ class NodeState:
                 return
             self._change(fence=Fence(reason, detail))
 
-    def lift(self, *reasons: FenceReason) -> None:
-        """Lift the fence if it is for one of ``reasons``."""
+    @property
+    def held_for(self) -> str | None:
+        """The sync round whose end the fence waits for (None: not held)."""
+        fence = self._now.fence
+        if fence is None or fence.until is None or time.monotonic() >= fence.until:
+            return None
+        return fence.round
+
+    def lift(self, *reasons: FenceReason, round_over: bool = False) -> None:
+        """Lift the fence if it is for one of ``reasons``, and not held for a
+        round that may still commit (``round_over``: the caller saw it end)."""
         with self._lock:
-            if self._now.fence is not None and self._now.fence.reason in reasons:
+            fence = self._now.fence
+            held = fence is not None and fence.until is not None and time.monotonic() < fence.until
+            if fence is not None and fence.reason in reasons and (round_over or not held):
                 self._change(fence=None)
 
     def begin_update(self) -> None:

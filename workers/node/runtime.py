@@ -339,7 +339,9 @@ class WorkerRuntime:
                     "waiting for the next sync",
                 )
         else:
-            self.state.lift(*CAUGHT_UP)
+            held = self.state.held_for  # a missed round's: lifted once it is over
+            over = held is not None and bool(self.client.exists(keys.sync_over(held)))
+            self.state.lift(*CAUGHT_UP, round_over=over)
 
 
 def held_delivery_tags() -> set[str]:

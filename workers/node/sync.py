@@ -288,7 +288,10 @@ class SyncParticipant:
             self.state.fail_update(
                 Fence(FenceReason.HALF_LOADED, f"weights half-loaded by failed sync round {plan.round}"))
         elif plan.weight_version > self.host.weight_version:
-            self.state.fail_update(Fence(FenceReason.MISSED_SYNC, f"missed sync to version {plan.weight_version}"))
+            # The others may still commit: held until the trainer has written the
+            # round's outcome, or the heartbeat would read the old version as current.
+            self.state.fail_update(Fence(FenceReason.MISSED_SYNC, f"missed sync to version {plan.weight_version}",
+                                         until=time.monotonic() + plan.timeouts.outcome, round=plan.round))
         else:
             self.state.fail_update(None)
 
