@@ -8,6 +8,8 @@ tokenizer, so the client's ``return_tokens_as_token_ids`` is what makes its
 logprob tokens parse. ``RQ_API_SPREAD_MIN_PROMPTS=2``: a completion request
 of 4 prompts or more is split over both workers; each worker takes one part
 at a time (``--intake-sequences``), so both serve a part of one request.
+The last test starts a third worker after the trainer's init: it catches up
+through a relay in the trainer's next update.
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ QUEUE = "trl-fleet"
 WORKERS = ("trl-a@tests", "trl-b@tests")
 # One part of the split test (4 prompts x n=1) fills a worker's intake.
 INTAKE_SEQUENCES = 4
+WORKER_FLAGS = ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
+                "--intake-sequences", str(INTAKE_SEQUENCES)]
 TOKEN_PROMPTS = [[1, 15 + p, 200 + 3 * p, 7, 41 + p] for p in range(8)]
 
 
 @pytest.fixture(scope="module")
 def trl_workers(start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis) -> list[Proc]:
     """Both engines start at once (20-40 s each), then both must serve."""
-    flags = ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
-             "--intake-sequences", str(INTAKE_SEQUENCES)]
-    procs = [start_worker(model_a, name, queue=QUEUE, pool="trl", extra=flags, wait=False) for name in WORKERS]
+    procs = [start_worker(model_a, name, queue=QUEUE, pool="trl", extra=WORKER_FLAGS, wait=False)
+             for name in WORKERS]
     for proc, name in zip(procs, WORKERS):
         proc.wait_until(lambda name=name: worker_registered(redis_client, name), 240, f"{name} to serve")
     return procs
@@ -442,6 +445,75 @@ def test_trls_client_pushes_a_whole_model_into_both_workers_and_a_bad_update_cha
         still, _ = fleet_logprobs(trl_gateway, WEIGHT_PROMPTS)
         assert_close(still, rounded)
         assert fleet_version(redis_client, "trl") == version + 1
+    finally:
+        client.close_communicator()
+        shut = httpx.post(f"{trl_gateway.base}/shutdown_weight_transfer_engine", json={}, timeout=60)
+    assert shut.status_code == 200 and sorted(shut.json()["workers"]) == sorted(WORKERS)
+
+
+# ------------------------------------------------------------- a worker the trainer's group never had
+
+LATE_WORKER = "trl-late@tests"
+
+
+def worker_info(client: redis_lib.Redis, node: str) -> Any:
+    from rollout_queue.tasks import keys
+    from rollout_queue.tasks.schemas import WorkerInfo
+
+    raw = client.get(keys.worker_key(node))
+    return None if raw is None else WorkerInfo.model_validate_json(raw)
+
+
+def test_a_worker_started_after_the_trainers_init_is_fenced_until_an_update_brings_it_the_whole_model(
+    trl_gateway: Gateway, trl_workers: list[Proc], hf_models: dict[str, Any], redis_client: redis_lib.Redis,
+    start_worker: WorkerStarter, model_a: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The late worker is outside TRL's group (fixed at init): trl-a's engine forwards it
+    the trainer's chunks. An update of one tensor leaves it fenced, saying what is
+    missing; the next whole-model update brings it to the fleet's version, and a task
+    sent to it while it was fenced runs then, on the new weights."""
+    import trl.generation.vllm_client as trl_module
+
+    from rollout_queue.tasks import control, generate, keys
+    from rollout_queue.tasks.registry import fleet_version
+
+    refs_b = reference_logprobs(hf_models["B"], WEIGHT_PROMPTS)
+    monkeypatch.setattr(trl_module, "open_trainer_endpoint", gloo_trainer_init)
+    monkeypatch.setattr(trl_module, "packed_nccl_broadcast_producer", gloo_packed_broadcast)
+    client = VLLMClient(base_url=trl_gateway.base, group_port=free_port(), connection_timeout=30)
+    client.init_communicator(device="cuda")
+    try:
+        client.update_model_params(hf_models["B"])  # the fleet moves past the checkpoint's weights
+        late = start_worker(model_a, LATE_WORKER, queue=QUEUE, pool="trl", wait=False,
+                            extra=[*WORKER_FLAGS, "--sticky-sessions"])  # its own queue too
+        late.wait_until(lambda: worker_registered(redis_client, LATE_WORKER, state="fenced"), 240,
+                        f"{LATE_WORKER} to register, fenced behind the fleet")
+        version = fleet_version(redis_client, "trl")
+        assert worker_info(redis_client, LATE_WORKER).weight_version < version
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        waiting = generate.apply_async((WEIGHT_PROMPTS, params), queue=keys.node_queue(LATE_WORKER))
+
+        # One tensor: the members take it; the late worker loads it and stays fenced.
+        norm = dict(hf_models["B"].named_parameters())["model.norm.weight"]
+        client.update_named_param("model.norm.weight", norm.data)
+        assert fleet_version(redis_client, "trl") == version + 1
+        info = worker_info(redis_client, LATE_WORKER)
+        assert info.state == "fenced" and info.weight_version < version
+        error = control.engine_stats([LATE_WORKER], timeout=30)[LATE_WORKER]["last_sync_error"]
+        total = len(dict(hf_models["A"].named_parameters()))  # the checkpoint's tensors (lm_head tied)
+        assert f"{total - 1} of its checkpoint's {total} tensors" in error and "stays fenced" in error
+        assert not waiting.ready()
+
+        # The whole model: the late worker catches up in the same round as the members.
+        client.update_model_params(hf_models["B"])
+        version += 2
+        assert fleet_version(redis_client, "trl") == version
+        result = waiting.get(timeout=RESULT_TIMEOUT)
+        assert result["worker"] == LATE_WORKER and result["weight_version"] == version
+        served = [[lp for lp in output["prompt_logprobs"][1:]] for output in result["outputs"]]
+        assert_close(served, refs_b)
+        info = worker_info(redis_client, LATE_WORKER)
+        assert info.state == "serving" and info.weight_version == version
     finally:
         client.close_communicator()
         shut = httpx.post(f"{trl_gateway.base}/shutdown_weight_transfer_engine", json={}, timeout=60)
