@@ -142,6 +142,46 @@ def test_logprobs_past_the_workers_cap_are_refused_with_the_flag_that_raises_it(
     check_logprobs(SamplingParams(logprobs=50), ModelLimits(), "logprobs")  # no worker known: the engine checks
 
 
+def test_a_member_restarted_since_init_and_workers_started_since_are_caught_up_through_one_members_relay(
+    redis_url: str,
+) -> None:
+    """Who is in the trainer's group is the process that joined it (its ``started_at``):
+    a member restarted under its name, and two workers started since, take the chunks
+    from the first ready member's engine, ranks after it in the relay group."""
+    from rollout_queue.tasks.schemas import WorkerInfo
+    from rollout_queue.weight_sync.protocol import SyncAck, SyncPlan, SyncRound
+    from rollout_queue.weight_sync.settings import SyncSettings
+    from rollout_queue.weight_sync.vllm_transfer import TrainerGroup, TrainerGroupRounds, TransferInit
+
+    def worker(node: str, started_at: float, version: int, state: str = "serving", tp: int = 1) -> WorkerInfo:
+        return WorkerInfo(node=node, pool="p", model="m", device="cpu", dtype="float32", state=state,  # type: ignore[arg-type]
+                          weight_version=version, started_at=started_at, tensor_parallel_size=tp)
+
+    init = TransferInit(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=4, packed=True)
+    group = TrainerGroup(SyncRound.new(1), init, {"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 1, "c": 1}, "p",
+                         {"a": 10.0, "b": 10.0, "c": 10.0})
+    rounds = TrainerGroupRounds(SyncSettings(), group)
+    live = [worker("a", 10.0, 4), worker("b", 99.0, 0), worker("c", 10.0, 4), worker("d", 50.0, 0, "fenced", tp=2),
+            worker("e", 60.0, 2, "fenced"), worker("f", 70.0, 0, "starting"), worker("g", 80.0, 5)]
+    assert [w.node for w in live if rounds.in_group(w)] == ["a", "c"]  # b restarted
+    assert [w.node for w in rounds.catching_up(live, 5)] == ["b", "d", "e"]  # f starts, g is there
+
+    rounds._in_group = {"a", "c"}
+    rounds.transport("vllm").group_round = group.group_round  # type: ignore[attr-defined]
+    plan = SyncPlan(round=SyncRound.new(2), weight_version=5, pause="keep", store_host="127.0.0.1", store_port=1,
+                    members={"a": 1, "b": 1, "c": 1, "d": 2, "e": 1}, backend="vllm", manifest_digest="x",
+                    issued_at=0.0)
+    acks = {n: SyncAck(node=n, round=plan.round, phase="ready", ok=True) for n in plan.members}
+    decision = rounds.decide(plan, ["b", "c", "d", "e"], acks)  # a was not ready
+    assert decision.group_round == group.group_round and set(decision.offsets) == {"c"}
+    assert decision.relay is not None and decision.relay.source == "c"
+    assert decision.relay.offsets == {"b": 1, "d": 2, "e": 4} and decision.relay.world == 5
+    assert decision.roster == {"b", "c", "d", "e"} and decision.relayed("d") and not decision.relayed("c")
+    alone = rounds.decide(plan, ["b", "d"], acks)  # no member ready: nobody to forward
+    assert alone.relay is None and alone.roster == set()
+    rounds.close()
+
+
 # ------------------------------------------------------------- TRL's client
 
 
