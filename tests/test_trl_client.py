@@ -182,6 +182,50 @@ def test_a_member_restarted_since_init_and_workers_started_since_are_caught_up_t
     rounds.close()
 
 
+def test_a_relay_nobody_joins_is_given_up_by_the_source_and_fails_the_target_in_the_groups_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The source's own update must not wait on its relay for longer than the plan's
+    ``group_join``, nor fail with it; a target whose source never comes fails its join."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from rollout_queue.tasks.errors import RendezvousTimeout
+    from rollout_queue.weight_sync import wire
+    from rollout_queue.weight_sync.protocol import (
+        Relay,
+        SyncDecision,
+        SyncPlan,
+        SyncRound,
+        UpdateRequest,
+        WorkerTimeouts,
+    )
+    from rollout_queue.weight_sync.transports.trainer_group import RelayForward, TrainerGroupReceiver
+
+    store = wire.connect_store("127.0.0.1", 0, 30.0, is_master=True)
+    plan = SyncPlan(round=SyncRound.new(3), weight_version=1, pause="keep", store_host="127.0.0.1",
+                    store_port=int(store.port), members={"src": 1, "late": 1}, backend="vllm", manifest_digest="x",
+                    issued_at=0.0, timeouts=WorkerTimeouts(group_join=1.0))
+    decision = SyncDecision(go=True, offsets={"src": 1}, world=2,
+                            relay=Relay(source="src", offsets={"late": 1}, world=2))
+    cpu = torch.device("cpu")
+    with ThreadPoolExecutor(max_workers=1) as joins, caplog.at_level(logging.WARNING):
+        relay = RelayForward(joins, UpdateRequest(plan=plan, decision=decision, node="src"), cpu)
+        for _ in range(3):
+            relay.forward(torch.zeros(64, dtype=torch.uint8))  # the first waits out the join, then given up
+        relay.finish()
+        assert relay.broken is not None and relay.group is None
+    assert "forwarding the trainer's chunks to the catching-up workers failed" in caplog.text
+
+    target = TrainerGroupReceiver("vllm")
+    with pytest.raises(RendezvousTimeout, match="could not join round .*'s relay from src"):
+        target.begin(UpdateRequest(plan=plan.model_copy(update={"round": SyncRound.new(4)}), decision=decision,
+                                   node="late"), 0, cpu)
+    assert target.relay_in is None
+
+
 # ------------------------------------------------------------- TRL's client
 
 

@@ -143,7 +143,7 @@ class TrainerGroupRounds(WeightSender):
         return worker.node in self.group.offsets and worker.started_at == self.group.started[worker.node]
 
     def membership(self) -> list[WorkerInfo]:
-        """1. The live workers of the pool: those in the trainer's group first."""
+        """1. The live workers of the pool; at least one must be in the trainer's group."""
         live = super().membership()
         if not any(self.in_group(w) for w in live):
             raise NoWorkers(
