@@ -548,14 +548,14 @@ def worker_info(client: redis_lib.Redis, node: str) -> Any:
     return None if raw is None else WorkerInfo.model_validate_json(raw)
 
 
-def test_a_worker_started_after_the_trainers_init_is_fenced_until_an_update_brings_it_the_whole_model(
+def test_a_worker_started_after_the_trainers_init_is_fenced_until_an_update_brings_it_the_whole_model_then_kept_up(
     trl_gateway: Gateway, trl_workers: list[Proc], hf_models: dict[str, Any], redis_client: redis_lib.Redis,
     start_worker: WorkerStarter, model_a: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The late worker is outside TRL's group (fixed at init): trl-a's engine forwards it
     the trainer's chunks. An update of one tensor leaves it fenced, saying what is
     missing; the next whole-model update brings it to the fleet's version, and a task
-    sent to it while it was fenced runs then, on the new weights."""
+    sent to it while it was fenced runs then, on the new weights; so does the update after."""
     import trl.generation.vllm_client as trl_module
 
     from rollout_queue.tasks import control, generate, keys
@@ -594,10 +594,17 @@ def test_a_worker_started_after_the_trainers_init_is_fenced_until_an_update_brin
         assert fleet_version(redis_client, "trl") == version
         result = waiting.get(timeout=RESULT_TIMEOUT)
         assert result["worker"] == LATE_WORKER and result["weight_version"] == version
-        served = [[lp for lp in output["prompt_logprobs"][1:]] for output in result["outputs"]]
-        assert_close(served, refs_b)
+        assert_close([output["prompt_logprobs"][1:] for output in result["outputs"]], refs_b)
         info = worker_info(redis_client, LATE_WORKER)
         assert info.state == "serving" and info.weight_version == version
+
+        # Still outside the trainer's group: every later update reaches it the same way.
+        client.update_model_params(hf_models["A"])
+        result = generate.apply_async((WEIGHT_PROMPTS, params), queue=keys.node_queue(LATE_WORKER)).get(
+            timeout=RESULT_TIMEOUT)
+        assert result["weight_version"] == version + 1 == fleet_version(redis_client, "trl")
+        assert_close([output["prompt_logprobs"][1:] for output in result["outputs"]],
+                     reference_logprobs(hf_models["A"], WEIGHT_PROMPTS))
     finally:
         client.close_communicator()
         shut = httpx.post(f"{trl_gateway.base}/shutdown_weight_transfer_engine", json={}, timeout=60)

@@ -34,8 +34,9 @@ group formed for the round in this coordinator's store)::
     trainer ──chunk k──► group members (one of them, the source) ──chunk k──► catching-up workers
 
 The bytes are the trainer's, so any member can forward them (whatever its
-own weights), in any load mode (a CPU engine keeps no plain weights to send
-after its own load, and its fused parameter names are not the checkpoint's).
+own weights), in any load mode (a CPU engine keeps no plain linear weights
+to send after its own load, and a worker checks a manifest against its
+checkpoint's names, not the engine's fused ones).
 The catching-up worker loads them through the same receiver, and takes the
 update's version only once the update has brought every tensor of its
 checkpoint (several ``/update_weights`` of one update count together); until
