@@ -19,7 +19,10 @@ what it runs and steers it through these:
   ``/shutdown_weight_transfer_engine``): the fleet as one vLLM NCCL
   weight-transfer engine (``weight_sync.vllm_transfer``): every engine rank
   joins the trainer's group, each update is one sync round of the project's
-  (pause, receive, load, commit, fencing). Their errors answer 400 (the
+  (pause, receive, load, commit, fencing), in which a worker outside the
+  trainer's group (started or restarted since its init) catches up from a
+  member's relay; it is reported under ``fenced`` until it has the whole
+  model. Their errors answer 400 (the
   request) or 409 (the fleet's state, a worker, a deadline), never 5xx:
   TRL's client retries 500, 502 and 503, which would repeat a transfer step
   while the trainer's broadcast is under way.

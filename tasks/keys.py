@@ -167,6 +167,12 @@ def sync_group(sync_round: str) -> str:
     return f"rq/group/{sync_round}"
 
 
+def sync_relay(sync_round: str) -> str:
+    """Namespace, in the coordinator's rendezvous store, of the group round
+    ``sync_round`` relays the trainer's bytes over (``SyncDecision.relay``)."""
+    return f"rq/relay/{sync_round}"
+
+
 MANIFEST_TTL_S = 24 * 3600  # refreshed by every sync that uses it
 
 

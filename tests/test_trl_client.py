@@ -8,6 +8,8 @@ tokenizer, so the client's ``return_tokens_as_token_ids`` is what makes its
 logprob tokens parse. ``RQ_API_SPREAD_MIN_PROMPTS=2``: a completion request
 of 4 prompts or more is split over both workers; each worker takes one part
 at a time (``--intake-sequences``), so both serve a part of one request.
+The last test starts a third worker after the trainer's init: it catches up
+through a relay in the trainer's next update.
 """
 
 from __future__ import annotations
@@ -48,15 +50,16 @@ QUEUE = "trl-fleet"
 WORKERS = ("trl-a@tests", "trl-b@tests")
 # One part of the split test (4 prompts x n=1) fills a worker's intake.
 INTAKE_SEQUENCES = 4
+WORKER_FLAGS = ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
+                "--intake-sequences", str(INTAKE_SEQUENCES)]
 TOKEN_PROMPTS = [[1, 15 + p, 200 + 3 * p, 7, 41 + p] for p in range(8)]
 
 
 @pytest.fixture(scope="module")
 def trl_workers(start_worker: WorkerStarter, model_a: Path, redis_client: redis_lib.Redis) -> list[Proc]:
     """Both engines start at once (20-40 s each), then both must serve."""
-    flags = ["--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
-             "--intake-sequences", str(INTAKE_SEQUENCES)]
-    procs = [start_worker(model_a, name, queue=QUEUE, pool="trl", extra=flags, wait=False) for name in WORKERS]
+    procs = [start_worker(model_a, name, queue=QUEUE, pool="trl", extra=WORKER_FLAGS, wait=False)
+             for name in WORKERS]
     for proc, name in zip(procs, WORKERS):
         proc.wait_until(lambda name=name: worker_registered(redis_client, name), 240, f"{name} to serve")
     return procs
@@ -137,6 +140,90 @@ def test_logprobs_past_the_workers_cap_are_refused_with_the_flag_that_raises_it(
     assert refused.value.param == "prompt_logprobs"
     check_logprobs(SamplingParams(prompt_logprobs=100, logprobs=50), ModelLimits(max_logprobs=-1), "logprobs")
     check_logprobs(SamplingParams(logprobs=50), ModelLimits(), "logprobs")  # no worker known: the engine checks
+
+
+def test_a_member_restarted_since_init_and_workers_started_since_are_caught_up_through_one_members_relay(
+    redis_url: str,
+) -> None:
+    """Who is in the trainer's group is the process that joined it (its ``started_at``):
+    a member restarted under its name, and two workers started since, take the chunks
+    from the first ready member's engine, ranks after it in the relay group."""
+    from rollout_queue.tasks.schemas import WorkerInfo
+    from rollout_queue.weight_sync.protocol import SyncAck, SyncPlan, SyncRound
+    from rollout_queue.weight_sync.settings import SyncSettings
+    from rollout_queue.weight_sync.vllm_transfer import TrainerGroup, TrainerGroupRounds, TransferInit
+
+    def worker(node: str, started_at: float, version: int, state: str = "serving", tp: int = 1) -> WorkerInfo:
+        return WorkerInfo(node=node, pool="p", model="m", device="cpu", dtype="float32", state=state,  # type: ignore[arg-type]
+                          weight_version=version, started_at=started_at, tensor_parallel_size=tp)
+
+    init = TransferInit(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=4, packed=True)
+    group = TrainerGroup(SyncRound.new(1), init, {"a": 1, "b": 2, "c": 3}, {"a": 1, "b": 1, "c": 1}, "p",
+                         {"a": 10.0, "b": 10.0, "c": 10.0})
+    rounds = TrainerGroupRounds(SyncSettings(), group)
+    live = [worker("a", 10.0, 4), worker("b", 99.0, 0), worker("c", 10.0, 4), worker("d", 50.0, 0, "fenced", tp=2),
+            worker("e", 60.0, 2, "fenced"), worker("f", 70.0, 0, "starting"), worker("g", 80.0, 5)]
+    assert [w.node for w in live if rounds.in_group(w)] == ["a", "c"]  # b restarted
+    assert [w.node for w in rounds.catching_up(live, 5)] == ["b", "d", "e"]  # f starts, g is there
+
+    rounds._in_group = {"a", "c"}
+    rounds.transport("vllm").group_round = group.group_round  # type: ignore[attr-defined]
+    plan = SyncPlan(round=SyncRound.new(2), weight_version=5, pause="keep", store_host="127.0.0.1", store_port=1,
+                    members={"a": 1, "b": 1, "c": 1, "d": 2, "e": 1}, backend="vllm", manifest_digest="x",
+                    issued_at=0.0)
+    acks = {n: SyncAck(node=n, round=plan.round, phase="ready", ok=True) for n in plan.members}
+    decision = rounds.decide(plan, ["b", "c", "d", "e"], acks)  # a was not ready
+    assert decision.group_round == group.group_round and set(decision.offsets) == {"c"}
+    assert decision.relay is not None and decision.relay.source == "c"
+    assert decision.relay.offsets == {"b": 1, "d": 2, "e": 4} and decision.relay.world == 5
+    assert decision.roster == {"b", "c", "d", "e"} and decision.relayed("d") and not decision.relayed("c")
+    alone = rounds.decide(plan, ["b", "d"], acks)  # no member ready: nobody to forward
+    assert alone.relay is None and alone.roster == set()
+    rounds.close()
+
+
+def test_a_relay_nobody_joins_is_given_up_by_the_source_and_fails_the_target_in_the_groups_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The source's own update must not wait on its relay for longer than the plan's
+    ``group_join``, nor fail with it; a target whose source never comes fails its join."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from rollout_queue.tasks.errors import RendezvousTimeout
+    from rollout_queue.weight_sync import wire
+    from rollout_queue.weight_sync.protocol import (
+        Relay,
+        SyncDecision,
+        SyncPlan,
+        SyncRound,
+        UpdateRequest,
+        WorkerTimeouts,
+    )
+    from rollout_queue.weight_sync.transports.trainer_group import RelayForward, TrainerGroupReceiver
+
+    store = wire.connect_store("127.0.0.1", 0, 30.0, is_master=True)
+    plan = SyncPlan(round=SyncRound.new(3), weight_version=1, pause="keep", store_host="127.0.0.1",
+                    store_port=int(store.port), members={"src": 1, "late": 1}, backend="vllm", manifest_digest="x",
+                    issued_at=0.0, timeouts=WorkerTimeouts(group_join=1.0))
+    decision = SyncDecision(go=True, offsets={"src": 1}, world=2,
+                            relay=Relay(source="src", offsets={"late": 1}, world=2))
+    cpu = torch.device("cpu")
+    with ThreadPoolExecutor(max_workers=1) as joins, caplog.at_level(logging.WARNING):
+        relay = RelayForward(joins, UpdateRequest(plan=plan, decision=decision, node="src"), cpu)
+        for _ in range(3):
+            relay.forward(torch.zeros(64, dtype=torch.uint8))  # the first waits out the join, then given up
+        relay.finish()
+        assert relay.broken is not None and relay.group is None
+    assert "forwarding the trainer's chunks to the catching-up workers failed" in caplog.text
+
+    target = TrainerGroupReceiver("vllm")
+    with pytest.raises(RendezvousTimeout, match="could not join round .*'s relay from src"):
+        target.begin(UpdateRequest(plan=plan.model_copy(update={"round": SyncRound.new(4)}), decision=decision,
+                                   node="late"), 0, cpu)
+    assert target.relay_in is None
 
 
 # ------------------------------------------------------------- TRL's client
@@ -442,6 +529,82 @@ def test_trls_client_pushes_a_whole_model_into_both_workers_and_a_bad_update_cha
         still, _ = fleet_logprobs(trl_gateway, WEIGHT_PROMPTS)
         assert_close(still, rounded)
         assert fleet_version(redis_client, "trl") == version + 1
+    finally:
+        client.close_communicator()
+        shut = httpx.post(f"{trl_gateway.base}/shutdown_weight_transfer_engine", json={}, timeout=60)
+    assert shut.status_code == 200 and sorted(shut.json()["workers"]) == sorted(WORKERS)
+
+
+# ------------------------------------------------------------- a worker the trainer's group never had
+
+LATE_WORKER = "trl-late@tests"
+
+
+def worker_info(client: redis_lib.Redis, node: str) -> Any:
+    from rollout_queue.tasks import keys
+    from rollout_queue.tasks.schemas import WorkerInfo
+
+    raw = client.get(keys.worker_key(node))
+    return None if raw is None else WorkerInfo.model_validate_json(raw)
+
+
+def test_a_worker_started_after_the_trainers_init_is_fenced_until_an_update_brings_it_the_whole_model_then_kept_up(
+    trl_gateway: Gateway, trl_workers: list[Proc], hf_models: dict[str, Any], redis_client: redis_lib.Redis,
+    start_worker: WorkerStarter, model_a: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The late worker is outside TRL's group (fixed at init): trl-a's engine forwards it
+    the trainer's chunks. An update of one tensor leaves it fenced, saying what is
+    missing; the next whole-model update brings it to the fleet's version, and a task
+    sent to it while it was fenced runs then, on the new weights; so does the update after."""
+    import trl.generation.vllm_client as trl_module
+
+    from rollout_queue.tasks import control, generate, keys
+    from rollout_queue.tasks.registry import fleet_version
+
+    refs_b = reference_logprobs(hf_models["B"], WEIGHT_PROMPTS)
+    monkeypatch.setattr(trl_module, "open_trainer_endpoint", gloo_trainer_init)
+    monkeypatch.setattr(trl_module, "packed_nccl_broadcast_producer", gloo_packed_broadcast)
+    client = VLLMClient(base_url=trl_gateway.base, group_port=free_port(), connection_timeout=30)
+    client.init_communicator(device="cuda")
+    try:
+        client.update_model_params(hf_models["B"])  # the fleet moves past the checkpoint's weights
+        late = start_worker(model_a, LATE_WORKER, queue=QUEUE, pool="trl", wait=False,
+                            extra=[*WORKER_FLAGS, "--sticky-sessions"])  # its own queue too
+        late.wait_until(lambda: worker_registered(redis_client, LATE_WORKER, state="fenced"), 240,
+                        f"{LATE_WORKER} to register, fenced behind the fleet")
+        version = fleet_version(redis_client, "trl")
+        assert worker_info(redis_client, LATE_WORKER).weight_version < version
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        waiting = generate.apply_async((WEIGHT_PROMPTS, params), queue=keys.node_queue(LATE_WORKER))
+
+        # One tensor: the members take it; the late worker loads it and stays fenced.
+        norm = dict(hf_models["B"].named_parameters())["model.norm.weight"]
+        client.update_named_param("model.norm.weight", norm.data)
+        assert fleet_version(redis_client, "trl") == version + 1
+        info = worker_info(redis_client, LATE_WORKER)
+        assert info.state == "fenced" and info.weight_version < version
+        error = control.engine_stats([LATE_WORKER], timeout=30)[LATE_WORKER]["last_sync_error"]
+        total = len(dict(hf_models["A"].named_parameters()))  # the checkpoint's tensors (lm_head tied)
+        assert f"{total - 1} of its checkpoint's {total} tensors" in error and "stays fenced" in error
+        assert not waiting.ready()
+
+        # The whole model: the late worker catches up in the same round as the members.
+        client.update_model_params(hf_models["B"])
+        version += 2
+        assert fleet_version(redis_client, "trl") == version
+        result = waiting.get(timeout=RESULT_TIMEOUT)
+        assert result["worker"] == LATE_WORKER and result["weight_version"] == version
+        assert_close([output["prompt_logprobs"][1:] for output in result["outputs"]], refs_b)
+        info = worker_info(redis_client, LATE_WORKER)
+        assert info.state == "serving" and info.weight_version == version
+
+        # Still outside the trainer's group: every later update reaches it the same way.
+        client.update_model_params(hf_models["A"])
+        result = generate.apply_async((WEIGHT_PROMPTS, params), queue=keys.node_queue(LATE_WORKER)).get(
+            timeout=RESULT_TIMEOUT)
+        assert result["weight_version"] == version + 1 == fleet_version(redis_client, "trl")
+        assert_close([output["prompt_logprobs"][1:] for output in result["outputs"]],
+                     reference_logprobs(hf_models["A"], WEIGHT_PROMPTS))
     finally:
         client.close_communicator()
         shut = httpx.post(f"{trl_gateway.base}/shutdown_weight_transfer_engine", json={}, timeout=60)

@@ -38,8 +38,10 @@ from rollout_queue.tasks.schemas import PauseMode
 # 3: the manifest travels by digest; 4: signed in the control envelope (ControlAuth);
 # 5: the workers' deadlines travel in the plan, failures as a kind and a message;
 # 6: a transport per worker (``SyncPlan.handoffs``), the roster beyond the group;
-# 7: one name per round (``SyncRound``) in the plan, the acks and the decision.
-PROTOCOL_VERSION = 8
+# 7: one name per round (``SyncRound``) in the plan, the acks and the decision;
+# 8: the ready ack names the group the engine holds (``SyncAck.group_round``);
+# 9: a catch-up relayed by a member (``SyncDecision.relay``).
+PROTOCOL_VERSION = 9
 
 _ROUND = re.compile(r"(0|[1-9][0-9]*)-([0-9A-Za-z_.-]+)")
 
@@ -222,6 +224,18 @@ class SyncAck(_Message):
     group_round: SyncRound | None = None
 
 
+class Relay(_Message):
+    """Workers outside the round's group that one member's engine forwards every
+    bucket to as it arrives (the workers a trainer's own group cannot reach:
+    ``weight_sync.vllm_transfer``). The relay group is formed for the round, in
+    the coordinator's store under ``keys.sync_relay(round)``: the source's first
+    engine rank is its rank 0; every engine rank of the targets receives."""
+
+    source: str  # the member whose engine forwards
+    offsets: dict[str, int]  # target node -> its first rank in the relay group (from 1)
+    world: int  # 1 + the targets' engine ranks
+
+
 class SyncDecision(_Message):
     """Written by the trainer into its store once the ready acks are in."""
 
@@ -236,11 +250,17 @@ class SyncDecision(_Message):
     group_round: SyncRound | None = None
     # The members handed the weights instead (``SyncPlan.handoffs``).
     handoff: list[str] = []
+    # The members that take the buckets from another member's engine instead.
+    relay: Relay | None = None
 
     @property
     def roster(self) -> set[str]:
         """Every worker the sync goes ahead with."""
-        return {*self.offsets, *self.handoff}
+        return {*self.offsets, *self.handoff, *(self.relay.offsets if self.relay is not None else ())}
+
+    def relayed(self, node: str) -> bool:
+        """Whether ``node`` takes this round's buckets through the relay."""
+        return self.relay is not None and node in self.relay.offsets
 
     def reuses_group(self, sync_round: SyncRound) -> bool:
         """Whether round ``sync_round`` transfers over a group an earlier round formed."""

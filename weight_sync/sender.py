@@ -513,6 +513,13 @@ class WeightSender:
                 + "; ".join(f"{n} ({w})" for n, w in sorted(silent.items())),
                 phase="ready", workers=silent,
             )
+        decision = self.decide(plan, ready, acks)
+        self._decide(plan, decision)
+        return decision, silent
+
+    def decide(self, plan: SyncPlan, ready: list[str], acks: dict[str, SyncAck]) -> SyncDecision:
+        """The go decision for the ``ready`` members (sorted): the group's rank
+        offsets and the round whose group serves, the members handed the weights."""
         offsets: dict[str, int] = {}
         rank = 1
         for node in ready:
@@ -528,10 +535,8 @@ class WeightSender:
                      plan.round, ", ".join(moved), group_round)
             self.transport(plan.backend).reset()
             group_round = self.transport(plan.backend).group_for(plan.round, offsets)
-        decision = SyncDecision(go=True, offsets=offsets, world=rank, group_round=group_round,
-                                handoff=[node for node in ready if node in plan.handoffs])
-        self._decide(plan, decision)
-        return decision, silent
+        return SyncDecision(go=True, offsets=offsets, world=rank, group_round=group_round,
+                            handoff=[node for node in ready if node in plan.handoffs])
 
     def transfer(self, plan: SyncPlan, decision: SyncDecision, tensors: dict[str, torch.Tensor],
                  deadline: float, *, own_tensors: bool = False) -> None:

@@ -22,10 +22,27 @@ weight-transfer routes; the gateway (``api.vllm_server``) hands each to
 The receive path is the project's (``weight_sync.receiver``: phases,
 layerwise load, finalize, fencing, the plan's deadlines); only the bytes'
 way differs (``weight_sync.transports.trainer_group``). A worker that fails
-a round, or that was not in the trainer's group when it formed (started
-or restarted since), is fenced by the fleet's version until a round reaches
-it: the trainer's next ``/init_weight_transfer_engine`` takes every live
-worker into the group, and its next update brings them all to one version.
+a round is fenced by the fleet's version until a round reaches it.
+
+A worker that is not in the trainer's group (started since its init, or
+restarted: the same node in a new process, told by its ``started_at``) and
+is behind the round's version catches up in the trainer's next update: it is
+a member of that round too, and one member's engine forwards each chunk it
+receives from the trainer to it as it arrives (``SyncDecision.relay``, a
+group formed for the round in this coordinator's store)::
+
+    trainer ──chunk k──► group members (one of them, the source) ──chunk k──► catching-up workers
+
+The bytes are the trainer's, so any member can forward them (whatever its
+own weights), in any load mode (a CPU engine keeps no plain linear weights
+to send after its own load, and a worker checks a manifest against its
+checkpoint's names, not the engine's fused ones).
+The catching-up worker loads them through the same receiver, and takes the
+update's version only once the update has brought every tensor of its
+checkpoint (several ``/update_weights`` of one update count together); until
+then it stays fenced, and the round reports it under ``fenced`` with why. A
+forward that fails leaves the source's own update alone. The trainer's next
+``/init_weight_transfer_engine`` takes every live worker into its group.
 
 Every update takes the fleet's version one further (several
 ``/update_weights`` inside one start/finish commit the same version).
@@ -47,7 +64,16 @@ from rollout_queue.tasks.app import settings as client_settings
 from rollout_queue.tasks.errors import InvalidRequest, NoWorkers, SyncRefused, WeightSyncError
 from rollout_queue.tasks.registry import connect, fleet_version
 from rollout_queue.tasks.schemas import PauseMode, WorkerInfo
-from rollout_queue.weight_sync.protocol import HandoffName, Manifest, SyncReport, SyncRound
+from rollout_queue.weight_sync.protocol import (
+    HandoffName,
+    Manifest,
+    Relay,
+    SyncAck,
+    SyncDecision,
+    SyncPlan,
+    SyncReport,
+    SyncRound,
+)
 from rollout_queue.weight_sync.sender import WeightSender
 from rollout_queue.weight_sync.settings import SyncSettings
 from rollout_queue.weight_sync.transports.trainer_group import DEFAULT_PACKED_BUFFER_BYTES, packed_manifest
@@ -98,26 +124,56 @@ class TrainerGroup:
     offsets: dict[str, int]  # node -> its first rank
     ranks: dict[str, int]  # node -> its engine ranks
     pool: str
+    started: dict[str, float]  # node -> its process's start (a restarted one left the group)
     version: int | None = None  # the open update's version
     fenced: dict[str, str] = field(default_factory=dict)  # the last round's workers that did not commit
 
 
 class TrainerGroupRounds(WeightSender):
     """The sender's phases with the trainer's group as transport: the manifest is
-    what the trainer announced, and the bytes leave from the trainer, not from here."""
+    what the trainer announced, and the bytes leave from the trainer, not from here
+    (and, to the workers outside its group, from a member's engine: the relay)."""
 
     def __init__(self, settings: SyncSettings, group: TrainerGroup) -> None:
         super().__init__(settings, group.pool)
         self.group = group
+        self._in_group: set[str] = set()  # this round's members of the trainer's group
+
+    def in_group(self, worker: WorkerInfo) -> bool:
+        """Whether ``worker``'s engine is in the trainer's group (the process that joined it)."""
+        return worker.node in self.group.offsets and worker.started_at == self.group.started[worker.node]
 
     def membership(self) -> list[WorkerInfo]:
-        """1. The live workers of the pool that joined the trainer's group."""
-        members = [w for w in super().membership() if w.node in self.group.offsets]
-        if not members:
+        """1. The live workers of the pool; at least one must be in the trainer's group."""
+        live = super().membership()
+        if not any(self.in_group(w) for w in live):
             raise NoWorkers(
                 f"no worker of the trainer's group ({', '.join(sorted(self.group.offsets))}) is alive; "
                 "call /init_weight_transfer_engine again", phase="membership")
-        return members
+        return live
+
+    def catching_up(self, live: list[WorkerInfo], version: int) -> list[WorkerInfo]:
+        """The live workers outside the trainer's group that are behind ``version`` and
+        can take part (an engine still starting answers no trigger)."""
+        return [w for w in live
+                if not self.in_group(w) and w.weight_version < version and w.state not in ("starting", "stopping")]
+
+    def decide(self, plan: SyncPlan, ready: list[str], acks: dict[str, SyncAck]) -> SyncDecision:
+        """The trainer's group as the base decides it; the ready workers outside it
+        take the chunks from the first ready member's engine (none ready: they sit out)."""
+        members = [node for node in ready if node in self._in_group]
+        decision = super().decide(plan, members, acks)
+        targets = [node for node in ready if node not in self._in_group]
+        if targets and members:
+            offsets: dict[str, int] = {}
+            rank = 1
+            for node in targets:
+                offsets[node] = rank
+                rank += plan.members[node]
+            decision.relay = Relay(source=members[0], offsets=offsets, world=rank)
+            log.info("round %s: %s forwards the trainer's chunks to %s (catching up to version %d)",
+                     plan.round, members[0], ", ".join(targets), plan.weight_version)
+        return decision
 
     def choose_handoffs(self, members: list[WorkerInfo], backend: str) -> dict[str, HandoffName]:
         return {}
@@ -129,7 +185,9 @@ class TrainerGroupRounds(WeightSender):
             deadline = started + timeout
             phases: dict[str, float] = {}
             t = time.monotonic()
-            members = self.membership()
+            live = self.membership()
+            members = [w for w in live if self.in_group(w)] + self.catching_up(live, version)
+            self._in_group = {w.node for w in members if self.in_group(w)}
             phases["membership"] = time.monotonic() - t
             self.transport(TRANSPORT).group_round = self.group.group_round  # type: ignore[attr-defined]
             self._planned = (("vllm", id(manifest)), manifest, *manifest.wire())
@@ -195,7 +253,7 @@ class FleetWeightTransfer:
             self._forget()
             group_round = SyncRound.new(int(connect(client_settings()).incr(keys.SYNC_EPOCH)))
             group = TrainerGroup(group_round, init, offsets, {w.node: w.ranks for w in workers},
-                                 pools.pop())
+                                 pools.pop(), {w.node: w.started_at for w in workers})
             args = {
                 "group_round": group.group_round, "master_address": init.master_address,
                 "master_port": init.master_port, "world_size": init.world_size, "offsets": offsets,
@@ -236,17 +294,20 @@ class FleetWeightTransfer:
             assert self.rounds is not None
             timeout = self.settings.timeouts.ready + self.settings.timeouts.transfer + self.settings.timeouts.commit
             report, fenced = self.rounds.round(manifest, group.version, timeout)
-            # Live workers that joined the queue after the group formed: the trainer's
-            # broadcast cannot reach them; fenced by the fleet's version until a new init.
+            # A worker of the queue this round did not bring to its version (one still
+            # starting): fenced by the fleet's version until a later round reaches it.
             for worker in self.workers():
-                if worker.node not in group.offsets and worker.state != "stopping":
-                    fenced.setdefault(worker.node, "not in the trainer's group (started since its init): "
-                                                   "it joins at the next /init_weight_transfer_engine")
+                if (worker.node not in report.workers and worker.node not in fenced
+                        and worker.weight_version < group.version and worker.state != "stopping"):
+                    fenced[worker.node] = (f"at version {worker.weight_version} ({worker.state}), not in this "
+                                           "round; it catches up in a later update")
             group.fenced = fenced
-        log.info("update to version %d: %d tensors, %d bytes in %.2fs (%s); committed %s%s", report.version,
-                 report.tensors, report.bytes, report.seconds,
-                 ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in report.phases.items()),
-                 ", ".join(report.workers) or "none", f"; fenced {fenced}" if fenced else "")
+        (log.warning if fenced else log.info)(
+            "update to version %d: %d tensors, %d bytes in %.2fs (%s); committed %s%s", report.version,
+            report.tensors, report.bytes, report.seconds,
+            ", ".join(f"{phase} {seconds:.2f}s" for phase, seconds in report.phases.items()),
+            ", ".join(report.workers) or "none",
+            "; fenced: " + "; ".join(f"{node} ({why})" for node, why in sorted(fenced.items())) if fenced else "")
         if not report.workers:
             raise WeightSyncError(
                 f"no worker took the update to version {group.version}: "

@@ -20,6 +20,14 @@ the manifest is vLLM's packed layout (:func:`packed_manifest`: one bucket per
 chunk, tensors unaligned), each chunk is received whole and loaded; a
 tensor of another dtype than the engine's is converted first.
 
+Relay: a worker outside the trainer's group (started or restarted since its
+init) takes the same chunks in the same round from a member's engine, which
+forwards each chunk it received over a group formed for the round in the
+coordinator's store (``SyncDecision.relay``, ``keys.sync_relay``): the
+source's first engine rank is rank 0 there and starts each forward as the
+chunk arrives, while it loads it; a forward that fails or stalls past the
+plan's ``group_join`` is given up and leaves the source's own update whole.
+
 Trainer (:class:`TrainerGroupSender`): nothing to send, the trainer
 broadcasts by itself; the coordinator (``weight_sync.vllm_transfer``) only
 runs the rounds. For a trainer on CPU, which TRL does not provide (its
@@ -31,11 +39,14 @@ functions.
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import RendezvousTimeout, WeightSyncError
 from rollout_queue.weight_sync import wire
 from rollout_queue.weight_sync.protocol import Manifest, SyncRound, TensorSpec, UpdateRequest
@@ -50,6 +61,8 @@ if TYPE_CHECKING:
 DEFAULT_PACKED_BUFFER_BYTES = 1 << 30
 # The gloo group's own prefix inside the StatelessProcessGroup's store.
 GLOO_PREFIX = "rq-trainer-gloo"
+
+log = logging.getLogger(__name__)
 
 
 def packed_manifest(
@@ -182,8 +195,78 @@ class TrainerGroupSender(TransportSender):
 # ------------------------------------------------------------------- engine
 
 
+def join_relay(request: UpdateRequest, rank: int, device: Any) -> tuple[Any, Any]:
+    """Join round ``request.plan.round``'s relay group as ``rank`` (blocks until every
+    rank has joined); the store client and the group."""
+    plan, relay = request.plan, request.decision.relay
+    assert relay is not None
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    store = wire.connect_store(plan.store_host, plan.store_port, plan.timeouts.store_connect)
+    group = wire.new_group(store, keys.sync_relay(plan.round), rank, relay.world,
+                           "nccl" if device.type == "cuda" else "gloo", timeout_s=plan.timeouts.group_join,
+                           device=device)
+    return store, group
+
+
+class RelayForward:
+    """The source's end of a round's relay: each chunk it received from the trainer,
+    broadcast on to the catching-up workers while it loads it.
+
+    The join runs on ``executor`` from ``begin`` on; each forward waits for the one
+    before (at most ``stall_s``). A failure gives the relay up, logged: the
+    targets' receives fail and fence them, this rank's own update goes on.
+    """
+
+    def __init__(self, executor: ThreadPoolExecutor, request: UpdateRequest, device: Any) -> None:
+        self.round = request.plan.round
+        self.stall_s = request.plan.timeouts.group_join
+        self.joining: Future[tuple[Any, Any]] = executor.submit(join_relay, request, 0, device)
+        self.group: Any = None
+        self.pending: tuple[Any, Any] | None = None  # the last forward's work, and its chunk (kept alive)
+        self.broken: str | None = None
+
+    def forward(self, chunk: Any) -> None:
+        if self.broken is not None:
+            return
+        try:
+            self.settle()
+            if self.group is None:
+                self.group = self.joining.result(timeout=self.stall_s)[1]
+            self.pending = (wire.broadcast(self.group, chunk), chunk)
+        except Exception as exc:  # noqa: BLE001  the relay's failure is the targets', not this rank's
+            self.give_up(exc)
+
+    def settle(self) -> None:
+        """Wait for the forward in flight (raises what broke it)."""
+        if self.pending is not None:
+            work, self.pending = self.pending[0], None
+            wire.wait(work, self.stall_s)
+
+    def finish(self) -> None:
+        """Every chunk forwarded, or the relay given up."""
+        if self.broken is None:
+            try:
+                self.settle()
+            except Exception as exc:  # noqa: BLE001  as in forward
+                self.give_up(exc)
+        self.group = None
+
+    def give_up(self, exc: BaseException) -> None:
+        self.broken = f"{type(exc).__name__}: {exc}"
+        log.warning("round %s: forwarding the trainer's chunks to the catching-up workers failed (%s); "
+                    "they stay fenced, this worker's own update goes on", self.round, self.broken)
+        if self.group is not None:
+            wire.abort(self.group)
+        self.group = None
+        self.pending = None
+
+
 class TrainerGroupReceiver(TransportReceiver):
-    """One engine rank of the trainer's group (joined at init, kept between updates)."""
+    """One engine rank of the trainer's group (joined at init, kept between updates),
+    or, for one round, of that round's relay (a source or a target)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -192,6 +275,12 @@ class TrainerGroupReceiver(TransportReceiver):
         self.communicator: Any = None  # PyNcclCommunicator (CUDA) or a gloo group (CPU)
         self.engine_dtype: Any = None
         self.buffer_bytes = DEFAULT_PACKED_BUFFER_BYTES
+        # This round's relay: the group a catching-up rank receives from (with its
+        # store client), or the source rank's forward.
+        self.relay_in: tuple[Any, Any] | None = None
+        self.relay_out: RelayForward | None = None
+        # Two: a failed round's join may still be waiting out its timeout.
+        self._relay_joins = ThreadPoolExecutor(max_workers=2, thread_name_prefix="relay-join")
 
     def join(self, init: dict[str, Any], rank: int, device: Any, engine_dtype: Any) -> int:
         """Join the trainer's group as ``rank`` (blocks until every rank has joined)."""
@@ -229,14 +318,30 @@ class TrainerGroupReceiver(TransportReceiver):
         self.communicator = None
         self.stateless = None
         self.group_round = None
+        self._drop_relay()
 
     def begin(self, request: UpdateRequest, rank: int, device: Any) -> None:
-        if self.communicator is None or self.group_round != request.decision.group_round:
+        decision, node = request.decision, request.node
+        self._drop_relay()
+        local_rank = rank - decision.offsets.get(node, 0)
+        if decision.relay is not None and decision.relayed(node):
+            # Outside the trainer's group: this round's chunks come from the source's engine.
+            try:
+                self.relay_in = join_relay(request, decision.relay.offsets[node] + local_rank, device)
+            except Exception as exc:
+                raise RendezvousTimeout(
+                    f"engine rank {local_rank} of {node} could not join round {request.plan.round}'s relay from "
+                    f"{decision.relay.source} ({type(exc).__name__}: {exc}); it stays fenced until a later "
+                    "update reaches it", phase="rendezvous") from exc
+            return
+        if self.communicator is None or self.group_round != decision.group_round:
             raise WeightSyncError(
-                f"this engine rank is not in the trainer's group {request.decision.group_round} (it joined "
+                f"this engine rank is not in the trainer's group {decision.group_round} (it joined "
                 f"{self.group_round or 'none'}: started or restarted since); fenced until the trainer calls "
                 "/init_weight_transfer_engine again", phase="rendezvous",
             )
+        if decision.relay is not None and decision.relay.source == node and local_rank == 0:
+            self.relay_out = RelayForward(self._relay_joins, request, device)
 
     def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
         import torch
@@ -248,16 +353,36 @@ class TrainerGroupReceiver(TransportReceiver):
                 buffer = torch.empty(bucket.size, dtype=torch.uint8, device=device)
                 self._broadcast(buffer, deadline)
                 t1 = time.monotonic()
+                if self.relay_out is not None:
+                    self.relay_out.forward(buffer)  # goes on while this rank loads the chunk
                 self._load(sink, buffer, bucket.specs)
                 sink.arrived([spec.name for spec in bucket.specs])
                 wire_s += t1 - t0
                 load_s += time.monotonic() - t1
+            if self.relay_out is not None:
+                self.relay_out.finish()
         except Exception:
-            self.leave()  # a failed collective leaves the group unusable
+            if self.relay_in is not None:
+                self._drop_relay()  # this rank holds no trainer's group to lose
+            else:
+                self.leave()  # a failed collective leaves the group unusable
             raise
         return {"wire_s": wire_s, "load_s": load_s}
 
+    def finish(self) -> None:
+        self._drop_relay()
+
+    def _drop_relay(self) -> None:
+        """Leave this round's relay (a forward still in flight is cut off)."""
+        if self.relay_out is not None and self.relay_out.group is not None:
+            wire.abort(self.relay_out.group)
+        self.relay_in = None
+        self.relay_out = None
+
     def _broadcast(self, buffer: Any, deadline: float) -> None:
+        if self.relay_in is not None:
+            wire.wait(wire.broadcast(self.relay_in[1], buffer), deadline - time.monotonic())
+            return
         if buffer.device.type == "cuda":
             import torch
 
@@ -289,10 +414,13 @@ class TrainerGroupReceiver(TransportReceiver):
             sink.load(buffer, as_is, [spec.offset for spec in as_is])
 
     def abort(self) -> None:
-        """The group stays: a failed load leaves it usable (a failed collective was dropped in receive)."""
+        """The trainer's group stays: a failed load leaves it usable (a failed collective
+        was dropped in receive); this round's relay goes."""
+        self._drop_relay()
 
 
 __all__ = [
-    "DEFAULT_PACKED_BUFFER_BYTES", "GlooTrainerEndpoint", "TrainerGroupReceiver", "TrainerGroupSender",
-    "gloo_over_stateless", "gloo_packed_broadcast", "gloo_trainer_init", "packed_manifest",
+    "DEFAULT_PACKED_BUFFER_BYTES", "GlooTrainerEndpoint", "RelayForward", "TrainerGroupReceiver",
+    "TrainerGroupSender", "gloo_over_stateless", "gloo_packed_broadcast", "gloo_trainer_init", "join_relay",
+    "packed_manifest",
 ]

@@ -27,6 +27,12 @@ Every wait has the plan's deadline (``WorkerTimeouts``); a failure is acked
 as a kind and a message (``SyncFailure``). A worker left out of a sync, or
 whose sync failed, is fenced (takes no tasks) until a later sync brings it
 to the fleet's version.
+
+A worker the decision has catch up through a relay (``SyncDecision.relay``:
+it is outside a trainer's own group) takes the round's version only once the
+rounds of that version have brought every tensor of its checkpoint
+(``weight_files.whole_model``); until then it acks "done" refused, saying how
+many arrived, and stays fenced (half-loaded).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from rollout_queue.weight_sync.protocol import (
     UpdateResult,
 )
 from rollout_queue.workers.engine.protocols import SyncHost
-from rollout_queue.workers.node.weight_files import checkpoint_shapes
+from rollout_queue.workers.node.weight_files import checkpoint_shapes, whole_model
 from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
@@ -96,6 +102,8 @@ class SyncParticipant:
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
         self._shapes_loaded = False
+        # Catching up through a relay: the version, and the tensors its rounds brought so far.
+        self._catching_up: tuple[int, set[str]] | None = None
         self._manifests: dict[str, Manifest] = {}  # by digest, the last few seen
         self._engine_digest: str | None = None  # of the manifest the engine holds
         # Per transport, the round whose process group the engine holds (told in
@@ -218,11 +226,16 @@ class SyncParticipant:
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
             stats = self._update_engine(plan, decision)
-            if decision.group_round is not None:
+            if decision.group_round is not None and not decision.relayed(self.node):
                 self._groups[plan.transport_of(self.node)] = decision.group_round
             seconds["update"] = time.monotonic() - t
             for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
                 seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
+            if decision.relayed(self.node):
+                missing = self._still_missing(plan)
+                if missing is not None:
+                    self._stay_fenced(plan, missing, seconds)
+                    return
             t = time.monotonic()
             self.host.resume(plan.weight_version, timeout=plan.timeouts.resume)
             paused = False
@@ -241,6 +254,34 @@ class SyncParticipant:
             if not ready:  # the trainer waits for "ready" first: tell it there at once
                 self._ack(plan, "ready", False, error=failure, seconds=seconds)
             self._ack(plan, "done", False, error=failure, seconds=seconds)
+
+    def _still_missing(self, plan: SyncPlan) -> str | None:
+        """Catching up through a relay: what the rounds of the plan's version have not
+        brought yet of the whole model (None: nothing, take the version)."""
+        assert plan.manifest is not None
+        arrived = {spec.name for spec in plan.manifest.tensors}
+        if self._catching_up is not None and self._catching_up[0] == plan.weight_version:
+            arrived |= self._catching_up[1]
+        self._catching_up = (plan.weight_version, arrived)
+        if self._shapes is None:
+            return "all of them: this worker has no local checkpoint to tell a whole model by"
+        required = whole_model(self.host.settings.model, self._shapes)
+        missing = sorted(required - arrived)
+        if not missing:
+            self._catching_up = None
+            return None
+        return f"{len(missing)} of its checkpoint's {len(required)} tensors, e.g. {', '.join(missing[:3])}"
+
+    def _stay_fenced(self, plan: SyncPlan, missing: str, seconds: dict[str, float]) -> None:
+        """The engine loaded part of the plan's version: resume on it fenced (half-loaded)
+        and tell the coordinator why, in the "done" ack."""
+        message = (f"{self.node} catches up to version {plan.weight_version} through a relay; the update has not "
+                   f"brought {missing} yet: it stays fenced until an update brings the whole model")
+        self.host.resume(None, timeout=plan.timeouts.resume)
+        self.state.fail_update(Fence(FenceReason.HALF_LOADED, message))
+        self.last_error = message
+        log.warning("weight sync round %s: %s", plan.round, message)
+        self._ack(plan, "done", False, error=SyncFailure(kind="refused", message=message), seconds=seconds)
 
     def _update_engine(self, plan: SyncPlan, decision: SyncDecision) -> list[dict[str, float]]:
         """The engine's part, one call on every rank (``UpdateRequest``); each rank's

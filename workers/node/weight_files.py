@@ -1,7 +1,9 @@
 """What the worker's checkpoint holds: names, dtypes and shapes from safetensors headers.
 
 A sync manifest is checked against this before any weight changes, so a
-wrong name or shape is refused up front, not half-way through a load.
+wrong name or shape is refused up front, not half-way through a load; and a
+worker catching up through a relay takes the new version only once an update
+brought every tensor a whole model needs (:func:`whole_model`).
 """
 
 from __future__ import annotations
@@ -46,3 +48,18 @@ def checkpoint_shapes(model: str) -> dict[str, list[int]] | None:
             if name != "__metadata__":
                 shapes[name] = list(meta["shape"])
     return shapes
+
+
+def whole_model(model: str, shapes: dict[str, list[int]]) -> set[str]:
+    """The tensors of checkpoint ``shapes`` that an update must bring for the whole
+    model to change: all of them, less ``lm_head.weight`` where the model ties it to
+    the embeddings (vLLM's models skip it then, and a trainer sends the tied tensor once)."""
+    required = set(shapes)
+    folder = model_dir(model)
+    config = folder / "config.json" if folder is not None else None
+    if config is not None and config.is_file():
+        text = json.loads(config.read_text())
+        tied = text.get("tie_word_embeddings", text.get("text_config", {}).get("tie_word_embeddings", False))
+        if tied:
+            required.discard("lm_head.weight")
+    return required
