@@ -35,6 +35,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -100,7 +102,7 @@ def probe_worker(report: Path, device: str, model: str, torch_work_first: bool, 
 
     # A Redis that answers: the worker checks it before it loads its engine.
     return main(["worker", "--model", model, "--device", device, "--insecure-control",
-                 "--redis-url", redis_url, "--name", "fork-probe@tests"])
+                 "--redis-url", redis_url, "--name", f"fork-probe-{device}-{os.getpid()}@tests"])
 
 
 def probe_bench_model_build(report: Path, models_dir: Path) -> int:
@@ -132,12 +134,40 @@ def run_probe(tmp_path: Path, *argv: str) -> dict[str, object]:
     return result
 
 
+# The probes, each a fresh interpreter that mostly imports (and the hazard's
+# waits out its hung child): all four run at once from one module fixture,
+# each test waits for its own; one after the other they took ~100-170 s.
+PROBES: dict[str, list[str]] = {
+    "worker-cuda": ["worker", "cuda", "clean"],
+    "worker-cpu": ["worker", "cpu", "clean"],
+    "worker-torch-first": ["worker", "cuda", "torch-work-first"],
+    "bench-build": ["bench-build"],
+}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Future[dict[str, object]]]]:
+    def argv(name: str, folder: Path) -> list[str]:
+        what, *rest = PROBES[name]
+        if what == "bench-build":
+            return [what, str(folder / "models")]
+        device, mode = rest
+        return [what, device, str(folder / "no-model-needed"), mode, redis_url]
+
+    with ThreadPoolExecutor(len(PROBES), thread_name_prefix="fork-probe") as pool:
+        runs = {}
+        for name in PROBES:
+            folder = tmp_path_factory.mktemp(name)
+            runs[name] = pool.submit(run_probe, folder, *argv(name, folder))
+        yield runs
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(
-    tmp_path: Path, device: str, redis_url: str
+    probes: dict[str, Future[dict[str, object]]], device: str
 ) -> None:
     # cuda is the path vLLM forks on; the probe stops before any device is touched.
-    seen = run_probe(tmp_path, "worker", device, str(tmp_path / "no-model-needed"), "clean", redis_url)
+    seen = probes[f"worker-{device}"].result()
     assert seen["thread"] == "engine-loop", seen  # where EngineHost starts vLLM: the thread that forks
     assert seen["forked_torch_op"] == "finished", (
         f"a fork of the {device} worker, taken where vLLM forks its EngineCore, {seen['forked_torch_op']} "
@@ -151,14 +181,18 @@ def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch starts no OpenMP pool to inherit")
-def test_the_probe_catches_torch_cpu_work_done_in_the_worker_before_its_engine(tmp_path: Path, redis_url: str) -> None:
-    seen = run_probe(tmp_path, "worker", "cuda", str(tmp_path / "no-model-needed"), "torch-work-first", redis_url)
+def test_the_probe_catches_torch_cpu_work_done_in_the_worker_before_its_engine(
+    probes: dict[str, Future[dict[str, object]]],
+) -> None:
+    seen = probes["worker-torch-first"].result()
     assert seen["forked_torch_op"] == "hung", seen
     assert seen["new_native_threads"], seen
 
 
-def test_a_fork_of_a_benchmark_that_built_its_model_can_run_torch_cpu_ops(tmp_path: Path) -> None:
-    seen = run_probe(tmp_path, "bench-build", str(tmp_path / "models"))
+def test_a_fork_of_a_benchmark_that_built_its_model_can_run_torch_cpu_ops(
+    probes: dict[str, Future[dict[str, object]]],
+) -> None:
+    seen = probes["bench-build"].result()
     assert seen["built"] is True
     assert seen["forked_torch_op"] == "finished", seen
     assert seen["new_native_threads"] == [], seen
