@@ -19,7 +19,7 @@ from rollout_queue.tasks import keys
 from rollout_queue.tasks.auth import CommandVerifier, signed_arguments
 from rollout_queue.tasks.errors import ControlRefused, WeightSyncError
 from rollout_queue.weight_sync import wire
-from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncPlan, SyncRound
+from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncPlan, SyncRound, WorkerTimeouts
 from rollout_queue.weight_sync.sender import named_tensors
 from tests.procs import ROOT, free_port
 
@@ -506,6 +506,44 @@ def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:
     assert host.state.intake_open
     assert host.state.fence_reason is FenceReason.MISSED_SYNC
     assert host.state.refusal() == "missed sync to version 3" and host.state.current == "fenced"
+    # The trainer lives and the others may commit: the heartbeat may not lift it
+    # before the round is marked over.
+    assert host.state.held_for == plan.round
+
+
+def test_a_worker_whose_trainer_never_decides_resumes_fenced_for_the_next_heartbeat_to_lift() -> None:
+    """Paused and ready, the decision never comes (the trainer gone or cut off):
+    nobody can commit that round, so its missed-version fence is not held."""
+    from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.state import CAUGHT_UP, NodeState
+
+    class Host(EngineHostFake):
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+        def pause(self, mode: str, timeout: float) -> None:
+            self.calls.append(("pause", mode))
+
+        def resume(self, version: int | None, timeout: float) -> None:
+            self.calls.append(("resume", version))
+
+    host, acks, state = Host(), AckLists(), NodeState()
+    state.ready()
+    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
+    port = free_port()
+    store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)  # it never holds a decision
+    try:
+        plan = _plan(round=SyncRound(f"1-no-decision-{time.time()}"), store_port=port,
+                     timeouts=WorkerTimeouts(decision=1.0))
+        participant.sync(plan)
+    finally:
+        del store
+    assert host.calls == [("pause", "wait"), ("resume", None)]
+    (done,) = acks.acks(keys.sync_acks(plan.round, "done"))
+    assert not done.ok
+    assert state.refusal() == "missed sync to version 3" and state.held_for is None
+    state.lift(*CAUGHT_UP)  # the heartbeat, the pool's version unmoved
+    assert state.current == "serving"
 
 
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(

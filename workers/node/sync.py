@@ -207,6 +207,9 @@ class SyncParticipant:
         changed = False
         paused = False
         ready = False
+        # Whether the trainer may still commit the round for others: not when the
+        # wait for its decision is what failed (a trainer gone or cut off).
+        trainer_lives = True
         try:
             self.state.begin_update()
             if not self._store_kept(plan):
@@ -219,7 +222,9 @@ class SyncParticipant:
             seconds["pause"] = time.monotonic() - t
             self._ack(plan, "ready", True, seconds=seconds, group_round=self._groups.get(plan.transport_of(self.node)))
             ready = True
+            trainer_lives = False
             decision = self._await_decision(plan)
+            trainer_lives = True
             if not decision.go or self.node not in decision.roster:
                 reason = decision.reason or "left out of the roster"
                 raise SyncRefused(f"trainer called off round {plan.round} for {self.node}: {reason}")
@@ -250,7 +255,7 @@ class SyncParticipant:
             failure = SyncFailure.of(exc)
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.error("weight sync round %s failed: %s", plan.round, self.last_error)
-            self._recover(changed, paused, plan)
+            self._recover(changed, paused, plan, trainer_lives)
             if not ready:  # the trainer waits for "ready" first: tell it there at once
                 self._ack(plan, "ready", False, error=failure, seconds=seconds)
             self._ack(plan, "done", False, error=failure, seconds=seconds)
@@ -313,7 +318,7 @@ class SyncParticipant:
                 f"{hint}; set RQ_RENDEZVOUS_HOST on the trainer to an address of the trainer that every worker "
                 "host can reach") from exc
 
-    def _recover(self, changed: bool, paused: bool, plan: SyncPlan) -> None:
+    def _recover(self, changed: bool, paused: bool, plan: SyncPlan, trainer_lives: bool) -> None:
         self._groups.pop(plan.transport_of(self.node), None)  # a failed collective leaves no group
         if changed:
             try:
@@ -329,10 +334,16 @@ class SyncParticipant:
             self.state.fail_update(
                 Fence(FenceReason.HALF_LOADED, f"weights half-loaded by failed sync round {plan.round}"))
         elif plan.weight_version > self.host.weight_version:
-            # The others may still commit: held until the trainer has written the
-            # round's outcome, or the heartbeat would read the old version as current.
-            self.state.fail_update(Fence(FenceReason.MISSED_SYNC, f"missed sync to version {plan.weight_version}",
-                                         until=time.monotonic() + plan.timeouts.outcome, round=plan.round))
+            missed = f"missed sync to version {plan.weight_version}"
+            if trainer_lives:
+                # The others may still commit: held until the trainer has written
+                # the round's outcome, or the heartbeat would read the old version
+                # as current. A trainer whose decision never came (gone, cut off)
+                # commits no one: the next heartbeat lifts it.
+                self.state.fail_update(Fence(FenceReason.MISSED_SYNC, missed,
+                                             until=time.monotonic() + plan.timeouts.outcome, round=plan.round))
+            else:
+                self.state.fail_update(Fence(FenceReason.MISSED_SYNC, missed))
         else:
             self.state.fail_update(None)
 
