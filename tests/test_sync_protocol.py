@@ -452,6 +452,19 @@ class EngineHostFake:
         raise AssertionError(f"no engine to call {method}")
 
 
+class RecordingHost(EngineHostFake):
+    """An engine host whose pause and resume only record that they were called."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def pause(self, mode: str, timeout: float) -> None:
+        self.calls.append(("pause", mode))
+
+    def resume(self, version: int | None, timeout: float) -> None:
+        self.calls.append(("resume", version))
+
+
 class AckLists:
     """The Redis surface a sync participant pushes its acks through, as lists in memory."""
 
@@ -517,17 +530,7 @@ def test_a_worker_whose_trainer_never_decides_resumes_fenced_for_the_next_heartb
     from rollout_queue.workers.node.sync import SyncParticipant
     from rollout_queue.workers.state import CAUGHT_UP, NodeState
 
-    class Host(EngineHostFake):
-        def __init__(self) -> None:
-            self.calls: list[Any] = []
-
-        def pause(self, mode: str, timeout: float) -> None:
-            self.calls.append(("pause", mode))
-
-        def resume(self, version: int | None, timeout: float) -> None:
-            self.calls.append(("resume", version))
-
-    host, acks, state = Host(), AckLists(), NodeState()
+    host, acks, state = RecordingHost(), AckLists(), NodeState()
     state.ready()
     participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
     port = free_port()
@@ -551,19 +554,9 @@ def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_on
     from rollout_queue.workers.node.sync import SyncParticipant
     from rollout_queue.workers.state import NodeState
 
-    class Host(EngineHostFake):  # the engine host's surface a sync uses
-        def __init__(self) -> None:
-            self.calls: list[Any] = []
-
-        def pause(self, mode: str, timeout: float) -> None:
-            self.calls.append(("pause", mode))
-
-        def resume(self, version: int | None, timeout: float) -> None:
-            self.calls.append(("resume", version))
-
     with socket.create_server(("127.0.0.1", 0)) as taken:
         closed_port = taken.getsockname()[1]  # nothing listens there once closed
-    host, acks, state = Host(), AckLists(), NodeState()
+    host, acks, state = RecordingHost(), AckLists(), NodeState()
     state.ready()
     participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
     plan = _plan(round=SyncRound(f"1-unreachable-{time.time()}"), store_port=closed_port)

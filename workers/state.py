@@ -69,6 +69,10 @@ class Fence:
     until: float | None = None
     round: str | None = None
 
+    def held(self) -> bool:
+        """Whether the heartbeat may not lift it yet (``until`` not passed)."""
+        return self.until is not None and time.monotonic() < self.until
+
 
 Lifecycle = Literal["starting", "running", "stopping"]
 
@@ -192,17 +196,14 @@ class NodeState:
     def held_for(self) -> str | None:
         """The sync round whose end the fence waits for (None: not held)."""
         fence = self._now.fence
-        if fence is None or fence.until is None or time.monotonic() >= fence.until:
-            return None
-        return fence.round
+        return fence.round if fence is not None and fence.held() else None
 
     def lift(self, *reasons: FenceReason, round_over: bool = False) -> None:
         """Lift the fence if it is for one of ``reasons``, and not held for a
         round that may still commit (``round_over``: the caller saw it end)."""
         with self._lock:
             fence = self._now.fence
-            held = fence is not None and fence.until is not None and time.monotonic() < fence.until
-            if fence is not None and fence.reason in reasons and (round_over or not held):
+            if fence is not None and fence.reason in reasons and (round_over or not fence.held()):
                 self._change(fence=None)
 
     def begin_update(self) -> None:
