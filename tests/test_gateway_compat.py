@@ -31,7 +31,7 @@ def compat_gateway(redis_url: str, gen_worker: Proc, model_a: Path) -> Iterator[
 
 
 def test_unknown_fields_are_ignored_and_named_in_a_header(compat_gateway: Gateway) -> None:
-    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 3, "store": False,
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 3, "ignore_eos": True, "store": False,
             "metadata": {"run": "7"}, "parallel_tool_calls": True}
     response = httpx.post(f"{compat_gateway.base}/v1/completions", json=body, timeout=RESULT_TIMEOUT)
     assert response.status_code == 200, response.text
