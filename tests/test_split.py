@@ -214,9 +214,10 @@ def test_a_failing_part_fails_the_call_naming_the_prompt_by_its_index_in_the_who
 
 def test_revoking_a_split_call_revokes_every_part(gen_worker: Proc, max_prompts: int) -> None:
     # A countdown holds the parts in the worker's timer, so the revoke
-    # reaches it before any part could start: 8 s for a control message that
-    # a loaded machine may take seconds to deliver (the test waits it out).
-    handle = generate.apply_async((PROMPTS, GREEDY), countdown=8)
+    # reaches it before any part could start: 15 s for a control message that
+    # a loaded machine may take seconds to deliver (the test waits it out;
+    # 8 s was too short once, with two suites running side by side).
+    handle = generate.apply_async((PROMPTS, GREEDY), countdown=15)
     assert isinstance(handle, SplitResult)
     handle.revoke()
     with pytest.raises(TaskRevokedError):
