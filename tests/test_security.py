@@ -560,6 +560,7 @@ def test_a_worker_without_a_secret_exits_2_before_loading_the_engine() -> None:
         assert seconds < 30, f"took {seconds:.1f}s: the check must come before the engine loads"
 
 
+@pytest.mark.slow  # it starts a worker to serving
 def test_insecure_control_by_flag_or_environment_lets_a_worker_start_without_a_secret(
     monkeypatch: pytest.MonkeyPatch, redis_url: str,
 ) -> None:

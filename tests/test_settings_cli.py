@@ -131,6 +131,7 @@ def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
     assert run.stderr.strip() == "rollout-queue worker: RQ_TASK_MAX_PROMPTS = '0': allowed: an integer >= 1"
 
 
+@pytest.mark.slow  # its workers import vLLM before they fail
 def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_and_a_wait_names_both(
     monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path,
 ) -> None:
