@@ -56,10 +56,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     the quickstart command, probes; and the hosts of ``multihost``)."""
     if not config.getoption("--fast"):
         return
-    slow = [item for item in items if "start_worker" in getattr(item, "fixturenames", ())
-            or item.get_closest_marker("slow") or item.get_closest_marker("multihost")]
+    kept: list[pytest.Item] = []
+    slow: list[pytest.Item] = []
+    for item in items:
+        starts_engine = ("start_worker" in getattr(item, "fixturenames", ())
+                         or item.get_closest_marker("slow") or item.get_closest_marker("multihost"))
+        (slow if starts_engine else kept).append(item)
     config.hook.pytest_deselected(items=slow)
-    items[:] = [item for item in items if item not in slow]
+    items[:] = kept
 
 
 # Workers and this process's producer share it: control commands are signed.

