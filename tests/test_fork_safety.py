@@ -12,9 +12,11 @@ thread after building the model there). The worker forks from its
 engine-loop thread, so its main thread's pool would not hang it today; the
 probe holds it to more than that.
 
-On CPU, vLLM spawns, so the CPU suite never shows the hang; these tests probe
-for it where it would happen, in a fresh interpreter that runs the real code
-up to the point where vLLM would fork:
+A CPU worker forks its engine core too (``workers.engine.host.fork_cpu_engine_core``:
+vLLM's CPU platform would spawn it), so the CPU suite's workers would show
+the hang; these tests also probe for it where it would happen, on either
+device, in a fresh interpreter that runs the real code up to the point where
+vLLM forks:
 - fork from that very thread, as vLLM does, and run a parallel torch CPU op
   in the child: it finishes in well under a second, or hangs for good if the
   thread had started an OpenMP pool;
@@ -38,6 +40,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,11 +81,15 @@ def native_threads() -> set[int]:
 def probe_worker(report: Path, device: str, model: str, torch_work_first: bool, redis_url: str) -> int:
     """Run ``rollout-queue worker`` until it would start the engine; fork-test the process there.
 
-    The engine's start (``AsyncLLM.from_engine_args``) is replaced by a probe
+    The engine's start (``AsyncLLM.from_vllm_config``) is replaced by a probe
     that writes the report and raises, so the worker exits (code 3) without
-    loading anything; everything before that point is the real worker path.
+    loading anything; everything before that point is the real worker path,
+    the engine's config built from ``model`` included, but on ``cuda``: this
+    machine has no GPU to build a CUDA config for, so a stand-in says the
+    device, and the model is never read.
     """
     import torch
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from rollout_queue.cli.command import main
@@ -99,7 +106,13 @@ def probe_worker(report: Path, device: str, model: str, torch_work_first: bool, 
         }))
         raise RuntimeError("fork-safety probe: stopped where the engine would start")
 
-    AsyncLLM.from_engine_args = classmethod(at_engine_start)  # type: ignore[method-assign, assignment]
+    AsyncLLM.from_vllm_config = classmethod(at_engine_start)  # type: ignore[method-assign, assignment]
+    if device == "cuda":
+        def cuda_config(args: object, *_: object) -> SimpleNamespace:
+            return SimpleNamespace(device_config=SimpleNamespace(device_type="cuda"),
+                                   parallel_config=SimpleNamespace(distributed_executor_backend="uni"))
+
+        AsyncEngineArgs.create_engine_config = cuda_config  # type: ignore[method-assign, assignment]
     if torch_work_first:  # the hazard, on purpose: proves each check sees it
         torch.ones(1 << 24).exp_()
 
@@ -149,13 +162,15 @@ PROBES: dict[str, list[str]] = {
 
 
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[dict[str, Future[dict[str, object]]]]:
+def probes(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, model_a: Path
+) -> Iterator[dict[str, Future[dict[str, object]]]]:
     def argv(name: str, folder: Path) -> list[str]:
         what, *rest = PROBES[name]
         if what == "bench-build":
             return [what, str(folder / "models")]
         device, mode = rest
-        return [what, device, str(folder / "no-model-needed"), mode, redis_url]
+        return [what, device, str(model_a if device == "cpu" else folder / "no-model-needed"), mode, redis_url]
 
     with ThreadPoolExecutor(len(PROBES), thread_name_prefix="fork-probe") as pool:
         runs = {}
@@ -169,7 +184,7 @@ def probes(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator
 def test_a_fork_of_the_worker_where_its_engine_starts_can_run_torch_cpu_ops(
     probes: dict[str, Future[dict[str, object]]], device: str
 ) -> None:
-    # cuda is the path vLLM forks on; the probe stops before any device is touched.
+    # vLLM forks on cuda, the worker on cpu; the probe stops before any device is touched.
     seen = probes[f"worker-{device}"].result()
     assert seen["thread"] == "engine-loop", seen  # where EngineHost starts vLLM: the thread that forks
     assert seen["forked_torch_op"] == "finished", (
