@@ -119,11 +119,17 @@ class LocalProcess:
         self._log = log_path.open("ab")
         self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
         self._log.flush()
-        self.popen = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
-        )
+        self.popen = self._start({**os.environ, **(env or {})}, cwd)
         LocalProcess._running.add(self)
+
+    def _start(self, env: dict[str, str], cwd: Path | None) -> Any:
+        """Start the process: a ``subprocess.Popen`` here; a subclass may start it
+        otherwise, returning an object with Popen's ``pid``, ``returncode``,
+        ``poll()`` and ``wait(timeout)``."""
+        return subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=cwd, start_new_session=True,
+        )
 
     @classmethod
     def running(cls) -> list[LocalProcess]:

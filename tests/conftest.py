@@ -20,6 +20,7 @@ import redis as redis_lib
 from rollout_queue.cli.localstack import LocalProcess, RedisServer, redis_reachable
 from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
+from tests.zygote import Zygote
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 
@@ -168,8 +169,19 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
     tasks are few per worker, and a warm-up costs each start seconds.
 
     It stops at the end of the module that started it (``stop_module_workers``)
-    unless ``for_session``."""
+    unless ``for_session``. A CPU worker is forked from the session's zygote
+    (``tests.zygote``: torch and vLLM imported once, ~7 s of each start on two
+    cores); ``RQ_TEST_ZYGOTE=0`` starts each from a fresh interpreter instead."""
     procs: list[Proc] = []
+    zygotes: list[Zygote] = []
+
+    def zygote_for(argv: list[str]) -> Zygote | None:
+        devices = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--device"]
+        if devices[-1] != "cpu" or os.environ.get("RQ_TEST_ZYGOTE", "1") == "0":
+            return None  # on CUDA vLLM forks the worker's engine itself, after CUDA is set up there
+        if not zygotes or not zygotes[0].alive():
+            zygotes[:] = [Zygote(LOGS / "zygote.log", ROOT)]
+        return zygotes[0]
 
     def start(
         model: Path,
@@ -194,7 +206,8 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
             "--queues", queue, "--pool", pool, *ENGINE_FLAGS,
         ] + ([] if warm_up else ["--skip-warm-up"]) + (extra or [])
         proc = Proc(name.replace("@", "-"), argv,
-                    env={**redis_url_env(url or redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})})
+                    env={**redis_url_env(url or redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, **(env or {})},
+                    zygote=zygote_for(argv))
         procs.append(proc)
         _STARTED.append((proc, for_session))
         if wait:
@@ -205,6 +218,8 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
     yield start
     for proc in procs:
         proc.stop()
+    for zygote in zygotes:
+        zygote.close()
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 from rollout_queue.cli.localstack import LocalProcess, free_port
+from tests.zygote import Zygote
 
 __all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "engine_cores", "free_port", "install_guard", "on_exit", "python"]
 
@@ -44,10 +45,18 @@ def on_exit(cleanup: Callable[[], None]) -> None:
 
 
 class Proc(LocalProcess):
-    """A ``LocalProcess`` logging to ``LOGS/<name>.log``, run from the repository root."""
+    """A ``LocalProcess`` logging to ``LOGS/<name>.log``, run from the repository root;
+    forked from ``zygote`` (``tests.zygote``: a worker's command line) when given."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+                 zygote: Zygote | None = None) -> None:
+        self.zygote = zygote
         super().__init__(name, argv, LOGS / f"{name}.log", env, cwd=ROOT)
+
+    def _start(self, env: dict[str, str], cwd: Path | None) -> Any:
+        if self.zygote is None:
+            return super()._start(env, cwd)
+        return self.zygote.fork(self.argv, env, cwd, self.log_path)
 
 
 def python() -> str:
