@@ -92,7 +92,7 @@ class Agent:
         metas = self.results(ids, timeout)
         return [metas[i]["result"] for i in ids]
 
-    def sync(self, model: str, version: int, rendezvous_host: str, timeouts: dict[str, float],
+    def sync(self, model: str, version: int, rendezvous_host: str, timeouts: dict[str, Any],
              timeout: float, pool: str, catch_up: bool = False,
              cut_before_send: list[str] | None = None,
              cut_before_decide: list[str] | None = None) -> dict[str, Any]:

@@ -45,11 +45,14 @@ FLOWER = f"http://{REDIS_HOST}:5555"
 HEARTBEAT_S, REGISTRY_TTL_S, REAP_GRACE_S = 0.5, 2.0, 2.0
 PROMPTS = [f"Host prompt {i} says" + " more" * (i % 3) for i in range(6)]
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
-# A sync's phases: short, so a fault is named within seconds (the tiny model
-# moves in well under a second).
 # Measured detect / recover times of the fault tests (written at module end).
 FIGURES: dict[str, Any] = {}
-SYNC_TIMEOUTS = {"membership": 5.0, "trigger": 5.0, "ready": 30.0, "transfer": 10.0, "commit": 15.0}
+# A sync's phases: short, so a fault is named within seconds (the tiny model
+# moves in well under a second). ``worker.group_join`` is the workers' process
+# group timeout: a worker cut off mid-transfer gives the round up after it
+# (the default, 60 s, made the cut-transfer test wait a minute to see that).
+SYNC_TIMEOUTS = {"membership": 5.0, "trigger": 5.0, "ready": 30.0, "transfer": 10.0, "commit": 15.0,
+                 "worker": {"group_join": 15.0}}
 
 
 class AgentProc:
