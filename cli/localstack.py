@@ -94,6 +94,10 @@ def default_tiny_model(models_dir: Path, seed: int = TINY_MODEL_SEED) -> Path:
     return path
 
 
+# Starts each run's part of a LocalProcess log (a log file is appended to across runs).
+LOG_HEADER = "\n=== "
+
+
 class LocalProcess:
     """A subprocess in its own session, logging to a file; stop() kills its whole tree.
 
@@ -117,7 +121,7 @@ class LocalProcess:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
-        self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
+        self._log.write(f"{LOG_HEADER}{time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
         self._log.flush()
         self.popen = self._start({**os.environ, **(env or {})}, cwd)
         LocalProcess._running.add(self)
@@ -142,6 +146,13 @@ class LocalProcess:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def this_start_log(self) -> str:
+        """The log since this start's ``===`` header (a log file keeps earlier runs); "" if unreadable."""
+        try:
+            return self.log_path.read_text(errors="replace").rsplit(LOG_HEADER, 1)[-1]
+        except OSError:
+            return ""
 
     def tail(self, lines: int = 60) -> str:
         try:
@@ -420,11 +431,7 @@ class LocalStack:
     def broker_elsewhere(self, proc: LocalProcess) -> str | None:
         """What is wrong when the worker's log names a broker other than this stack's
         Redis (its environment chose another URL: it would register where nobody waits)."""
-        try:
-            text = proc.log_path.read_text(errors="replace")
-        except OSError:
-            return None
-        found = BROKER_LINE.findall(text.rsplit("\n=== ", 1)[-1])  # this run of the log
+        found = BROKER_LINE.findall(proc.this_start_log())
         ours = redact_url(self.redis_url)
         if not found or found[-1] == ours:
             return None

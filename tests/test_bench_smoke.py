@@ -104,7 +104,7 @@ def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "
                 pass
     finally:
         proc.stop()
-    return proc.popen.returncode, proc.log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1]
+    return proc.popen.returncode, proc.this_start_log()
 
 
 @pytest.fixture(scope="module")

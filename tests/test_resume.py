@@ -389,8 +389,7 @@ def test_sigterm_past_the_drain_deadline_hands_every_sample_to_the_other_worker_
     # the margin is for a loaded machine 2-3 times slower. (That it did not
     # wait for the generation, the log line and the resumed spans say.)
     assert exited_after < drain + 10, f"exited {exited_after:.1f} s after SIGTERM"
-    this_start = leaving.log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1]
-    assert "handed 1 unfinished requests back to the queue" in this_start
+    assert "handed 1 unfinished requests back to the queue" in leaving.this_start_log()
     # No reaper involved: the task was requeued at once, the survivor takes it when unfenced.
     result = handle.get(timeout=300)  # 2 x up to 960 tokens (see the kill test)
     assert result["worker"] == "res-a@tests"
@@ -426,7 +425,7 @@ def test_a_worker_whose_engine_is_lost_hands_every_task_back_and_exits_non_zero(
                 if fault == signal.SIGSTOP and core.is_running():
                     core.kill()  # the worker's shutdown should have; never leave it stopped
             exited_after = time.monotonic() - struck
-            log_text = victim.log_path.read_text(errors="replace").rsplit("\n=== ", 1)[-1]  # this start's
+            log_text = victim.this_start_log()
             assert code == 4, victim.tail()
             assert log_text.count("handing its tasks back to the queue and exiting (code 4)") == 1, victim.tail()
             assert not redis_client.exists(keys.worker_key(node))  # out of the registry

@@ -48,10 +48,10 @@ class Zygote:
     """The suite's side: start the zygote, fork workers from it, learn how they end."""
 
     def __init__(self, log_path: Path, cwd: Path) -> None:
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
-        self._changed = threading.Condition(self._lock)
         self._started: list[int] = []
+        self._forking = threading.Lock()  # one command and its answer at a time: answers carry no request id
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:
             self._proc = subprocess.Popen(
@@ -81,7 +81,7 @@ class Zygote:
              timeout: float = 60.0) -> ForkedChild:
         """A worker process running ``argv`` (``python -m rollout_queue.cli ...``)."""
         assert self._proc.stdin is not None
-        with self._changed:
+        with self._forking, self._changed:
             seen = len(self._started)
             self._proc.stdin.write(json.dumps({"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()),
                                                "log": str(log_path)}) + "\n")
