@@ -448,9 +448,13 @@ class EngineHost:
         return asyncio.run_coroutine_threadsafe(self.engine.is_sleeping(), self._loop)
 
     async def _add(self, rid: str, prompt_ids: list[int], sampling: Any) -> Any:
-        from vllm.inputs import TokensPrompt
+        """Add one request, its prompt already rendered: vLLM (0.32) sends a raw
+        ``TokensPrompt`` through its renderer's thread pool to make this same
+        ``TokensInput``, two more thread hops before the request reaches the engine
+        core (0.24 renders it on the loop). Its checks (length, vocabulary) run either way."""
+        from vllm.inputs.engine import tokens_input
 
-        return await self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), sampling)
+        return await self.engine.add_request(rid, tokens_input(prompt_ids), sampling)
 
     def abort(self, rids: list[str]) -> None:
         try:
