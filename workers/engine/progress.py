@@ -42,7 +42,7 @@ import concurrent.futures
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,13 +271,13 @@ def _resumed_params(params: SamplingParams, sample: int, generated: int) -> Samp
 
 def plan_units(
     prompt_ids: list[list[int]], params: SamplingParams, saved: dict[SampleKey, SampleProgress],
-    skip: set[int],
+    skip: Collection[int] = (),
 ) -> tuple[list[Unit], dict[SampleKey, SampleProgress]]:
     """The engine requests for a task run, and the samples already complete.
 
     A prompt without saved samples is one request of ``n`` samples, as
     always; a prompt with some is one request per unfinished sample (those
-    with progress continue from it).
+    with progress continue from it). Prompts in ``skip`` get no request.
     """
     if not resumable(params):
         saved = {}

@@ -56,9 +56,9 @@ class RunOptions:
     """How one task's run goes, besides its request.
 
     ``aborted``: the indices of prompts nobody waits for any more (their
-    client went away), read before submitting and every ``ABORT_POLL_S``
-    while generating; those prompts are not started, or their requests are
-    aborted, and their outputs end with ``finish_reason="abort"``.
+    client went away), read once the requests are in the engine and every
+    ``ABORT_POLL_S`` while generating; those prompts' requests are aborted,
+    and their outputs end with ``finish_reason="abort"``.
     ``on_submitted``: called once every request is in the engine.
     ``first_index``: where this task's prompts start in its caller's call (a
     part of a split call), so errors name a prompt as the caller knows it.
@@ -310,9 +310,8 @@ class GenerationRun:
     def result(self) -> tuple[list[PromptOutput], int]:
         """Run every unit as one engine request; the outputs and the final version."""
         prompt_ids = tokenize(self.host, self.request, self.options.first_index)
-        skipped = self._aborted(len(prompt_ids))
         saved = dict(self.options.saved) if self.checkpoint is not None else {}
-        units, complete = plan_units(prompt_ids, self.request.params, saved, skipped)
+        units, complete = plan_units(prompt_ids, self.request.params, saved)
         batch = uuid.uuid4().hex[:12]
         rids = [f"{batch}.{k}-{unit.prompt}" for k, unit in enumerate(units)]  # prompt_of(rid)
         try:
@@ -324,14 +323,10 @@ class GenerationRun:
             raise
         finally:
             self.host.release(rids)
-        if skipped or stopped:
+        if stopped:
             log.info("aborted %d of %d prompts: their client went away or the task was revoked",
-                     len(skipped | stopped), len(prompt_ids))
+                     len(stopped), len(prompt_ids))
         return outputs, max(v for o in outputs for s in o.samples for _, v in s.weight_versions)
-
-    def _aborted(self, prompts: int) -> set[int]:
-        aborted = self.options.aborted
-        return {i for i in (aborted() if aborted else set()) if 0 <= i < prompts}
 
     def _samplings(self, units: list[Unit]) -> list[Any]:
         """vLLM's params of each unit: deltas when a sink reads them (every
@@ -398,6 +393,12 @@ class GenerationRun:
         stopped: set[int] = set()
         stopped_at = 0.0
         pending = set(futures)
+        if pending and self.options.aborted is not None:
+            # The first read is here, with the requests in the engine, not before
+            # submitting: a Redis round trip off every task's way to its first
+            # token. A prompt given up while its task was queued is aborted as it
+            # starts: its output still ends "abort", with what the engine made meanwhile.
+            stopped_at = self._stop_aborted(self.options.aborted, by_prompt, stopped, stopped_at)
         while pending:
             pending = self._wait_once(pending, rids)
             if pending and self.options.aborted is not None:
