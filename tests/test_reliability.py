@@ -492,6 +492,32 @@ def test_reliable_fetch_records_each_message_in_unacked_and_the_in_flight_set_at
         assert not tags & set(client.hkeys(keys.KOMBU_UNACKED))
 
 
+def test_the_fetch_reads_each_tasks_stored_state_in_the_multi_of_its_ledger_record(quiet: Any) -> None:
+    # The duplicate check's GETRANGE rides in the ledger's MULTI
+    # (FetchHooks.result_head): no round trip of its own on a task's way in.
+    from rollout_queue.workers.queue import reliable_redis
+    from rollout_queue.workers.queue.dedup import DuplicateGuard
+
+    srv, app, task = quiet
+    guard = DuplicateGuard(app.backend, srv.client())
+    queue, node = f"head-{uuid.uuid4().hex[:6]}", "head@tests"
+    done = task.apply_async((["x"], {"max_tokens": 1}), queue=queue)
+    app.backend.store_result(done.id, {"outputs": []}, "SUCCESS")
+    fresh = task.apply_async((["y"], {"max_tokens": 1}), queue=queue)
+    transport = ReliableTransport.bound(reliable_redis.FetchHooks(result_head=guard.result_head))
+    with Connection(srv.url, transport=transport, transport_options={
+        "rq_processing_key": keys.processing_key(node), "rq_inflight_key": keys.inflight_key(node),
+    }) as conn:
+        channel = conn.channel()
+        got = [channel.basic_get(queue, no_ack=False) for _ in range(2)]
+        heads = {message.headers["id"]: message.rq_result_head for message in got}
+        for message in got:
+            message.ack()
+    assert guard.finished(done.id, heads[done.id]) == "SUCCESS"
+    assert heads[fresh.id] == b"" and guard.finished(fresh.id, heads[fresh.id]) is None
+    app.backend.forget(done.id)
+
+
 def test_a_worker_of_two_queues_blocks_on_its_first_and_still_sweeps_the_other(quiet: Any) -> None:
     # The sweep's order rotates after each delivery; the block must not
     # follow it (it did: after each task on the shared queue the worker

@@ -144,6 +144,8 @@ def adapt_celery(settings: WorkerSettings, runtime: WorkerRuntime, fetch: reliab
     generate.executor = runtime.service
     delivery.install(generate, runtime.duplicates, runtime.intake, die_before_ack=settings.fault_die_before_ack)
     fetch.on_full = runtime.redis_full
+    # The duplicate check's read rides in the fetch's ledger MULTI (workers.queue.dedup).
+    fetch.result_head = runtime.duplicates.result_head
     # Fetch only while the engine has room (workers.queue.intake; budget: --intake-sequences).
     fetch.has_room = runtime.intake.has_room
     if settings.metrics_port is not None:

@@ -12,9 +12,13 @@ running, one line is logged, and ``duplicate_deliveries`` counts it
 The check is one ``GETRANGE`` of the stored result's first bytes: Celery
 writes the state first (``{"status": ...``), and a compressed result is a
 zlib stream whose prefix decompresses on its own, so the cost does not grow
-with the result (a 512-prompt result with logprobs is megabytes). It runs in
-the consumer's event loop, before Celery's strategy builds the request, so a
-duplicate never writes ``STARTED`` over the stored result either.
+with the result (a 512-prompt result with logprobs is megabytes). The
+worker's fetch reads it in the same ``MULTI`` that records the message in
+its ledger (``workers.queue.reliable_redis.FetchHooks.result_head``; the
+broker and the result backend are one Redis), so the check costs no round
+trip of its own; a delivery without it (that command failed) reads it here.
+It runs in the consumer's event loop, before Celery's strategy builds the
+request, so a duplicate never writes ``STARTED`` over the stored result either.
 
 If the read fails (Redis away), the task runs: a duplicate run is better
 than a lost task. ``workers.queue.delivery`` calls it for every delivery.
@@ -31,6 +35,7 @@ from typing import Any
 import redis
 from celery import states
 from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
+from kombu.utils.encoding import bytes_to_str
 from redis.exceptions import RedisError
 
 from rollout_queue.tasks.registry import connect
@@ -60,10 +65,16 @@ class DuplicateGuard:
         self.duplicate_deliveries = 0
         self._lock = threading.Lock()
 
-    def stored_state(self, task_id: str) -> str | None:
-        """The state stored for ``task_id``, or None when nothing is stored."""
+    def result_head(self, task_id: str) -> tuple[str, int]:
+        """The key of ``task_id``'s stored result and how many bytes of it the check reads."""
+        return bytes_to_str(self.backend.get_key_for_task(task_id)), HEAD_BYTES
+
+    def stored_state(self, task_id: str, head: bytes | str | None = None) -> str | None:
+        """The state stored for ``task_id``, or None when nothing is stored. ``head``: the
+        result's first bytes, read already (``b""``: nothing stored); None: read them here."""
         key = self.backend.get_key_for_task(task_id)
-        head = self.client.getrange(key, 0, HEAD_BYTES - 1)
+        if head is None:
+            head = self.client.getrange(key, 0, HEAD_BYTES - 1)
         if not head:
             return None
         state = _status_of_head(head if isinstance(head, bytes) else head.encode())
@@ -73,10 +84,11 @@ class DuplicateGuard:
             state = str(meta.get("status") or "") or None
         return state
 
-    def finished(self, task_id: str) -> str | None:
-        """The final state stored for ``task_id``; None if it may run (also when Redis fails)."""
+    def finished(self, task_id: str, head: bytes | str | None = None) -> str | None:
+        """The final state stored for ``task_id``; None if it may run (also when Redis fails).
+        ``head``: as :meth:`stored_state`'s."""
         try:
-            state = self.stored_state(task_id)
+            state = self.stored_state(task_id, head)
         except (RedisError, OSError, ValueError) as exc:
             log.warning("could not read the state of task %s (%s); running it", task_id, exc)
             return None

@@ -122,7 +122,8 @@ def install(task: Any, guard: DuplicateGuard, intake: Intake, *, die_before_ack:
             check_message(message)  # PoisonMessage: dead-lettered by the consumer
             headers = message.headers or {}
             task_id = headers.get("id")
-            state = guard.finished(task_id) if task_id else None
+            # The result's head came with the ledger record (reliable_redis), else it is read now.
+            state = guard.finished(task_id, getattr(message, "rq_result_head", None)) if task_id else None
             if state is not None:
                 guard.count()
                 log.warning("task %s was delivered again after it finished (%s); acked, not run",

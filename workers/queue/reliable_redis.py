@@ -125,11 +125,15 @@ class FetchHooks:
     Redis refuses a fetch for memory (the runtime's fence). ``handed_on``:
     delivery tags whose messages the reaper handed to other workers
     (``workers.queue.handed_on``): acking one would drop the new holder's record.
+    ``result_head``: a task id's stored result, as ``(key, bytes)`` to read of
+    it in the ledger's ``MULTI`` (``workers.queue.dedup``: the delivery's
+    duplicate check then makes no round trip of its own); None: not read there.
     """
 
     has_room: Callable[[], bool] | None = None
     on_full: Callable[[str], None] | None = None
     handed_on: set[str] = field(default_factory=set)
+    result_head: Callable[[str], tuple[str, int]] | None = None
 
     def forget_on_ack(self, delivery_tag: str) -> None:
         """The next ack (or reject) of ``delivery_tag`` only clears this process's own
@@ -185,10 +189,13 @@ class QoS(kombu_redis.QoS):
         super().reject(delivery_tag, requeue=requeue)
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        """kombu's unacked record, the in-flight set and the processing list, in one MULTI."""
+        """kombu's unacked record, the in-flight set and the processing list, in one MULTI;
+        with them, the head of the task's stored result (``FetchHooks.result_head``),
+        left on the message as ``rq_result_head`` for the delivery's duplicate check."""
         channel = self.channel
         raw = channel.rq_fetched.pop(delivery_tag, None)
         delivery = message.delivery_info
+        head = self._result_head(message)
         with self.pipe_or_acquire() as pipe:
             pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()})
             pipe.hset(self.unacked_key, delivery_tag,
@@ -198,13 +205,31 @@ class QoS(kombu_redis.QoS):
             pipe.srem(keys.handed_on(channel.rq_node), delivery_tag)  # ours again
             if raw is not None:
                 pipe.lrem(channel.rq_processing_key, 1, raw)
+            if head is not None:
+                pipe.getrange(head[0], 0, head[1] - 1)
             try:
-                pipe.execute()
+                # A command refused as queued (Redis full) still raises; one that
+                # fails as it runs comes back in its place, read below.
+                replies = pipe.execute(raise_on_error=False)
             except redis.exceptions.OutOfMemoryError:
                 if raw is not None:  # still in the processing list: the fetch gives it back
                     channel.rq_fetched[delivery_tag] = raw
                 raise
+        recorded = replies[:-1] if head is not None else replies
+        failed = [reply for reply in recorded if isinstance(reply, Exception)]
+        if failed:
+            raise failed[0]
+        if head is not None and not isinstance(replies[-1], Exception):
+            message.rq_result_head = replies[-1]  # the check reads it itself when absent
         virtual.QoS.append(self, message, delivery_tag)
+
+    def _result_head(self, message: Any) -> tuple[str, int] | None:
+        """Which stored result to read in the ledger's MULTI, and how much of it."""
+        result_head = self.channel.rq_hooks.result_head
+        task_id = (message.headers or {}).get("id")
+        if result_head is None or not isinstance(task_id, str) or not task_id:
+            return None
+        return result_head(task_id)
 
 
 class Channel(broker.Channel):
