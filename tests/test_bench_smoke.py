@@ -5,7 +5,8 @@ The benches that send to one worker (``benchlib.queue_stack``) share the
 session's ``gen_worker`` (the bench's default model is its model:
 ``RQ_BENCH_QUEUE``); those that start workers of their own (two for scaling
 and sessions, a killed one for resume, a dummy-weight one for the weight
-transfer) or none do so at their smallest.
+transfer) or none do so at their smallest, their CPU workers forked from the
+session's zygote (``RQ_LOCAL_ZYGOTE``: ``cli.zygote``) as the suite's are.
 
 ``examples/trl_grpo.py`` (TRL's GRPOTrainer against a stack of its own) runs
 beside them, for two steps.
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 import pytest
 
+from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
+from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.settings import redis_url_env
 from tests.conftest import CONTROL_SECRET
 from tests.procs import ROOT, Proc, python
@@ -94,7 +97,8 @@ def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "
     try:
         proc.popen.wait(BENCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        # Its workers run in sessions of their own: stop them as well as its group.
+        # Its children run in sessions of their own: stop them as well as its group (the workers
+        # forked from the zygote end with the bench's connection to it).
         below = psutil.Process(proc.pid).children(recursive=True)
         proc.stop()
         for child in below:
@@ -108,10 +112,15 @@ def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "
 
 
 @pytest.fixture(scope="module")
-def bench_runs(redis_url: str, gen_worker: Proc) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
+def bench_runs(
+    redis_url: str, gen_worker: Proc, zygote: Callable[[], Zygote | None]
+) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
     """Every bench's smoke run, started ``LANES`` at a time; by bench, its exit code and log."""
     # The workers a bench starts serve without a warm-up: a smoke run's figures do not matter.
     env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1"}
+    forks = zygote()
+    if forks is not None:  # their CPU workers are forked from the suite's zygote, as the suite's are
+        env[ZYGOTE_ENV] = forks.address
     order = LONGEST + sorted(set(BENCHES) - set(LONGEST))
     with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
         runs = {}
