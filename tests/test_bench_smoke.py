@@ -63,13 +63,17 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
 }
 BENCH_TIMEOUT_S = 600
 LANES = 2
-# Started first: the longest smoke runs (each starts two or three engines of its own).
-LONGEST = ["shared_gpu.py", "resume.py", "scaling.py", "sessions.py", "weight_transfer.py"]
 # The examples no other test runs, in the same lanes (examples/grpo.py: tests/test_rl_loop.py):
 # TRL's GRPOTrainer against a stack of its own (two workers and a gateway), two steps.
 EXAMPLES: dict[str, list[str]] = {
     "trl_grpo.py": ["--steps", "2", "--workers", "2", "--log-dir", str(ROOT / ".run" / "examples" / "trl-grpo")],
 }
+# Started first, longest first, so the lanes end together: each smoke run's seconds
+# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70, shared_gpu 55,
+# streaming 40, latency 39, scaling 32, sessions 30, trl_grpo 28, throughput 25,
+# weight_transfer 21, sync_pattern 19; the others 15 s or less each.
+LONGEST = ["resume.py", "shared_gpu.py", "streaming.py", "latency.py", "scaling.py", "sessions.py",
+           "trl_grpo.py", "throughput.py", "weight_transfer.py", "sync_pattern.py"]
 
 
 def test_every_bench_in_bench_has_a_smoke_run() -> None:
@@ -121,17 +125,16 @@ def bench_runs(
     forks = zygote()
     if forks is not None:  # their CPU workers are forked from the suite's zygote, as the suite's are
         env[ZYGOTE_ENV] = forks.address
-    order = LONGEST + sorted(set(BENCHES) - set(LONGEST))
+    order = LONGEST + sorted((set(BENCHES) | set(EXAMPLES)) - set(LONGEST))
     with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
         runs = {}
-        for bench in order[:2]:  # the two longest, then the examples, then the rest
-            runs[bench] = lanes.submit(run_bench, bench, BENCHES[bench][0], env)
-        for example, flags in EXAMPLES.items():
-            runs[example] = lanes.submit(run_bench, example, flags, env, "examples")
-        for bench in order[2:]:
-            flags, shared = BENCHES[bench]
+        for name in order:
+            if name in EXAMPLES:
+                runs[name] = lanes.submit(run_bench, name, EXAMPLES[name], env, "examples")
+                continue
+            flags, shared = BENCHES[name]
             bench_env = {**env, "RQ_BENCH_QUEUE": "generate"} if shared else env
-            runs[bench] = lanes.submit(run_bench, bench, flags, bench_env)
+            runs[name] = lanes.submit(run_bench, name, flags, bench_env)
         try:
             yield runs
         finally:
