@@ -305,7 +305,10 @@ def serve(address: str | None) -> None:
                 peers[sock.fileno()] = Peer(sock.fileno(), sock.fileno(), sock)
                 continue
             peer = peers[fd]
-            chunk = os.read(fd, 1 << 16)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # a connection reset: the same as its end
+                chunk = b""
             if not chunk:
                 del peers[fd]
                 end_peer(peer, owner)
