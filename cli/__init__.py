@@ -3,7 +3,8 @@
 Owns the command line (``cli.command``: ``rollout-queue``, ``python -m rollout_queue.cli``),
 the quickstart (``cli.quickstart``) and its real model (``cli.quickstart_model``),
 the local stack of Redis and worker subprocesses that the quickstart, the
-benchmarks and the tests start (``cli.localstack``), the tiny random-weight
+benchmarks and the tests start (``cli.localstack``; its CPU workers forked
+from a zygote, ``cli.zygote``, where the test suite runs one), the tiny random-weight
 models (``cli.tiny_model``) and vLLM's offline engine configured like a worker
 (``cli.offline``).
 

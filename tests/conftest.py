@@ -18,9 +18,9 @@ import pytest
 import redis as redis_lib
 
 from rollout_queue.cli.localstack import LocalProcess, RedisServer, redis_reachable
+from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
-from tests.zygote import Zygote
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
 
@@ -162,7 +162,28 @@ def stop_module_workers() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[WorkerStarter]:
+def zygote() -> Iterator[Callable[[], Zygote | None]]:
+    """The session's zygote (``cli.zygote``: torch and vLLM imported once, ~7 s of
+    each CPU worker's start on two cores), started on first use and again if it
+    died; None with ``RQ_TEST_ZYGOTE=0`` (each worker from a fresh interpreter)."""
+    zygotes: list[Zygote] = []
+
+    def current() -> Zygote | None:
+        if os.environ.get("RQ_TEST_ZYGOTE", "1") == "0":
+            return None
+        if not zygotes or not zygotes[0].alive():
+            zygotes[:] = [Zygote(LOGS / "zygote.log", ROOT)]
+        return zygotes[0]
+
+    yield current
+    for started in zygotes:
+        started.close()
+
+
+@pytest.fixture(scope="session")
+def start_worker(
+    redis_url: str, redis_client: redis_lib.Redis, zygote: Callable[[], Zygote | None]
+) -> Iterator[WorkerStarter]:
     """Start a CPU worker subprocess; waits until it registers as serving.
 
     Its engine serves without a warm-up (``warm_up``: with one): the suite's
@@ -170,18 +191,14 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
 
     It stops at the end of the module that started it (``stop_module_workers``)
     unless ``for_session``. A CPU worker is forked from the session's zygote
-    (``tests.zygote``: torch and vLLM imported once, ~7 s of each start on two
-    cores); ``RQ_TEST_ZYGOTE=0`` starts each from a fresh interpreter instead."""
+    (the ``zygote`` fixture)."""
     procs: list[Proc] = []
-    zygotes: list[Zygote] = []
 
     def zygote_for(argv: list[str]) -> Zygote | None:
         devices = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--device"]
-        if devices[-1] != "cpu" or os.environ.get("RQ_TEST_ZYGOTE", "1") == "0":
+        if devices[-1] != "cpu":
             return None  # on CUDA vLLM forks the worker's engine itself, after CUDA is set up there
-        if not zygotes or not zygotes[0].alive():
-            zygotes[:] = [Zygote(LOGS / "zygote.log", ROOT)]
-        return zygotes[0]
+        return zygote()
 
     def start(
         model: Path,
@@ -218,8 +235,6 @@ def start_worker(redis_url: str, redis_client: redis_lib.Redis) -> Iterator[Work
     yield start
     for proc in procs:
         proc.stop()
-    for zygote in zygotes:
-        zygote.close()
 
 
 @pytest.fixture(scope="session")

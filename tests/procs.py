@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from rollout_queue.cli.localstack import LocalProcess, free_port
-from tests.zygote import Zygote
+from rollout_queue.cli.zygote import ZygoteClient
 
 __all__ = ["ARTIFACTS", "LOGS", "ROOT", "Proc", "engine_cores", "free_port", "install_guard", "on_exit", "python"]
 
@@ -46,17 +46,11 @@ def on_exit(cleanup: Callable[[], None]) -> None:
 
 class Proc(LocalProcess):
     """A ``LocalProcess`` logging to ``LOGS/<name>.log``, run from the repository root;
-    forked from ``zygote`` (``tests.zygote``: a worker's command line) when given."""
+    forked from ``zygote`` (``cli.zygote``: a worker's command line) when given."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-                 zygote: Zygote | None = None) -> None:
-        self.zygote = zygote
-        super().__init__(name, argv, LOGS / f"{name}.log", env, cwd=ROOT)
-
-    def _start(self, env: dict[str, str], cwd: Path | None) -> Any:
-        if self.zygote is None:
-            return super()._start(env, cwd)
-        return self.zygote.fork(self.argv, env, cwd, self.log_path)
+                 zygote: ZygoteClient | None = None) -> None:
+        super().__init__(name, argv, LOGS / f"{name}.log", env, cwd=ROOT, zygote=zygote)
 
 
 def python() -> str:

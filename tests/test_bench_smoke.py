@@ -5,7 +5,8 @@ The benches that send to one worker (``benchlib.queue_stack``) share the
 session's ``gen_worker`` (the bench's default model is its model:
 ``RQ_BENCH_QUEUE``); those that start workers of their own (two for scaling
 and sessions, a killed one for resume, a dummy-weight one for the weight
-transfer) or none do so at their smallest.
+transfer) or none do so at their smallest, their CPU workers forked from the
+session's zygote (``RQ_LOCAL_ZYGOTE``: ``cli.zygote``) as the suite's are.
 
 ``examples/trl_grpo.py`` (TRL's GRPOTrainer against a stack of its own) runs
 beside them, for two steps.
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import psutil
 import pytest
 
+from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
+from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.settings import redis_url_env
 from tests.conftest import CONTROL_SECRET
 from tests.procs import ROOT, Proc, python
@@ -60,13 +63,17 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
 }
 BENCH_TIMEOUT_S = 600
 LANES = 2
-# Started first: the longest smoke runs (each starts two or three engines of its own).
-LONGEST = ["shared_gpu.py", "resume.py", "scaling.py", "sessions.py", "weight_transfer.py"]
 # The examples no other test runs, in the same lanes (examples/grpo.py: tests/test_rl_loop.py):
 # TRL's GRPOTrainer against a stack of its own (two workers and a gateway), two steps.
 EXAMPLES: dict[str, list[str]] = {
     "trl_grpo.py": ["--steps", "2", "--workers", "2", "--log-dir", str(ROOT / ".run" / "examples" / "trl-grpo")],
 }
+# Started first, longest first, so the lanes end together: each smoke run's seconds
+# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70, shared_gpu 55,
+# streaming 40, latency 39, scaling 32, sessions 30, trl_grpo 28, throughput 25,
+# weight_transfer 21, sync_pattern 19; the others 15 s or less each.
+LONGEST = ["resume.py", "shared_gpu.py", "streaming.py", "latency.py", "scaling.py", "sessions.py",
+           "trl_grpo.py", "throughput.py", "weight_transfer.py", "sync_pattern.py"]
 
 
 def test_every_bench_in_bench_has_a_smoke_run() -> None:
@@ -94,7 +101,8 @@ def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "
     try:
         proc.popen.wait(BENCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        # Its workers run in sessions of their own: stop them as well as its group.
+        # Its children run in sessions of their own: stop them as well as its group (the workers
+        # forked from the zygote end with the bench's connection to it).
         below = psutil.Process(proc.pid).children(recursive=True)
         proc.stop()
         for child in below:
@@ -108,21 +116,25 @@ def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "
 
 
 @pytest.fixture(scope="module")
-def bench_runs(redis_url: str, gen_worker: Proc) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
+def bench_runs(
+    redis_url: str, gen_worker: Proc, zygote: Callable[[], Zygote | None]
+) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
     """Every bench's smoke run, started ``LANES`` at a time; by bench, its exit code and log."""
     # The workers a bench starts serve without a warm-up: a smoke run's figures do not matter.
     env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1"}
-    order = LONGEST + sorted(set(BENCHES) - set(LONGEST))
+    forks = zygote()
+    if forks is not None:  # their CPU workers are forked from the suite's zygote, as the suite's are
+        env[ZYGOTE_ENV] = forks.address
+    order = LONGEST + sorted((set(BENCHES) | set(EXAMPLES)) - set(LONGEST))
     with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
         runs = {}
-        for bench in order[:2]:  # the two longest, then the examples, then the rest
-            runs[bench] = lanes.submit(run_bench, bench, BENCHES[bench][0], env)
-        for example, flags in EXAMPLES.items():
-            runs[example] = lanes.submit(run_bench, example, flags, env, "examples")
-        for bench in order[2:]:
-            flags, shared = BENCHES[bench]
+        for name in order:
+            if name in EXAMPLES:
+                runs[name] = lanes.submit(run_bench, name, EXAMPLES[name], env, "examples")
+                continue
+            flags, shared = BENCHES[name]
             bench_env = {**env, "RQ_BENCH_QUEUE": "generate"} if shared else env
-            runs[bench] = lanes.submit(run_bench, bench, flags, bench_env)
+            runs[name] = lanes.submit(run_bench, name, flags, bench_env)
         try:
             yield runs
         finally:

@@ -1,0 +1,63 @@
+"""The zygote (``cli.zygote``) seen from another process, over its socket.
+
+The suite forks its workers over the zygote's stdin (``tests/conftest.py``);
+the benches it smoke-runs connect to its socket (``RQ_LOCAL_ZYGOTE``,
+``tests/test_bench_smoke.py``) and see their children's exit codes there. A
+bench that dies leaves nobody to stop its workers: the zygote kills what a
+closed connection started and left running.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rollout_queue.cli.zygote import Zygote, ZygoteClient
+from rollout_queue.tasks.settings import redis_url_env
+from tests.procs import ROOT, free_port, python
+
+
+@pytest.fixture
+def connection(zygote: Callable[[], Zygote | None]) -> ZygoteClient:
+    forks = zygote()
+    if forks is None:
+        pytest.skip("RQ_TEST_ZYGOTE=0: the suite runs no zygote")
+    return ZygoteClient.connect(forks.address)
+
+
+def test_a_child_forked_over_the_socket_reports_its_exit_code_there(
+    connection: ZygoteClient, redis_url: str, tmp_path: Path
+) -> None:
+    # `status --node` exits 1 when the worker is not live: a code of the child's own.
+    argv = [python(), "-m", "rollout_queue.cli", "status", "--node", "nobody@nowhere", "--redis-url", redis_url]
+    try:
+        child = connection.fork(argv, dict(os.environ), ROOT, tmp_path / "status.log")
+        assert child.wait(60) == 1, (tmp_path / "status.log").read_text()
+        assert "nobody@nowhere" in (tmp_path / "status.log").read_text()
+    finally:
+        connection.close()
+
+
+def test_a_closed_connection_takes_the_children_it_left_running_with_it(
+    connection: ZygoteClient, redis_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "gateway.log"
+    argv = [python(), "-m", "rollout_queue.cli", "api", "--host", "127.0.0.1", "--port", str(free_port())]
+    try:
+        child = connection.fork(argv, {**os.environ, **redis_url_env(redis_url)}, ROOT, log)
+        deadline = time.monotonic() + 90
+        while "Application startup complete" not in (log.read_text() if log.exists() else ""):
+            assert child.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    finally:
+        connection.close()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(child.pid):  # killed, then reaped by the zygote
+        assert time.monotonic() < deadline, f"pid {child.pid} still running after its connection closed"
+        time.sleep(0.1)
