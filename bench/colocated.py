@@ -10,9 +10,7 @@ weights of the chosen shape):
         all): first and steady seconds of each, and each over gloo.
   CUDA  the weights handed over by CUDA IPC (``cuda_ipc``), first and steady,
         beside an on-device copy of the same bytes in the same process (the
-        floor: the handoff copies them at least once); legs of steady syncs
-        with the engine's copies into place issued one by one and replayed as
-        one CUDA graph (the default), alternating; then the engine's GPU
+        floor: the handoff copies them at least once); then the engine's GPU
         memory awake and asleep (levels 1 and 2, from nvidia-smi) and the
         seconds to wake it (level 1, no new weights) and to wake it with a
         handoff (level 2).
@@ -113,37 +111,20 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
     import torch
 
     from rollout_queue.cli.localstack import WorkerSpec
-    from rollout_queue.tasks import control
     from rollout_queue.weight_sync import sync_weights
-    from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
     from rollout_queue.weight_sync.settings import SyncSettings
 
     proc = stack.start_worker(
         WorkerSpec(model=model_dir, device="cuda", dtype="bfloat16", max_model_len=1024,
                    gpu_memory_utilization=args.gpu_memory_utilization,
-                   extra=["--load-format", "dummy", "--colocated", "--enforce-eager",
-                          "--worker-extension-cls", BENCH_EXTENSION],
+                   extra=["--load-format", "dummy", "--colocated", "--enforce-eager"],
                    env={"CUDA_VISIBLE_DEVICES": "0"}),
         timeout=900)
-    node = stack.worker_name(0)
     weights = state_dict(shape, "bfloat16", "cuda:0")
     total = sum(t.numel() * t.element_size() for t in weights.values())
     sender = sync_weights.WeightSender(SyncSettings(bucket_bytes=args.bucket_mib << 20), stack.tag)
     ipc_s, report = timed_syncs(sender, weights, args.iters, 1)
     assert report.backend == "cuda_ipc", report.backend
-    graphed = bool(control.engine_command("last_receive", workers=[node], timeout=60)[node][0]["graphed"])
-
-    # The engine's copies into place one by one against one CUDA graph, in
-    # alternating legs of steady syncs on the same engine.
-    by_mode: dict[str, list[float]] = {"graph": [], "loop": []}
-    version = 1 + args.iters
-    for _ in range(args.copy_rounds):
-        for mode in ("loop", "graph"):
-            control.engine_command("handoff_copies", {"graph": mode == "graph"}, workers=[node], timeout=60)
-            seconds, _ = timed_syncs(sender, weights, args.iters, version)
-            version += args.iters
-            by_mode[mode].extend(seconds)
-    control.engine_command("handoff_copies", {"graph": True}, workers=[node], timeout=60)
 
     # The floor: the same bytes copied once on the device (into one flat buffer).
     flat = torch.empty(total + 64 * len(weights), dtype=torch.uint8, device="cuda:0")
@@ -180,7 +161,7 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
         if level == 1:
             sync_weights.wake(pool=stack.tag)
         else:
-            sync_weights.wake(weights, version=version, pool=stack.tag)
+            sync_weights.wake(weights, version=args.iters + 1, pool=stack.tag)
         woke_s = time.perf_counter() - t0
         sleeping[f"level{level}"] = {
             "awake_mib": awake, "asleep_mib": asleep, "freed_fraction": round(1 - asleep / max(awake, 1), 4),
@@ -196,11 +177,6 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
         "iters": args.iters,
         "ipc_first_s": round(ipc_s[0], 4), "ipc_steady_s": round(steady(ipc_s), 4),
         "device_copy_s": round(copy_s, 4), "ipc_over_copy": round(steady(ipc_s) / copy_s, 2),
-        "ipc_graphed": graphed,
-        **{f"{mode}_steady_s": round(statistics.median(seconds), 4)
-           for mode, seconds in by_mode.items() if seconds},
-        **{f"{mode}_over_copy": round(statistics.median(seconds) / copy_s, 2)
-           for mode, seconds in by_mode.items() if seconds},
         "ipc_phases_s": {k: round(v, 4) for k, v in report.phases.items()},
         "ipc_worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
         "sleep": sleeping,
@@ -213,8 +189,6 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="+", default=None, help="qwen2-0.5b (default), qwen2-7b")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--bucket-mib", type=int, default=1024)
-    parser.add_argument("--copy-rounds", type=int, default=2,
-                        help="CUDA: rounds of --iters syncs with the engine's copies one by one, then as a graph")
     parser.add_argument("--cpu-weights", choices=["packed", "plain"], default="plain")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--redis-url", default=environment_redis_url())

@@ -4,7 +4,7 @@ Production workers load ``weight_sync.receiver.WeightReceiver``; a worker
 started with ``--worker-extension-cls weight_sync.bench_receiver.BenchReceiver``
 (``BENCH_EXTENSION``: bench/weight_transfer.py, the weight-sync tests) also
 answers the ``rq_engine`` ops ``receive_one``, ``receive_raw``,
-``last_receive``, ``handoff_copies`` and ``weight_checksum``: the worker hands
+``last_receive`` and ``weight_checksum``: the worker hands
 :func:`register_engine_ops` its registry (``workers.node.control``).
 """
 
@@ -86,17 +86,8 @@ class BenchReceiver(WeightReceiver):
         return time.monotonic() - t0
 
     def rq_last_receive(self) -> dict[str, float]:
-        """Wire and load seconds of the last sync's receive, what went in place, and
-        whether its copies into place ran as one CUDA graph."""
-        receiver = self._receiver()
-        return {**receiver.last_stats, "graphed": float(receiver.copies_graphed)}
-
-    def rq_handoff_copies(self, graph: bool) -> bool:
-        """Copy a handoff's tensors into place as one CUDA graph (the default) or one
-        by one: the benchmark compares the two on one engine. Returns the setting."""
-        copies = self._receiver().copies
-        copies.enabled = bool(graph)
-        return copies.enabled
+        """Wire and load seconds of the last sync's receive, and what went in place."""
+        return dict(self._receiver().last_stats)
 
     def rq_weight_checksum(self) -> dict[str, float]:
         """Sum of every parameter (float64) and the count: compare across syncs."""
@@ -122,7 +113,5 @@ def register_engine_ops(register: Callable[..., None]) -> None:
         "rq_receive_raw", 300.0, args["sizes"], 120.0))
     register("last_receive", lambda runtime, args: runtime.host.collective_rpc("rq_last_receive", 60.0),
              read_only=True)
-    register("handoff_copies", lambda runtime, args: runtime.host.collective_rpc(
-        "rq_handoff_copies", 60.0, bool(args["graph"])))
     register("weight_checksum", lambda runtime, args: runtime.host.collective_rpc("rq_weight_checksum", 120.0),
              read_only=True)

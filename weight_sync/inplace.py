@@ -21,7 +21,6 @@ reallocated is never written through a stale pointer.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -31,8 +30,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from rollout_queue.weight_sync.protocol import TensorSpec
-
-log = logging.getLogger(__name__)
 
 # Ops that read a tensor's metadata only; their results hold none of its values.
 _METADATA = frozenset({
@@ -115,68 +112,6 @@ class InPlaceMap:
                     self.places.pop(spec.name, None)
                 else:
                     self.places[spec.name] = copies[0]
-
-
-class CopyGraph:
-    """The copies of a steady handoff, captured once as a CUDA graph and replayed.
-
-    A colocated handoff copies the same trainer tensors into the same parameter
-    regions sync after sync (339 copies for a 7B model). Issued one by one, each
-    costs a launch on the host, and the GPU idles between the small ones; as
-    one graph they are one launch, back to back on the GPU. The graph names
-    addresses, so it is keyed by every source's and destination's address and
-    size, computed from this sync's tensors: any change (a new layout, a
-    reallocated parameter) captures anew. Where a capture fails, the copies
-    are issued one by one from then on (logged once).
-    """
-
-    def __init__(self) -> None:
-        self.enabled = True
-        self._key: tuple[int, ...] | None = None
-        self._graph: Any = None
-        self._named: list[Any] = []  # the tensors whose memory the graph names: kept alive with it
-
-    def copy(self, destinations: Sequence[Any], sources: Sequence[Any]) -> bool:
-        """``destination.copy_(source)`` for each pair, asynchronously (the caller
-        synchronizes); True when they ran as one graph."""
-        if not destinations:
-            return False
-        if self.enabled and destinations[0].device.type == "cuda":
-            key = tuple(value for destination, source in zip(destinations, sources)
-                        for value in (destination.data_ptr(), source.data_ptr(), destination.numel()))
-            if key != self._key:
-                self._graph, self._key, self._named = None, None, []
-                try:
-                    self._graph = self._capture(destinations, sources)
-                except RuntimeError as exc:
-                    self.enabled = False
-                    log.warning("the handoff's copies could not be captured as a CUDA graph (%s); "
-                                "copying tensor by tensor", exc)
-                else:
-                    self._key, self._named = key, [*destinations, *sources]
-            if self._graph is not None:
-                self._graph.replay()
-                return True
-        # One copy_ each: torch's multi-tensor copy runs byte-wide kernels here
-        # (seen on an H200: 2.4x the time of plain copies of the same bytes).
-        for destination, source in zip(destinations, sources):
-            destination.copy_(source, non_blocking=True)
-        return False
-
-    @staticmethod
-    def _capture(destinations: Sequence[Any], sources: Sequence[Any]) -> Any:
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for destination, source in zip(destinations, sources):
-                    destination.copy_(source, non_blocking=True)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
-        return graph
 
 
 class _Received:

@@ -35,7 +35,7 @@ from typing import Any
 
 from rollout_queue.tasks.errors import ManifestMismatch, WeightSyncError
 from rollout_queue.weight_sync import cpu_weights, transports, wire
-from rollout_queue.weight_sync.inplace import CopyGraph, InPlaceMap
+from rollout_queue.weight_sync.inplace import InPlaceMap
 from rollout_queue.weight_sync.protocol import (
     Manifest,
     SyncFailure,
@@ -116,8 +116,6 @@ class EngineReceiver:
         self.layerwise_open = False
         self.bytes_touched = False  # a receive straight into the model's parameters was posted
         self.in_place = InPlaceMap()
-        self.copies = CopyGraph()  # the handoff's copies into place
-        self.copies_graphed = False  # the last handoff's copies ran as one graph
         self.last_stats: dict[str, float] = {}  # of the last receive
 
     # ---------------------------------------------------------------- helpers
@@ -284,7 +282,10 @@ class EngineReceiver:
                 unknown.setdefault(index, (buffer, []))[1].append((spec, at))
         if destinations:
             self.touched()
-            self.copies_graphed = self.copies.copy(destinations, sources)
+            # One copy_ each: torch's multi-tensor copy runs byte-wide kernels here
+            # (seen on an H200: 2.4x the time of plain copies of the same bytes).
+            for region, source in zip(destinations, sources):
+                region.copy_(source, non_blocking=True)
         if known:
             model.load_weights(weights=known)
         if unknown:  # the first sync of a layout: one load_weights, watched
