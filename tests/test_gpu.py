@@ -346,4 +346,14 @@ def test_colocated_cuda_ipc_handoff_matches_a_fresh_engine_and_survives_three_sl
               f"worker {report.worker_phases} receive {last_receive(node)}")
     assert last_receive(node)["in_place_bytes"] > 0
     assert checksums([node])[node] == pytest.approx(expected_sum(own), rel=1e-6)
+    # The trainer steps its tensors in place, and the pool sleeps (level 2: the
+    # weights are dropped) and wakes with them: the copies into place carry the new values.
+    for tensor in own.values():
+        tensor.add_(torch.randn_like(tensor), alpha=1e-2)
+    sync_weights.sleep(2, pool=COLO)
+    report = sync_weights.wake(own, version=7, pool=COLO)
+    assert report is not None and last_receive(node)["in_place_bytes"] > 0
+    assert checksums([node])[node] == pytest.approx(expected_sum(own), rel=1e-6)
+    result = generate.apply_async((PROMPTS[:2], {"temperature": 0.0, "max_tokens": 4}), queue=COLO).get(timeout=300)
+    assert result["worker"] == node and result["weight_version"] == 7
     sync_weights.close(COLO)
