@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ import redis as redis_lib
 from rollout_queue.cli.localstack import LocalProcess, RedisServer, redis_reachable
 from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
-from tests import bench_smoke
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
 
 TEST_DB = int(os.environ.get("RQ_TEST_DB", "13"))
@@ -53,14 +51,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The benches' smoke tests go last: they wait for the smoke runs, most of
-    which run beside the rest of the suite (``early_smoke_runs``).
-
-    ``--fast`` leaves out every test that starts an engine: those that use a
+    """``--fast`` leaves out every test that starts an engine: those that use a
     worker fixture (``start_worker``, which ``gen_worker`` and every module's
     workers come from) and those marked ``slow`` (they start engines otherwise:
     the quickstart command, probes; and the hosts of ``multihost``)."""
-    items.sort(key=lambda item: item.path.name == SMOKE_MODULE)  # stable: the order within each part stays
     if not config.getoption("--fast"):
         return
     kept: list[pytest.Item] = []
@@ -73,7 +67,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = kept
 
 
-SMOKE_MODULE = "test_bench_smoke.py"
 # Workers and this process's producer share it: control commands are signed.
 CONTROL_SECRET = "tests-control-secret-5f0c2a"
 MODELS = ROOT / ".models"
@@ -185,25 +178,6 @@ def zygote() -> Iterator[Callable[[], Zygote | None]]:
     yield current
     for started in zygotes:
         started.close()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def early_smoke_runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
-    """The smoke runs that start workers of their own (``tests/bench_smoke.py``),
-    one at a time in a lane beside the whole suite from its first test on, when
-    the session holds the benches' smoke tests; by name, their futures."""
-    if not any(item.path.name == SMOKE_MODULE for item in request.session.items):
-        yield {}
-        return
-    env = bench_smoke.smoke_env(request.getfixturevalue("redis_url"), CONTROL_SECRET,
-                                request.getfixturevalue("zygote"))
-    with ThreadPoolExecutor(1, thread_name_prefix="smoke-lane") as lane:
-        runs = {name: bench_smoke.start(lane, name, env) for name in bench_smoke.own_workers()}
-        try:
-            yield runs
-        finally:
-            for run in runs.values():
-                run.cancel()  # those not started (the session ended early); a running one ends at its timeout
 
 
 @pytest.fixture(scope="session")

@@ -1,24 +1,79 @@
 """Every bench in bench/ runs at a smoke size (seconds, the tiny model, one
 round) and prints its JSON line: a bench that rots fails the suite.
 
+The benches that send to one worker (``benchlib.queue_stack``) share the
+session's ``gen_worker`` (the bench's default model is its model:
+``RQ_BENCH_QUEUE``); those that start workers of their own (two for scaling
+and sessions, a killed one for resume, a dummy-weight one for the weight
+transfer) or none do so at their smallest, their CPU workers forked from the
+session's zygote (``RQ_LOCAL_ZYGOTE``: ``cli.zygote``) as the suite's are.
+
 ``examples/trl_grpo.py`` (TRL's GRPOTrainer against a stack of its own) runs
-beside them, for two steps. What each runs and where: ``tests/bench_smoke.py``
-(the runs that start workers of their own go in a lane beside the whole
-suite; this module, last in the session, runs the shared worker's benches
-and waits for every run).
+beside them, for two steps.
+
+They run two at a time (``LANES``), longest first, from one module fixture;
+each bench's test waits for its own run. A bench spends most of a smoke run
+starting engines (imports, single-threaded), so two side by side take about
+half the time of one after the other on two cores. Nothing is shared between
+two running benches but the Redis database and the shared worker: each bench
+that starts workers has its own pool, queue and log folder.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import psutil
 import pytest
 
+from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
 from rollout_queue.cli.zygote import Zygote
-from tests.bench_smoke import BENCHES, EXAMPLES, LONGEST, json_lines, smoke_env, start
+from rollout_queue.tasks.settings import redis_url_env
 from tests.conftest import CONTROL_SECRET
-from tests.procs import ROOT, Proc
+from tests.procs import ROOT, Proc, python
+
+# bench file -> (smoke flags, whether it sends to the shared worker)
+BENCHES: dict[str, tuple[list[str], bool]] = {
+    "colocated.py": (["--device", "cpu", "--shapes", "qwen2-tiny", "--iters", "1", "--bucket-mib", "1"], False),
+    "control_plane.py": (["--workers", "4", "--processes", "1", "--rounds", "1", "--tasks", "8",
+                          "--idle-s", "0.5", "--lifetime", "120"], False),
+    "dedup_check.py": (["--iterations", "5"], False),
+    "sync_pattern.py": (["--shape", "qwen2-tiny", "--iters", "2", "--direct-mib", "1"], False),
+    "latency.py": (["--iterations", "3", "--input-len", "8", "--max-tokens", "2", "--trace"], True),
+    "throughput.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
+                       "--rounds", "1"], True),
+    "split.py": (["--prompts", "8", "--input-len", "8", "--max-tokens", "2", "--rounds", "1",
+                  "--max-prompts", "4"], True),
+    "api.py": (["--iterations", "3", "--latency-tokens", "2", "--prompts", "8", "--output-len", "4",
+                "--prompts-per-task", "4", "--rounds", "1"], True),
+    "streaming.py": (["--iterations", "3", "--latency-tokens", "4", "--input-len", "8", "--prompts", "4",
+                      "--output-len", "4", "--rounds", "1"], True),
+    "redis_memory.py": (["--tasks", "4", "--prompt-chars", "40", "--max-tokens", "2"], True),
+    "resume.py": (["--prompts", "4", "--input-len", "8", "--output-len", "8", "--prompts-per-task", "4",
+                   "--rounds", "1", "--checkpoint-tokens", "4", "--kill-prompts", "2",
+                   "--kill-output-len", "1536"], False),
+    "scaling.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
+                    "--rounds", "1"], False),
+    "shared_gpu.py": (["--smoke"], False),
+    "sessions.py": (["--sessions", "2", "--turns", "2", "--max-tokens", "2", "--rounds", "1"], False),
+    "weight_transfer.py": (["--shape", "qwen2-tiny", "--iters", "1"], False),
+}
+BENCH_TIMEOUT_S = 600
+LANES = 2
+# The examples no other test runs, in the same lanes (examples/grpo.py: tests/test_rl_loop.py):
+# TRL's GRPOTrainer against a stack of its own (two workers and a gateway), two steps.
+EXAMPLES: dict[str, list[str]] = {
+    "trl_grpo.py": ["--steps", "2", "--workers", "2", "--log-dir", str(ROOT / ".run" / "examples" / "trl-grpo")],
+}
+# Started first, longest first, so the lanes end together: each smoke run's seconds
+# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70, shared_gpu 55,
+# streaming 40, latency 39, scaling 32, sessions 30, trl_grpo 28, throughput 25,
+# weight_transfer 21, sync_pattern 19; the others 15 s or less each.
+LONGEST = ["resume.py", "shared_gpu.py", "streaming.py", "latency.py", "scaling.py", "sessions.py",
+           "trl_grpo.py", "throughput.py", "weight_transfer.py", "sync_pattern.py"]
 
 
 def test_every_bench_in_bench_has_a_smoke_run() -> None:
@@ -26,24 +81,60 @@ def test_every_bench_in_bench_has_a_smoke_run() -> None:
     assert benches == set(BENCHES)
 
 
-SHARED_LANES = 2  # the shared worker's benches, at the end of the session
+def json_lines(text: str) -> list[dict[str, object]]:
+    """The JSON objects among a log's lines (the bench's stdout shares the log with its stderr)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                found.append(value)
+    return found
+
+
+def run_bench(bench: str, flags: list[str], env: dict[str, str], folder: str = "bench") -> tuple[int | None, str]:
+    """Run ``folder/bench`` to its end (or ``BENCH_TIMEOUT_S``); its exit code and this run's log."""
+    proc = Proc(f"{folder}-{bench.removesuffix('.py')}", [python(), str(ROOT / folder / bench), *flags], env)
+    try:
+        proc.popen.wait(BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # Its children run in sessions of their own: stop them as well as its group (the workers
+        # forked from the zygote end with the bench's connection to it).
+        below = psutil.Process(proc.pid).children(recursive=True)
+        proc.stop()
+        for child in below:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    finally:
+        proc.stop()
+    return proc.popen.returncode, proc.this_start_log()
 
 
 @pytest.fixture(scope="module")
 def bench_runs(
-    redis_url: str, gen_worker: Proc, zygote: Callable[[], Zygote | None],
-    early_smoke_runs: dict[str, Future[tuple[int | None, str]]],
+    redis_url: str, gen_worker: Proc, zygote: Callable[[], Zygote | None]
 ) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
-    """Every smoke run by name, its exit code and log: those of the early lane
-    (``conftest.early_smoke_runs``, started with the session), and the shared
-    worker's benches, started here ``SHARED_LANES`` at a time."""
-    env = smoke_env(redis_url, CONTROL_SECRET, zygote)
-    order = LONGEST + sorted(set(BENCHES) - set(LONGEST))
-    with ThreadPoolExecutor(SHARED_LANES, thread_name_prefix="bench-smoke") as lanes:
-        runs = dict(early_smoke_runs)
+    """Every bench's smoke run, started ``LANES`` at a time; by bench, its exit code and log."""
+    # The workers a bench starts serve without a warm-up: a smoke run's figures do not matter.
+    env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1"}
+    forks = zygote()
+    if forks is not None:  # their CPU workers are forked from the suite's zygote, as the suite's are
+        env[ZYGOTE_ENV] = forks.address
+    order = LONGEST + sorted((set(BENCHES) | set(EXAMPLES)) - set(LONGEST))
+    with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
+        runs = {}
         for name in order:
-            if name in BENCHES and BENCHES[name][1]:  # the shared worker's
-                runs[name] = start(lanes, name, env)
+            if name in EXAMPLES:
+                runs[name] = lanes.submit(run_bench, name, EXAMPLES[name], env, "examples")
+                continue
+            flags, shared = BENCHES[name]
+            bench_env = {**env, "RQ_BENCH_QUEUE": "generate"} if shared else env
+            runs[name] = lanes.submit(run_bench, name, flags, bench_env)
         try:
             yield runs
         finally:
