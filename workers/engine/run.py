@@ -393,16 +393,14 @@ class GenerationRun:
         stopped: set[int] = set()
         stopped_at = 0.0
         pending = set(futures)
-        if pending and self.options.aborted is not None:
-            # The first read is here, with the requests in the engine, not before
-            # submitting: a Redis round trip off every task's way to its first
-            # token. A prompt given up while its task was queued is aborted as it
-            # starts: its output still ends "abort", with what the engine made meanwhile.
-            stopped_at = self._stop_aborted(self.options.aborted, by_prompt, stopped, stopped_at)
         while pending:
-            pending = self._wait_once(pending, rids)
-            if pending and self.options.aborted is not None:
+            # Read first here, with the requests in the engine, not before submitting:
+            # a Redis round trip off every task's way to its first token. A prompt given
+            # up while its task was queued is aborted as it starts: its output still
+            # ends "abort", with what the engine made meanwhile.
+            if self.options.aborted is not None:
                 stopped_at = self._stop_aborted(self.options.aborted, by_prompt, stopped, stopped_at)
+            pending = self._wait_once(pending, rids)
         return stopped
 
     def _stop_aborted(
