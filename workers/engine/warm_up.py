@@ -12,11 +12,20 @@ or more such requests (its batch dimension turns symbolic: 5 s cold). Every
 request in that engine step waits. A warm-up of plain generate calls (no
 logprobs, one at a time) meets neither compile.
 
+On CUDA the first task after a warm-up of those shapes still paid a Triton
+JIT (vLLM's monitor named ``_compute_slot_mapping_kernel``; first / tenth
+task 1.97 and 2.51 on one H200). Triton compiles a kernel once per class of
+each integer argument: equal to 1, a multiple of 16, anything else. The
+warm-up's batches had 1 (decode alone) or a count of another kind (a short
+prompt, a mixed batch), never a multiple of 16 alone, which a prompt of 128
+tokens is. So the long prompt is a multiple of 16 tokens, and runs alone too.
+
 So the warm-up goes through ``EngineHost.generate``, the road of every task
-(tokenizer, sampler, logprobs, detokenizer), in two rounds:
+(tokenizer, sampler, logprobs, detokenizer), in three rounds:
 
     1. alone        one short prompt, sampled, with logprobs     (a batch of one)
-    2. all at once  short greedy; long greedy with sampled and prompt logprobs;
+    2. alone        the long prompt (16·k tokens), greedy        (a batch of one)
+    3. all at once  short greedy; long greedy with sampled and prompt logprobs;
                     sampled n=2 with logprobs; sampled top-k without (a batch
                     of several)
 
@@ -66,8 +75,10 @@ class WarmUpRequest:
 
 
 def long_prompt_ids(tokenizer: object, max_model_len: int) -> list[int]:
-    """Token ids of a prompt ``min(LONG_PROMPT_TOKENS, max_model_len // 2)`` long."""
+    """Token ids of a prompt ``min(LONG_PROMPT_TOKENS, max_model_len // 2)`` long,
+    rounded down to a multiple of 16 (Triton's integer class; see above) where one fits."""
     length = max(1, min(LONG_PROMPT_TOKENS, max_model_len // 2))
+    length = length // 16 * 16 or length
     encode = tokenizer.encode  # type: ignore[attr-defined]
     ids: list[int] = list(encode(LONG_TEXT, add_special_tokens=False)) or [0]
     return (ids * (length // len(ids) + 1))[:length]
@@ -82,6 +93,7 @@ def warm_up_plan(long_ids: list[int]) -> list[list[WarmUpRequest]]:
 
     return [
         [one("short, sampled, logprobs, alone", [SHORT_PROMPT], temperature=0.8, top_p=0.95, seed=1, logprobs=1)],
+        [one("long, greedy, alone", [long_ids], temperature=0.0)],
         [
             one("short, greedy", [SHORT_PROMPT], temperature=0.0),
             one("long, greedy, logprobs and prompt logprobs", [long_ids], temperature=0.0,
