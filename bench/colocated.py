@@ -67,6 +67,64 @@ def engine_memory_mib() -> dict[int, int]:
     return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.strip().splitlines() if line)}
 
 
+def flat_copy_seconds(tensors: list[Any], iters: int) -> dict[str, float]:
+    """Median seconds (the first run left out) to copy ``tensors`` into one flat
+    buffer on their GPU: one ``copy_`` each (uint8 views), and one
+    ``torch._foreach_copy_`` of them all as 8-byte words."""
+    import torch
+
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + (n + 63) // 64 * 64)
+    flat = torch.empty(starts[-1], dtype=torch.uint8, device=tensors[0].device)
+    dests = [flat[at:at + n] for at, n in zip(starts, sizes)]
+    sources = [t.view(-1).view(torch.uint8) for t in tensors]
+    words = [(d.view(torch.int64), s.view(torch.int64)) for d, s in zip(dests, sources)
+             if d.numel() % 8 == 0 and s.data_ptr() % 8 == 0]
+
+    def timed(copy: Any) -> float:
+        seconds = []
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds[1:])
+
+    def each() -> None:
+        for dest, source in zip(dests, sources):
+            dest.copy_(source, non_blocking=True)
+
+    return {"copy_s": timed(each),
+            "foreach_i64_s": timed(lambda: torch._foreach_copy_([d for d, _ in words], [s for _, s in words]))}
+
+
+def _copy_from_ipc(inbox: Any, outbox: Any, iters: int) -> None:
+    import torch
+
+    torch.cuda.set_device(0)
+    tensors = inbox.get()  # rebuilt from their CUDA IPC handles
+    outbox.put(flat_copy_seconds(tensors, iters))
+    del tensors
+
+
+def ipc_source_copy_seconds(tensors: list[Any], iters: int) -> dict[str, float]:
+    """``flat_copy_seconds`` run by a spawned process on ``tensors`` opened by CUDA IPC."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    inbox, outbox = context.Queue(), context.Queue()
+    child = context.Process(target=_copy_from_ipc, args=(inbox, outbox, iters), daemon=True)
+    child.start()
+    inbox.put(tensors)
+    try:
+        return dict(outbox.get(timeout=300))
+    finally:
+        child.join(timeout=60)
+
+
 def cpu_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -> dict[str, Any]:
     from rollout_queue.cli.localstack import WorkerSpec
     from rollout_queue.weight_sync import sync_weights
@@ -127,21 +185,13 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
     assert report.backend == "cuda_ipc", report.backend
 
     # The floor: the same bytes copied once on the device (into one flat buffer).
-    flat = torch.empty(total + 64 * len(weights), dtype=torch.uint8, device="cuda:0")
-    copies = []
-    for _ in range(max(args.iters, 3)):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        at = 0
-        for tensor in weights.values():
-            n = tensor.numel() * tensor.element_size()
-            flat[at:at + n].copy_(tensor.view(-1).view(torch.uint8), non_blocking=True)
-            at += (n + 63) // 64 * 64
-        torch.cuda.synchronize()
-        copies.append(time.perf_counter() - t0)
-    del flat
-    torch.cuda.empty_cache()
-    copy_s = statistics.median(copies[1:])
+    copy_s = flat_copy_seconds(list(weights.values()), max(args.iters, 3))["copy_s"]
+    torch.cuda.empty_cache()  # the flat buffer
+    # The same copies made by another process out of these tensors opened by
+    # CUDA IPC, as the engine's are: whether memory of another process copies
+    # slower (the engine's copies took ~10.5 ms for the floor's 8.2 on an H200).
+    ipc_source = ipc_source_copy_seconds(list(weights.values()), max(args.iters, 3))
+    log(f"floor {copy_s:.4f}s; the same copies out of IPC-opened memory in another process: {ipc_source}")
 
     # Sleep and wake: the engine core's memory from nvidia-smi.
     core_pids = [c.pid for c in __import__("psutil").Process(proc.pid).children(recursive=True)]
@@ -177,6 +227,9 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
         "iters": args.iters,
         "ipc_first_s": round(ipc_s[0], 4), "ipc_steady_s": round(steady(ipc_s), 4),
         "device_copy_s": round(copy_s, 4), "ipc_over_copy": round(steady(ipc_s) / copy_s, 2),
+        "ipc_source_copy_s": round(ipc_source["copy_s"], 4),
+        "ipc_source_foreach_i64_s": round(ipc_source["foreach_i64_s"], 4),
+        "ipc_over_ipc_source_copy": round(steady(ipc_s) / ipc_source["copy_s"], 2),
         "ipc_phases_s": {k: round(v, 4) for k, v in report.phases.items()},
         "ipc_worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
         "sleep": sleeping,

@@ -299,13 +299,13 @@ def test_a_worker_host_cut_from_redis_mid_task_is_declared_dead_its_tasks_finish
     already_handed = len(log_lines(w1, "was handed to another worker"))
     # A task w1 holds when cut cannot be acked while the link is down: whatever
     # its engine does meanwhile, the reaper hands it on. Long enough that w1
-    # still holds tasks when the cut follows the registry's (0.5 s old) word
-    # that it runs one, on a fast machine too.
-    long = {"temperature": 0.0, "max_tokens": 256, "ignore_eos": True}
+    # still holds tasks when the cut follows its in-flight ledger's word (written
+    # as it fetches) that it holds one, on a fast machine too (a quiet CI
+    # machine ran six tasks of 4 x 256 tokens in 0.67 s).
+    long = {"temperature": 0.0, "max_tokens": 448, "ignore_eos": True}
     ids = hosts.agent("send", tasks=[{"prompts": [f"cut {t} prompt {p}" for p in range(4)], "params": long,
                                       "queue": QUEUE} for t in range(6)])
-    until(lambda: hosts.agent("registry").get("w1@mh", {}).get("inflight_tasks", 0) > 0, 120,
-          "w1 to be running a task")
+    until(lambda: hosts.agent("scard", key=keys.inflight_key("w1@mh")) > 0, 120, "w1 to hold a task")
     hosts.net.cut("w1")
     cut_at = time.monotonic()
     try:

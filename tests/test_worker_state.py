@@ -338,3 +338,54 @@ def test_an_idle_sync_resets_the_prefix_cache_only_when_a_request_entered_since_
         assert engine.resets == 3
     finally:
         host.shutdown()
+
+
+class _Consumer:
+    """Celery's consumer as the queue switch sees it: its hub, and idempotent add and cancel."""
+
+    def __init__(self, hub: object) -> None:
+        self.call_soon = hub.call_soon  # type: ignore[attr-defined]
+        self.consumed: list[str] = []
+        self.on = True
+
+    def add_task_queue(self, queue: str) -> None:
+        if queue not in self.consumed:
+            self.consumed.append(queue)
+
+    def cancel_task_queue(self, queue: str) -> None:
+        if queue in self.consumed:
+            self.consumed.remove(queue)
+
+
+def test_queues_consumed_again_after_a_fence_keep_their_order_and_the_last_wish_wins_on_kombus_hub() -> None:
+    """The fetch blocks on a worker's first queue: re-adding them through
+    kombu's hub, whose pending callbacks are a set, keeps the given order; a
+    cancel and an add pending together end consuming, whichever runs first."""
+    from kombu.asynchronous import Hub
+
+    from rollout_queue.workers.node.runtime import switch_queues
+
+    queues = [f"queue-{i}" for i in range(8)]
+    for _ in range(20):  # a set of eight callbacks runs in the given order about once in 40,000
+        hub = Hub()
+        consumer = _Consumer(hub)
+
+        def switch(on: bool, consumer: _Consumer = consumer) -> None:
+            consumer.on = on
+            switch_queues(consumer, queues, lambda: consumer.on)
+
+        def run_loop(hub: Hub = hub) -> None:
+            for callback in hub._pop_ready():
+                callback()
+
+        switch(True)
+        run_loop()
+        assert consumer.consumed == queues
+        switch(False)
+        run_loop()
+        assert consumer.consumed == []
+        switch(False)  # a fence, lifted before the loop ran either
+        switch(True)
+        run_loop()
+        assert consumer.consumed == queues
+        hub.close()

@@ -125,11 +125,7 @@ class WorkerRuntime:
             self._consuming = on
             return
         self._consuming = on
-        for queue in self.settings.consumed_queues:
-            if on:
-                self.consumer.call_soon(self.consumer.add_task_queue, queue)
-            else:
-                self.consumer.call_soon(self.consumer.cancel_task_queue, queue)
+        switch_queues(self.consumer, self.settings.consumed_queues, lambda: self._consuming)
 
     def set_checkpoint_tokens(self, tokens: int) -> int:
         """Checkpoint partial generations every ``tokens`` tokens (0: off), from the
@@ -342,6 +338,31 @@ class WorkerRuntime:
             held = self.state.held_for  # a missed round's: lifted once it is over
             over = held is not None and bool(self.client.exists(keys.sync_over(held)))
             self.state.lift(*CAUGHT_UP, round_over=over)
+
+
+def switch_queues(consumer: Any, queues: list[str], wanted: Callable[[], bool]) -> None:
+    """Consume ``queues`` (in their order) or cancel them, as ``wanted()`` says
+    when the consumer's event loop gets to it: one callback there.
+
+    Order matters: the fetch blocks on the first queue a worker consumes and
+    only sweeps the others (``workers.queue.reliable_redis``). kombu's hub
+    keeps its pending callbacks in a set, so one callback per queue re-added
+    them in any order: a worker unfenced after a missed sync could block on
+    its own sticky queue and sweep the shared one every 50 ms, while a peer
+    blocked on the shared queue took every message (seen in CI: six tasks
+    sent to two workers, all six to one). For the same reason a cancel and
+    an add pending together could run add first: each callback applies the
+    state wanted when it runs (both of Celery's calls are idempotent).
+    """
+    def switch() -> None:
+        on = wanted()
+        for queue in queues:
+            if on:
+                consumer.add_task_queue(queue)
+            else:
+                consumer.cancel_task_queue(queue)
+
+    consumer.call_soon(switch)
 
 
 def held_delivery_tags() -> set[str]:
