@@ -75,7 +75,7 @@ def test_a_resumed_run_continues_saved_samples_with_what_is_left_of_their_budget
                                finish_reason="stop", stop_reason=2),
         (1, 0): SampleProgress(token_ids=[7] * 100, weight_versions=[(0, 1)], workers=[(0, "a")]),
     }
-    units, complete = plan_units([[1, 2], [3], [4]], params, saved, skip={2})
+    units, complete = plan_units([[1, 2], [3]], params, saved)
     by_key = {(u.prompt, tuple(u.samples)): u for u in units}
     # Prompt 0: sample 0 continues, sample 1 starts afresh alone, sample 2 had finished.
     resumed = by_key[(0, (0,))]
@@ -88,14 +88,12 @@ def test_a_resumed_run_continues_saved_samples_with_what_is_left_of_their_budget
     # Prompt 1: sample 0 used its whole budget (finished: length); the others run as one request.
     assert complete[(1, 0)].finish_reason == "length"
     assert by_key[(1, (1,))].params.n == 1 and by_key[(1, (2,))].params.n == 1
-    # Prompt 2: skipped (its client went away).
-    assert all(u.prompt != 2 for u in units)
     assert len(units) == 4
 
 
 def test_a_prompt_without_saved_samples_runs_as_one_request_of_n() -> None:
     params = SamplingParams(max_tokens=10, n=4)
-    units, complete = plan_units([[1], [2]], params, {}, skip=set())
+    units, complete = plan_units([[1], [2]], params, {})
     assert [(u.prompt, u.samples, u.params.n) for u in units] == [(0, [0, 1, 2, 3], 4), (1, [0, 1, 2, 3], 4)]
     assert complete == {}
 
@@ -103,7 +101,7 @@ def test_a_prompt_without_saved_samples_runs_as_one_request_of_n() -> None:
 def test_structured_output_requests_start_over_instead_of_resuming_inside_the_grammar() -> None:
     params = SamplingParams(max_tokens=10, regex="[a-z]+")
     saved = {(0, 0): SampleProgress(token_ids=[5, 6], weight_versions=[(0, 0)], workers=[(0, "a")])}
-    units, _ = plan_units([[1]], params, saved, skip=set())
+    units, _ = plan_units([[1]], params, saved)
     assert [(u.engine_prompt, u.params.max_tokens, u.prefix) for u in units] == [([1], 10, None)]
 
 

@@ -42,7 +42,7 @@ import concurrent.futures
 import json
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,21 +271,19 @@ def _resumed_params(params: SamplingParams, sample: int, generated: int) -> Samp
 
 def plan_units(
     prompt_ids: list[list[int]], params: SamplingParams, saved: dict[SampleKey, SampleProgress],
-    skip: Collection[int] = (),
 ) -> tuple[list[Unit], dict[SampleKey, SampleProgress]]:
     """The engine requests for a task run, and the samples already complete.
 
     A prompt without saved samples is one request of ``n`` samples, as
     always; a prompt with some is one request per unfinished sample (those
-    with progress continue from it). Prompts in ``skip`` get no request.
+    with progress continue from it). (A prompt whose client left starts and
+    is aborted at once: ``workers.engine.run`` reads the abort set after submitting.)
     """
     if not resumable(params):
         saved = {}
     units: list[Unit] = []
     complete: dict[SampleKey, SampleProgress] = {}
     for prompt, ids in enumerate(prompt_ids):
-        if prompt in skip:
-            continue
         mine = {s: p for (i, s), p in saved.items() if i == prompt and 0 <= s < params.n}
         if not mine:
             units.append(Unit(prompt, list(range(params.n)), ids, params))

@@ -72,14 +72,13 @@ class DuplicateGuard:
     def stored_state(self, task_id: str, head: bytes | str | None = None) -> str | None:
         """The state stored for ``task_id``, or None when nothing is stored. ``head``: the
         result's first bytes, read already (``b""``: nothing stored); None: read them here."""
-        key = self.backend.get_key_for_task(task_id)
         if head is None:
-            head = self.client.getrange(key, 0, HEAD_BYTES - 1)
+            head = self.client.getrange(self.backend.get_key_for_task(task_id), 0, HEAD_BYTES - 1)
         if not head:
             return None
         state = _status_of_head(head if isinstance(head, bytes) else head.encode())
         if state is None:  # an encoding this fast path does not read: decode it all
-            raw = self.client.get(key)
+            raw = self.client.get(self.backend.get_key_for_task(task_id))
             meta = self.backend.decode_result(raw) if raw else {}
             state = str(meta.get("status") or "") or None
         return state
