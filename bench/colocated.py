@@ -67,29 +67,40 @@ def engine_memory_mib() -> dict[int, int]:
     return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.strip().splitlines() if line)}
 
 
-def flat_copy_seconds(tensors: list[Any], iters: int) -> dict[str, float]:
-    """Median seconds (the first run left out) to copy ``tensors`` into one flat
-    buffer on their GPU: one ``copy_`` each (uint8 views), and one
-    ``torch._foreach_copy_`` of them all as 8-byte words."""
-    import torch
-
+def flat_bytes(tensors: list[Any]) -> tuple[list[int], list[int]]:
+    """Each tensor's byte size and its offset in one flat buffer (64-byte aligned); the
+    last offset is the buffer's size."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + (n + 63) // 64 * 64)
-    flat = torch.empty(starts[-1], dtype=torch.uint8, device=tensors[0].device)
+    return sizes, starts
+
+
+def flat_copy_seconds(tensors: list[Any], iters: int, into: Any = None) -> dict[str, float]:
+    """Median seconds (the first run left out) to copy ``tensors`` into one flat
+    buffer on their GPU (``into``, or one made here): one ``copy_`` each (uint8
+    views), and one ``torch._foreach_copy_`` of them all as 8-byte words."""
+    import torch
+
+    sizes, starts = flat_bytes(tensors)
+    flat = torch.empty(starts[-1], dtype=torch.uint8, device=tensors[0].device) if into is None else into
     dests = [flat[at:at + n] for at, n in zip(starts, sizes)]
     sources = [t.view(-1).view(torch.uint8) for t in tensors]
     words = [(d.view(torch.int64), s.view(torch.int64)) for d, s in zip(dests, sources)
              if d.numel() % 8 == 0 and s.data_ptr() % 8 == 0]
 
+    def synchronize() -> None:
+        if flat.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def timed(copy: Any) -> float:
         seconds = []
         for _ in range(iters):
-            torch.cuda.synchronize()
+            synchronize()
             t0 = time.perf_counter()
             copy()
-            torch.cuda.synchronize()
+            synchronize()
             seconds.append(time.perf_counter() - t0)
         return statistics.median(seconds[1:])
 
@@ -101,26 +112,43 @@ def flat_copy_seconds(tensors: list[Any], iters: int) -> dict[str, float]:
             "foreach_i64_s": timed(lambda: torch._foreach_copy_([d for d, _ in words], [s for _, s in words]))}
 
 
-def _copy_from_ipc(inbox: Any, outbox: Any, iters: int) -> None:
+def _other_process(inbox: Any, outbox: Any, iters: int) -> None:
+    """The second process of ``cross_process_copy_seconds``."""
     import torch
 
-    torch.cuda.set_device(0)
-    tensors = inbox.get()  # rebuilt from their CUDA IPC handles
+    tensors = inbox.get()  # rebuilt from their CUDA IPC handles (CPU: shared memory)
+    device = tensors[0].device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     outbox.put(flat_copy_seconds(tensors, iters))
+    flat = torch.empty(flat_bytes(tensors)[1][-1], dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        flat.share_memory_()
     del tensors
+    outbox.put(flat)  # the first process copies into it
+    inbox.get()  # until it is done with it
+    del flat
 
 
-def ipc_source_copy_seconds(tensors: list[Any], iters: int) -> dict[str, float]:
-    """``flat_copy_seconds`` run by a spawned process on ``tensors`` opened by CUDA IPC."""
+def cross_process_copy_seconds(tensors: list[Any], iters: int) -> dict[str, float]:
+    """The floor's copies across two processes on one GPU, both ways: a spawned
+    process copies ``tensors`` (opened by CUDA IPC) into its own buffer (pull:
+    the engine's copies), and this one copies them into the other's buffer
+    (opened by CUDA IPC: push)."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     inbox, outbox = context.Queue(), context.Queue()
-    child = context.Process(target=_copy_from_ipc, args=(inbox, outbox, iters), daemon=True)
+    child = context.Process(target=_other_process, args=(inbox, outbox, iters), daemon=True)
     child.start()
-    inbox.put(tensors)
     try:
-        return dict(outbox.get(timeout=300))
+        inbox.put(tensors)
+        pull = dict(outbox.get(timeout=300))
+        theirs = outbox.get(timeout=300)
+        push = flat_copy_seconds(tensors, iters, into=theirs)
+        del theirs
+        inbox.put("done")
+        return {**{f"pull_{k}": v for k, v in pull.items()}, **{f"push_{k}": v for k, v in push.items()}}
     finally:
         child.join(timeout=60)
 
@@ -187,11 +215,12 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
     # The floor: the same bytes copied once on the device (into one flat buffer).
     copy_s = flat_copy_seconds(list(weights.values()), max(args.iters, 3))["copy_s"]
     torch.cuda.empty_cache()  # the flat buffer
-    # The same copies made by another process out of these tensors opened by
-    # CUDA IPC, as the engine's are: whether memory of another process copies
-    # slower (the engine's copies took ~10.5 ms for the floor's 8.2 on an H200).
-    ipc_source = ipc_source_copy_seconds(list(weights.values()), max(args.iters, 3))
-    log(f"floor {copy_s:.4f}s; the same copies out of IPC-opened memory in another process: {ipc_source}")
+    # The same copies across two processes, as the engine's are (pull: out of
+    # these tensors opened by CUDA IPC; push: into the other's buffer): whether
+    # memory of another process copies slower (the engine's copies took ~10.5 ms
+    # for the floor's 8.2 on an H200).
+    cross = cross_process_copy_seconds(list(weights.values()), max(args.iters, 3))
+    log(f"floor {copy_s:.4f}s; the same copies across two processes: {cross}")
 
     # Sleep and wake: the engine core's memory from nvidia-smi.
     core_pids = [c.pid for c in __import__("psutil").Process(proc.pid).children(recursive=True)]
@@ -227,9 +256,8 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
         "iters": args.iters,
         "ipc_first_s": round(ipc_s[0], 4), "ipc_steady_s": round(steady(ipc_s), 4),
         "device_copy_s": round(copy_s, 4), "ipc_over_copy": round(steady(ipc_s) / copy_s, 2),
-        "ipc_source_copy_s": round(ipc_source["copy_s"], 4),
-        "ipc_source_foreach_i64_s": round(ipc_source["foreach_i64_s"], 4),
-        "ipc_over_ipc_source_copy": round(steady(ipc_s) / ipc_source["copy_s"], 2),
+        "cross_process_copy_s": {k: round(v, 4) for k, v in cross.items()},
+        "ipc_over_pull_copy": round(steady(ipc_s) / cross["pull_copy_s"], 2),
         "ipc_phases_s": {k: round(v, 4) for k, v in report.phases.items()},
         "ipc_worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
         "sleep": sleeping,
