@@ -178,3 +178,8 @@ def test_the_latency_smoke_run_breaks_the_queue_leg_down_by_phase(
     # From the unrounded times: the rounded ones give it to within a rounding step.
     first, tenth = record["first_tasks_ms"][0], record["first_tasks_ms"][-1]
     assert record["first_over_tenth"] == pytest.approx(first / tenth, rel=0.02, abs=0.01)
+    # The producer's own first call is warmed and reported apart; the first and
+    # tenth tasks' phases say where the first one's extra time went.
+    assert record["producer_first_apply_async_ms"] > 0
+    assert list(record["first_task_phases_ms"]) == list(record["tenth_task_phases_ms"]) == [
+        *PHASES, "total", "outside_engine"]
