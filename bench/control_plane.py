@@ -65,8 +65,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rollout_queue.tasks import keys
 from rollout_queue.tasks.app import app, configure
+from rollout_queue.tasks.registry import remove_entry, write_entry
 from rollout_queue.tasks.settings import ClientSettings, redis_url_env
 
 # The fake checkpoint every simulated worker checks sync manifests against.
@@ -244,7 +244,7 @@ class SimNode:
         )
 
     def publish(self) -> None:
-        self.client.set(keys.worker_key(self.node), self.info().model_dump_json(), px=int(REGISTRY_TTL_S * 1000))
+        write_entry(self.client, self.node, self.info().model_dump_json(), int(REGISTRY_TTL_S * 1000))
 
     def beat(self) -> None:
         """One heartbeat of ``WorkerRuntime._beat``: the fleet-version check, then the registry."""
@@ -266,7 +266,7 @@ class SimNode:
         self.reaper.sweep()
 
     def stop(self) -> None:
-        self.client.delete(keys.worker_key(self.node))
+        remove_entry(self.client, self.node)
 
 
 def handlers_for(node: SimNode) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """Reading the worker registry and the fleet's weight version from Redis.
 
 Workers write their ``WorkerInfo`` under ``rq:worker:<node>`` with a TTL
-refreshed by a heartbeat (``workers.heartbeat``); a worker whose key expired
-is gone. Producers, the trainer and ``rollout-queue status`` read it here.
+refreshed by a heartbeat (``workers.node.runtime``), and their name into the
+set ``rq:workers`` (``keys.WORKERS``); a worker whose key expired is gone.
+Producers, the trainer and ``rollout-queue status`` read it here: the set's
+names, then their entries in one ``MGET``, never a ``SCAN`` of the keyspace.
 """
 
 from __future__ import annotations
@@ -47,12 +49,52 @@ def connect(
 def live_workers(client: redis.Redis, pool: str | None = None) -> list[WorkerInfo]:
     """Every worker (of ``pool``, if given) whose heartbeat has not expired."""
     try:
-        names = sorted(client.scan_iter(match=keys.WORKER_KEY_PATTERN, count=500))
+        names = sorted(keys.worker_key(_text(node)) for node in client.smembers(keys.WORKERS))
         values: list[Any] = client.mget(names) if names else []
     except redis.RedisError as exc:
         raise BrokerUnavailable(f"could not read the worker registry: {exc}") from exc
     workers = [WorkerInfo.model_validate_json(v) for v in values if v]
     return [w for w in workers if pool is None or w.pool == pool]
+
+
+def write_entry(client: redis.Redis, node: str, entry: str, ttl_ms: int) -> None:
+    """A worker's heartbeat: its entry (``WorkerInfo`` JSON) for ``ttl_ms``, and its
+    name in ``keys.WORKERS`` after it (``PRUNE_SCRIPT``), in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    pipe.set(keys.worker_key(node), entry, px=ttl_ms)
+    pipe.sadd(keys.WORKERS, node)
+    pipe.execute()
+
+
+def remove_entry(client: redis.Redis, node: str) -> None:
+    """A worker leaving: its entry and its name."""
+    pipe = client.pipeline(transaction=False)
+    pipe.delete(keys.worker_key(node))
+    pipe.srem(keys.WORKERS, node)
+    pipe.execute()
+
+
+# Drop from the set the names whose entry is gone, in one step: a worker that
+# writes its entry again (SET, then SADD) is never left out.
+PRUNE_SCRIPT = """
+local pruned = 0
+for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. node) == 0 then
+    redis.call('SREM', KEYS[1], node)
+    pruned = pruned + 1
+  end
+end
+return pruned
+"""
+
+
+def prune_workers(client: redis.Redis) -> int:
+    """Remove the names of workers whose registry entry expired from ``keys.WORKERS``."""
+    return int(client.eval(PRUNE_SCRIPT, 1, keys.WORKERS, keys.WORKER_KEY_PREFIX))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def fleet_version(client: redis.Redis, pool: str = keys.DEFAULT_POOL) -> int:

@@ -240,6 +240,7 @@ def test_sessions_write_no_key_unless_the_serving_worker_runs_sticky_sessions(
         info = WorkerInfo(node=node, queues=queues, model="m", device="cpu", dtype="float32",
                           state="serving", heartbeat_at=time.time())
         redis_client.set(keys.worker_key(node), info.model_dump_json(), ex=60)
+        redis_client.sadd(keys.WORKERS, node)
 
     register("plain@limits", sticky=False)
     register("sticky@limits", sticky=True)
@@ -262,6 +263,7 @@ def test_sessions_write_no_key_unless_the_serving_worker_runs_sticky_sessions(
     finally:
         redis_client.delete(*(keys.worker_key(n) for n in ("plain@limits", "sticky@limits")),
                             keys.session_key("s-sticky"))
+        redis_client.srem(keys.WORKERS, "plain@limits", "sticky@limits")
 
 
 def test_many_session_ids_without_sticky_workers_create_no_session_keys(

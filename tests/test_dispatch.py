@@ -234,6 +234,7 @@ def test_the_route_skips_a_worker_that_is_busy_fenced_or_not_sticky(redis_client
             "node": node, "model": "m", "device": "cpu", "dtype": "float32", "state": "serving",
             "queues": [QUEUE, keys.node_queue(node)], "heartbeat_at": time.time(), **fields})
         redis_client.set(keys.worker_key(node), info.model_dump_json(), ex=30)
+        redis_client.sadd(keys.WORKERS, node)
         redis_client.set(keys.session_key(node), node, ex=30)  # a session named after its worker
 
     registered("route-idle@tests")
@@ -259,6 +260,7 @@ def test_the_route_skips_a_worker_that_is_busy_fenced_or_not_sticky(redis_client
     finally:
         for node in ("route-idle@tests", "route-busy@tests", "route-fenced@tests", "route-plain@tests"):
             redis_client.delete(keys.worker_key(node), keys.session_key(node))
+            redis_client.srem(keys.WORKERS, node)
 
 
 def test_a_turn_left_in_a_dead_workers_own_queue_is_moved_to_the_shared_queue(disp_workers: list[Proc]) -> None:

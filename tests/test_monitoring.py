@@ -278,6 +278,7 @@ def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lin
     silent = WorkerInfo(node=node, pool="stale", queues=["stale"], model="m", device="cpu",
                         dtype="float32", state="serving", heartbeat_at=now - 7.0, heartbeat_s=2.0)
     redis_client.set(keys.worker_key(node), silent.model_dump_json(), ex=120)
+    redis_client.sadd(keys.WORKERS, node)
     try:
         dead = subprocess.run(argv + ["--node", node], check=False, **options)
         table = subprocess.run(argv, check=False, **options)
@@ -287,6 +288,7 @@ def test_status_reports_a_worker_dead_once_its_heartbeats_stop_while_its_key_lin
         beating = subprocess.run(argv + ["--node", node], check=False, **options)
     finally:
         redis_client.delete(keys.worker_key(node))
+        redis_client.srem(keys.WORKERS, node)
     assert dead.returncode == 1, dead.stdout
     assert re.search(rf"{node} is not live: its last heartbeat is \d+\.\ds old \(dead after 6s", dead.stdout)
     assert status_rows(table.stdout)[node][6] == "dead"
@@ -637,3 +639,35 @@ def test_compose_file_parses_and_every_service_command_resolves_to_an_entry_poin
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
     # The GPU image installs the gpu extra; the CPU image the lock of the CPU worker (.[cpu]).
     assert '".[gpu' in dockerfile and "-r constraints/quickstart.txt" in dockerfile
+
+
+def test_the_registry_is_read_from_its_set_of_names_and_a_sweep_prunes_only_names_whose_entry_expired(
+    redis_client: redis_lib.Redis,
+) -> None:
+    """``live_workers`` takes ``rq:workers`` and one MGET, never a SCAN of the keyspace
+    (which grows with every task result); an entry gone leaves its name behind
+    until ``prune_workers`` (a reaper's sweep) drops it, and only it."""
+    from rollout_queue.tasks.registry import live_workers, prune_workers, remove_entry, write_entry
+
+    pool, nodes = "index", ["index-a@tests", "index-b@tests", "index-c@tests"]
+    for node in nodes:
+        info = WorkerInfo(node=node, pool=pool, queues=["index"], model="m", device="cpu", dtype="float32",
+                          state="serving", heartbeat_at=time.time())
+        write_entry(redis_client, node, info.model_dump_json(), 60_000 if node != nodes[1] else 200)
+    # Entries nobody named in the set (a SCAN found these): not workers.
+    redis_client.set(keys.worker_key("unlisted@tests"), "{}", ex=60)
+    try:
+        assert sorted(w.node for w in live_workers(redis_client, pool)) == nodes
+        wait_for(lambda: not redis_client.exists(keys.worker_key(nodes[1])), 10, "b's entry to expire")
+        assert sorted(w.node for w in live_workers(redis_client, pool)) == [nodes[0], nodes[2]]
+        assert redis_client.sismember(keys.WORKERS, nodes[1])  # left until a sweep
+        assert prune_workers(redis_client) >= 1
+        members = redis_client.smembers(keys.WORKERS)
+        assert nodes[1] not in members and {nodes[0], nodes[2]} <= members
+        remove_entry(redis_client, nodes[2])  # a worker leaving
+        assert [w.node for w in live_workers(redis_client, pool)] == [nodes[0]]
+        assert nodes[2] not in redis_client.smembers(keys.WORKERS)
+    finally:
+        for node in nodes:
+            remove_entry(redis_client, node)
+        redis_client.delete(keys.worker_key("unlisted@tests"))

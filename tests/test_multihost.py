@@ -271,7 +271,8 @@ def figures(artifacts: Path) -> Iterator[dict[str, Any]]:
 def states_on_the_redis_host(hosts: Hosts) -> dict[str, str]:
     """Each registered worker's state, read on the Redis host (for when the trainer host is cut off)."""
     script = ("import json, sys, redis; r = redis.Redis.from_url(sys.argv[1], decode_responses=True); "
-              f"infos = [json.loads(v) for v in r.mget(list(r.scan_iter({keys.WORKER_KEY_PATTERN!r}))) if v]; "
+              f"names = [{keys.WORKER_KEY_PREFIX!r} + n for n in r.smembers({keys.WORKERS!r})]; "
+              "infos = [json.loads(v) for v in (r.mget(names) if names else []) if v]; "
               "print(json.dumps({i['node']: i['state'] for i in infos}))")
     read = subprocess.run(hosts.net.exec_argv("redis", [python(), "-c", script, REDIS_URL]),
                           capture_output=True, text=True, timeout=60, check=True)

@@ -29,7 +29,7 @@ import redis
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.app import app
 from rollout_queue.tasks.auth import CommandVerifier
-from rollout_queue.tasks.registry import connect, fleet_version
+from rollout_queue.tasks.registry import connect, fleet_version, remove_entry, write_entry
 from rollout_queue.tasks.schemas import WorkerInfo
 from rollout_queue.weight_sync.locality import host_id
 from rollout_queue.workers.engine.host import EngineHost, per_request_stream_interval
@@ -189,9 +189,9 @@ class WorkerRuntime:
         ttl_ms = int(self.settings.registry_ttl_s * 1000)
         key = keys.worker_key(self.node)
         try:
-            self.client.set(key, self.info().model_dump_json(), px=ttl_ms)
+            write_entry(self.client, self.node, self.info().model_dump_json(), ttl_ms)
         except redis.exceptions.OutOfMemoryError as exc:
-            self.redis_full(str(exc))
+            self.redis_full(str(exc).rsplit("caused error: ", 1)[-1].strip())  # not the pipeline's commands
             try:  # the entry says fenced, and lives on (other workers' reapers spare us)
                 self.client.eval(REPLACE_ENTRY_SCRIPT, 1, key, self.info().model_dump_json(), ttl_ms)
             except redis.RedisError:
@@ -281,7 +281,7 @@ class WorkerRuntime:
         self.state.stopping()
         self.ledger.close()
         try:
-            self.client.delete(keys.worker_key(self.node))
+            remove_entry(self.client, self.node)
         except redis.RedisError:
             pass
 

@@ -61,6 +61,7 @@ from kombu.utils.json import dumps, loads
 
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import PoisonMessage, RedeliveryLimitReached
+from rollout_queue.tasks.registry import prune_workers
 from rollout_queue.workers.queue.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,7 @@ class Reaper:
                     reports.append(report)
         for node in set(self._missing_since) - set(others):
             self._missing_since.pop(node, None)
+        prune_workers(self.client)  # the registry's names of workers gone (tasks.registry)
         return reports
 
     def reclaim_own(self) -> ReapReport | None:
