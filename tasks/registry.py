@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from kombu.utils.encoding import bytes_to_str
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -49,7 +50,7 @@ def connect(
 def live_workers(client: redis.Redis, pool: str | None = None) -> list[WorkerInfo]:
     """Every worker (of ``pool``, if given) whose heartbeat has not expired."""
     try:
-        names = sorted(keys.worker_key(_text(node)) for node in client.smembers(keys.WORKERS))
+        names = sorted(keys.worker_key(bytes_to_str(node)) for node in client.smembers(keys.WORKERS))
         values: list[Any] = client.mget(names) if names else []
     except redis.RedisError as exc:
         raise BrokerUnavailable(f"could not read the worker registry: {exc}") from exc
@@ -63,7 +64,7 @@ def write_entry(client: redis.Redis, node: str, entry: str, ttl_ms: int) -> None
     pipe = client.pipeline(transaction=False)
     pipe.set(keys.worker_key(node), entry, px=ttl_ms)
     pipe.sadd(keys.WORKERS, node)
-    pipe.execute()
+    _execute(pipe)
 
 
 def remove_entry(client: redis.Redis, node: str) -> None:
@@ -71,7 +72,15 @@ def remove_entry(client: redis.Redis, node: str) -> None:
     pipe = client.pipeline(transaction=False)
     pipe.delete(keys.worker_key(node))
     pipe.srem(keys.WORKERS, node)
-    pipe.execute()
+    _execute(pipe)
+
+
+def _execute(pipe: Any) -> None:
+    """Run ``pipe``; its first error raised as the command alone would raise it
+    (redis-py's own raise prefixes the pipeline's commands to the message)."""
+    for reply in pipe.execute(raise_on_error=False):
+        if isinstance(reply, redis.RedisError):
+            raise reply
 
 
 # Drop from the set the names whose entry is gone, in one step: a worker that
@@ -91,10 +100,6 @@ return pruned
 def prune_workers(client: redis.Redis) -> int:
     """Remove the names of workers whose registry entry expired from ``keys.WORKERS``."""
     return int(client.eval(PRUNE_SCRIPT, 1, keys.WORKERS, keys.WORKER_KEY_PREFIX))
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def fleet_version(client: redis.Redis, pool: str = keys.DEFAULT_POOL) -> int:

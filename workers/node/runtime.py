@@ -187,11 +187,11 @@ class WorkerRuntime:
 
     def publish(self) -> None:
         ttl_ms = int(self.settings.registry_ttl_s * 1000)
-        key = keys.worker_key(self.node)
         try:
             write_entry(self.client, self.node, self.info().model_dump_json(), ttl_ms)
         except redis.exceptions.OutOfMemoryError as exc:
-            self.redis_full(str(exc).rsplit("caused error: ", 1)[-1].strip())  # not the pipeline's commands
+            self.redis_full(str(exc))
+            key = keys.worker_key(self.node)
             try:  # the entry says fenced, and lives on (other workers' reapers spare us)
                 self.client.eval(REPLACE_ENTRY_SCRIPT, 1, key, self.info().model_dump_json(), ttl_ms)
             except redis.RedisError:
