@@ -10,7 +10,10 @@ weights of the chosen shape):
         all): first and steady seconds of each, and each over gloo.
   CUDA  the weights handed over by CUDA IPC (``cuda_ipc``), first and steady,
         beside an on-device copy of the same bytes in the same process (the
-        floor: the handoff copies them at least once); then the engine's GPU
+        floor: the handoff copies them at least once), and the same copies
+        across two processes, both ways (a spawned process pulling the
+        trainer's tensors opened by CUDA IPC, as the engine does; the trainer
+        pushing into that process's buffer); then the engine's GPU
         memory awake and asleep (levels 1 and 2, from nvidia-smi) and the
         seconds to wake it (level 1, no new weights) and to wake it with a
         handoff (level 2).
