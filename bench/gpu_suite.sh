@@ -15,13 +15,14 @@
 #   streaming 300  bench/streaming.py (STREAMING_ARGS)
 #   latency 210    bench/latency.py (LATENCY_ARGS, default --trace: the per-phase breakdown)
 #   scaling 400    bench/scaling.py (SCALING_ARGS)
-#   resume 260     bench/resume.py (RESUME_ARGS)
+#   resume 330     bench/resume.py (RESUME_ARGS, default --stream-interval 64: vLLM 0.24 has no per-request
+#                  interval, and a checkpointing worker needs one output per checkpoint, not per step)
 #   grpo 300       examples/grpo.py --device cuda: GRPO on SmolLM2-135M (.models/smollm2-135m-instruct, converted
 #                  before this step), trainer and one worker colocated on GPU 0 (GRPO_LIMIT, GRPO_ARGS, default
 #                  "--bench --seed 1 --steps 20 --bench-timing-steps 4"); files in $OUT/grpo, the step log,
 #                  summary and plots also as $OUT/grpo-*
 # Groups whose limits, cleanups and the model's build (~30 s, once per machine) stay under 9 minutes:
-# "alone"; "streaming latency"; "shared resume".
+# "alone"; "streaming latency"; "shared"; "resume".
 # Run it as a script file: its cleanup matches engine processes by name, and a command line
 # holding that name would match itself.
 set -uo pipefail
@@ -73,7 +74,7 @@ for step in $steps; do
     streaming)  bench streaming ${STREAMING_LIMIT:-300} bench/streaming.py --device cuda ${STREAMING_ARGS:-} ;;
     latency)    bench latency ${LATENCY_LIMIT:-210} bench/latency.py --device cuda ${LATENCY_ARGS---trace} ;;
     scaling)    bench scaling 400 bench/scaling.py --device cuda ${SCALING_ARGS:-} ;;
-    resume)     bench resume ${RESUME_LIMIT:-260} bench/resume.py --device cuda ${RESUME_ARGS:-} ;;
+    resume)     bench resume ${RESUME_LIMIT:-330} bench/resume.py --device cuda ${RESUME_ARGS---stream-interval 64} ;;
     grpo)       timeout -k 15 "${GRPO_LIMIT:-300}" python3 examples/grpo.py --device cuda \
                   --model .models/smollm2-135m-instruct --log-dir "$OUT/grpo" \
                   ${GRPO_ARGS---bench --seed 1 --steps 20 --bench-timing-steps 4} > "$OUT/grpo.log" 2>&1
