@@ -91,6 +91,16 @@ def node_of_processing_key(key: str) -> str:
     return key.removeprefix(f"{PREFIX}:processing:")
 
 
+# The nodes that may hold a ledger (an in-flight set, a processing list, or
+# messages in their own queue): the set the reaper's sweep reads instead of a
+# SCAN of the keyspace, which grows with every task result. A node is added
+# where those keys are born (at its start, by its fetch, by its ledger's
+# MULTI) and removed only once none of them exists
+# (workers/queue/ledger_index.py). Not WORKERS: that set is pruned as
+# registry entries expire, before a dead node is reaped.
+LEDGER_NODES = f"{PREFIX}:ledger-nodes"
+
+
 # Queue items no worker could decode (workers/queue/poison.py): one list per queue,
 # newest first, bounded. Items whose queue cannot be read from them (a dead
 # node's processing list holds no queue name) go under UNKNOWN_QUEUE.

@@ -263,9 +263,12 @@ def test_the_route_skips_a_worker_that_is_busy_fenced_or_not_sticky(redis_client
             redis_client.srem(keys.WORKERS, node)
 
 
-def test_a_turn_left_in_a_dead_workers_own_queue_is_moved_to_the_shared_queue(disp_workers: list[Proc]) -> None:
+def test_a_turn_left_in_a_dead_workers_own_queue_is_moved_to_the_shared_queue(
+    disp_workers: list[Proc], redis_client: Any,
+) -> None:
     from rollout_queue.tasks import keys
 
+    redis_client.sadd(keys.LEDGER_NODES, "ghost@tests")  # as its start did (workers.queue.ledger_index)
     # Sent as the gateway sends a sticky turn, to a worker that died before taking it.
     handle = generate.apply_async((["left behind"], {"max_tokens": 4, "ignore_eos": True}),
                                   queue=keys.node_queue("ghost@tests"), headers={keys.FALLBACK_QUEUE_HEADER: QUEUE})

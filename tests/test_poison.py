@@ -135,6 +135,7 @@ def strand_in_processing_list(server: RedisServer, task: Any, node: str, queue: 
     env = envelope(task, ["stranded"], queue)
     for item in [*items, json.dumps(env).encode()]:
         client.lpush(keys.processing_key(node), item)
+    client.sadd(keys.LEDGER_NODES, node)  # as its fetch did (workers.queue.reliable_redis)
     task_id: str = env["headers"]["id"]
     return task_id
 

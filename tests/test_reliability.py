@@ -49,7 +49,7 @@ from rollout_queue.tasks.errors import (
 from rollout_queue.tasks.schemas import GenerationResult, WorkerInfo
 from rollout_queue.workers.node.service import time_limit
 from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
-from rollout_queue.workers.queue.reliable_redis import FETCH_SCRIPT
+from rollout_queue.workers.queue.reliable_redis import FETCH_SCRIPT, fetch_args
 from rollout_queue.workers.queue.reliable_redis import Transport as ReliableTransport
 from tests.conftest import WorkerStarter, wait_for
 from tests.private_redis import (
@@ -569,13 +569,13 @@ def test_a_message_taken_by_a_worker_killed_before_recording_it_is_restored(quie
     queue, node = f"fetch-{uuid.uuid4().hex[:6]}", "ghost-0@tests"
     task_id = task.apply_async((["x"], {"max_tokens": 1}), queue=queue).id
     lists = [queue] + [f"{queue}\x06\x16{p}" for p in (3, 6, 9)]
-    assert client.eval(FETCH_SCRIPT, 5, *lists, keys.processing_key(node))  # ... and SIGKILL
+    assert client.eval(FETCH_SCRIPT, *fetch_args(lists, node))  # ... and SIGKILL
     assert client.llen(queue) == 0 and client.llen(keys.processing_key(node)) == 1
     reports = [r for r in _reaper(quiet).sweep() if r.node == node]
     assert [r.restored for r in reports] == [[task_id]]
     assert client.llen(queue) == 1 and client.llen(keys.processing_key(node)) == 0
     # A live worker's own stuck fetch (its reply lost with a dropped connection):
-    assert client.eval(FETCH_SCRIPT, 5, *lists, keys.processing_key("reaper@tests"))
+    assert client.eval(FETCH_SCRIPT, *fetch_args(lists, "reaper@tests"))
     own = _reaper(quiet)
     own.stale_fetch_s = 0.0
     assert own.check_own_fetches() == 1

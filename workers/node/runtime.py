@@ -37,6 +37,7 @@ from rollout_queue.workers.engine.liveness import EngineWatch
 from rollout_queue.workers.engine.progress import ProgressStore
 from rollout_queue.workers.node.service import GenerationService
 from rollout_queue.workers.node.sync import SyncParticipant
+from rollout_queue.workers.queue import ledger_index
 from rollout_queue.workers.queue.dedup import DuplicateGuard, quick_client
 from rollout_queue.workers.queue.handed_on import HandedOn
 from rollout_queue.workers.queue.intake import Intake
@@ -222,8 +223,10 @@ class WorkerRuntime:
     # ------------------------------------------------------------- heartbeat
 
     def start(self) -> None:
-        """Before consuming: reclaim a previous incarnation's tasks, then beat and reap."""
+        """Before consuming: name this node in the reapers' ledger index (its fetch
+        does too), reclaim a previous incarnation's tasks, then beat and reap."""
         try:
+            ledger_index.enlist(self.client, self.node)
             self.reaper.reclaim_own()
         except redis.RedisError as exc:
             log.warning("could not reclaim this node's previous tasks: %s", exc)

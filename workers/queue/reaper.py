@@ -12,10 +12,14 @@ with SIGKILL (OOM killer, lost host) would hold its tasks that long. So:
   delivery tag in the node's in-flight set ``rq:inflight:<node>``
   (:class:`InflightLedger` drops the tags that left ``unacked``: acked,
   rejected or restored);
-* every worker runs a :class:`Reaper` thread: a node whose registry key
-  (``rq:worker:<node>``, refreshed by its heartbeat) has been gone for
-  ``grace_s`` seconds, as seen by this reaper with Redis reachable all along,
-  while its processing list or in-flight set still exists, is dead. Under a
+* every worker runs a :class:`Reaper` thread; the one holding the fleet's
+  sweep lease looks at the nodes named in ``rq:ledger-nodes``
+  (``workers.queue.ledger_index``: an index kept where ledgers are born, with
+  a walk of the keyspace every few minutes as a safety net). A node whose
+  registry key (``rq:worker:<node>``, refreshed by its heartbeat) has been
+  gone for ``grace_s`` seconds, as seen by this reaper with Redis reachable
+  all along, while its processing list or in-flight set still exists, is
+  dead. Under a
   per-node lock the reaper moves each message it still holds back to its
   queue, in one WATCH/MULTI transaction per message (the steps of kombu's
   ``QoS.restore_by_tag``, plus the node's list or set and the redelivery
@@ -62,6 +66,7 @@ from kombu.utils.json import dumps, loads
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import PoisonMessage, RedeliveryLimitReached
 from rollout_queue.tasks.registry import prune_workers
+from rollout_queue.workers.queue import ledger_index
 from rollout_queue.workers.queue.poison import check_envelope, dead_letter_fetched, dead_letter_unacked
 
 log = logging.getLogger(__name__)
@@ -162,6 +167,7 @@ class Reaper:
         ledger: InflightLedger,
         stale_fetch_s: float = 30.0,
         held: Callable[[], set[str]] | None = None,
+        scan_every: int = ledger_index.SAFETY_SCAN_EVERY,
     ) -> None:
         self.app = app
         self.client = client
@@ -177,6 +183,9 @@ class Reaper:
         self.held = held
         self._orphan_seen: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}
+        # Every this many sweeps the keyspace is walked too (workers.queue.ledger_index).
+        self.scan_every = scan_every
+        self._sweeps = 0
         self.reports: list[ReapReport] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="reaper", daemon=True)
@@ -213,10 +222,12 @@ class Reaper:
     def holds_sweep_lease(self) -> bool:
         """Take or renew the fleet's sweep lease; True while this reaper holds it.
 
-        A sweep SCANs the whole keyspace (task results included): with every
+        A sweep SCANned the whole keyspace (task results included): with every
         worker sweeping every heartbeat, Redis's idle CPU grew with the square
         of the fleet (bench/control_plane.py: SCAN was 95 % of it at 256
-        workers). One holder at a time keeps it linear. The lease lasts three
+        workers). One holder at a time kept it linear; the sweep now reads an
+        index and walks the keyspace only every ``scan_every`` passes, but
+        one sweeper is still all a fleet needs. The lease lasts three
         passes, so a dead holder is replaced within that, and the new holder's
         grace period starts when it takes over.
         """
@@ -225,22 +236,29 @@ class Reaper:
         return bool(held)
 
     def sweep(self) -> list[ReapReport]:
-        """One pass: reap every node dead for longer than ``grace_s``."""
-        nodes = {keys.node_of_inflight_key(_text(k))
-                 for k in self.client.scan_iter(match=keys.INFLIGHT_KEY_PATTERN, count=500)}
-        nodes |= {keys.node_of_processing_key(_text(k))
-                  for k in self.client.scan_iter(match=keys.PROCESSING_KEY_PATTERN, count=500)}
-        # A worker's own queue (sticky sessions), priority suffixes aside (kombu's "\x06\x16" sep).
-        nodes |= {keys.node_of_queue(_text(k).split("\x06\x16", 1)[0])
-                  for k in self.client.scan_iter(match=keys.NODE_QUEUE_PATTERN, count=500)}
+        """One pass: reap every node dead for longer than ``grace_s``.
+
+        The nodes to look at come from the index ``keys.LEDGER_NODES``
+        (``workers.queue.ledger_index``), not a walk of the keyspace; every
+        ``scan_every`` passes the keyspace is walked too, as a safety net for
+        nodes whose keys were born without their name there (workers from
+        before the index, a race the index misses). A node unregistered and
+        holding nothing leaves the index (a reaped one, the pass after).
+        """
+        self._sweeps += 1
+        nodes = ledger_index.listed(self.client)
+        if self._sweeps % self.scan_every == 0:
+            nodes |= ledger_index.scan(self.client)
         others = sorted(n for n in nodes if n != self.node)
         alive = self.client.mget([keys.worker_key(n) for n in others]) if others else []
+        unregistered = [node for node, registered in zip(others, alive) if registered is None]
+        emptied = self.prune_index(unregistered)  # nothing left to reap: out of the index
+        holding = [node for node in unregistered if node not in emptied]
+        for node in set(self._missing_since) - set(holding):
+            self._missing_since.pop(node, None)
         now = time.monotonic()
         reports = []
-        for node, registered in zip(others, alive):
-            if registered is not None:
-                self._missing_since.pop(node, None)
-                continue
+        for node in holding:
             first_seen = self._missing_since.setdefault(node, now)
             if now - first_seen >= self.grace_s:
                 try:
@@ -253,10 +271,18 @@ class Reaper:
                 self._missing_since.pop(node, None)
                 if report is not None:
                     reports.append(report)
-        for node in set(self._missing_since) - set(others):
-            self._missing_since.pop(node, None)
         prune_workers(self.client)  # the registry's names of workers gone (tasks.registry)
         return reports
+
+    def prune_index(self, nodes: list[str]) -> set[str]:
+        """Drop from the ledger index those of ``nodes`` none of whose keys exists
+        (``workers.queue.ledger_index.prune``); those dropped."""
+        if not nodes:
+            return set()
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            checked = {node: ledger_index.ledger_keys(node, _own_queues(channel, node)) for node in nodes}
+        return ledger_index.prune(self.client, checked)
 
     def reclaim_own(self) -> ReapReport | None:
         """At start: restore what a previous process with this node name left."""
@@ -280,7 +306,7 @@ class Reaper:
                 for raw_tag in sorted(self.client.smembers(ledger)):
                     self._isolated(report, self._restore_one, channel, ledger, _text(raw_tag))
                 if node != self.node:  # its own queue: a restarted node serves it again itself
-                    for queue in [channel._q_for_pri(keys.node_queue(node), p) for p in channel.priority_steps]:
+                    for queue in _own_queues(channel, node):
                         for _ in range(channel.client.llen(queue)):
                             self._isolated(report, self._reroute, channel, queue)
             if not report.errors:  # else the ledger still names what is left to restore
@@ -567,6 +593,11 @@ def _queue_of_unacked(raw: bytes | str) -> str:
     except Exception:  # noqa: BLE001  unreadable: no queue to name
         return keys.UNKNOWN_QUEUE
     return routing_key if isinstance(routing_key, str) and routing_key else keys.UNKNOWN_QUEUE
+
+
+def _own_queues(channel: Any, node: str) -> list[str]:
+    """The lists of ``node``'s own queue (sticky sessions), one per priority."""
+    return [channel._q_for_pri(keys.node_queue(node), p) for p in channel.priority_steps]
 
 
 def _aged(first_seen: dict[Any, float], current: Any, after_s: float) -> tuple[dict[Any, float], list[Any]]:

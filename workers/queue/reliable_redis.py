@@ -23,6 +23,10 @@ This transport closes that gap with the "processing list" pattern:
   (as kombu does), adds its tag to the node's in-flight set
   ``rq:inflight:<node>`` and removes it from the processing list.
 
+The fetch script and the ``MULTI`` also name the node in the reapers' index
+``rq:ledger-nodes`` (``workers.queue.ledger_index``), so that a sweep finds
+the node by it rather than by a walk of the keyspace.
+
 So at every instant a message is in its queue, in a processing list, or in
 ``unacked`` with its tag in a node's in-flight set; the reaper
 (``workers.queue.reaper``) restores what a dead node holds in either.
@@ -79,19 +83,27 @@ from rollout_queue.workers.queue.poison import check_envelope, dead_letter_fetch
 
 logger = logging.getLogger(__name__)
 
-# KEYS[1..n-1]: queue lists in the order BRPOP would try them; KEYS[n]: the
-# processing list. Returns {list, item} or nil, atomically.
+# KEYS[1..n-2]: queue lists in the order BRPOP would try them; KEYS[n-1]: the
+# processing list; KEYS[n]: the reapers' ledger index (keys.LEDGER_NODES), which
+# names the node (ARGV[1]) with the list it fills. Returns {list, item} or nil,
+# atomically. Built by fetch_args().
 FETCH_SCRIPT = """
-local processing = KEYS[#KEYS]
-for i = 1, #KEYS - 1 do
+local processing = KEYS[#KEYS - 1]
+for i = 1, #KEYS - 2 do
   local item = redis.call('RPOP', KEYS[i])
   if item then
     redis.call('LPUSH', processing, item)
+    redis.call('SADD', KEYS[#KEYS], ARGV[1])
     return {KEYS[i], item}
   end
 end
 return false
 """
+
+
+def fetch_args(lists: list[str], node: str) -> list[Any]:
+    """``FETCH_SCRIPT``'s arguments after the script: its key count, its keys, its ARGV."""
+    return [len(lists) + 2, *lists, keys.processing_key(node), keys.LEDGER_NODES, node]
 
 
 # KEYS[1]: the processing list, KEYS[2]: the queue list it came from; ARGV[1]: the
@@ -202,6 +214,7 @@ class QoS(kombu_redis.QoS):
                       dumps([message._raw, delivery["exchange"], delivery["routing_key"]]))
             if channel.rq_inflight_key:
                 pipe.sadd(channel.rq_inflight_key, delivery_tag)
+            pipe.sadd(keys.LEDGER_NODES, channel.rq_node)  # the reapers' index (workers.queue.ledger_index)
             pipe.srem(keys.handed_on(channel.rq_node), delivery_tag)  # ours again
             if raw is not None:
                 pipe.lrem(channel.rq_processing_key, 1, raw)
@@ -305,7 +318,7 @@ class Channel(broker.Channel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
-        keys = self._fetch_keys(queues)
+        lists = self._fetch_keys(queues)
         self._in_poll = self.client.connection
         self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
         if self._rq_block_next:
@@ -322,7 +335,7 @@ class Channel(broker.Channel):
                                timeout or 0]
         else:
             self._rq_pending = ("EVAL", None)
-            args = ["EVAL", FETCH_SCRIPT, len(keys) + 1, *keys, self.rq_processing_key]
+            args = ["EVAL", FETCH_SCRIPT, *fetch_args(lists, self.rq_node)]
         self.client.connection.send_command(*args)
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -359,8 +372,7 @@ class Channel(broker.Channel):
     def _get(self, queue: str, timeout: float | None = None) -> Any:
         while True:  # past any poison, to the first message or an empty queue
             with self.conn_or_acquire() as client:
-                reply = client.eval(FETCH_SCRIPT, len(self.priority_steps) + 1,
-                                    *self._fetch_keys([queue]), self.rq_processing_key)
+                reply = client.eval(FETCH_SCRIPT, *fetch_args(self._fetch_keys([queue]), self.rq_node))
             if not reply:
                 raise virtual.Empty()
             payload = self._check_fetched(queue, reply[1])
