@@ -30,7 +30,9 @@ for every "accepted" ack), ``await_ready`` and ``await_commit``; only
 ``transfer`` (the process group and the bytes) is left out. Then
 ``control.engine_stats()``, the status module's ``read_fleet`` + ``render``,
 and ``INFO commandstats`` deltas: idle (the fleet's background polling) and
-while ``--tasks`` generate tasks are sent and their results read.
+while ``--tasks`` generate tasks are sent and their results read. Last, one
+reaper sweep among ``--sweep-keys`` unrelated keys (``sweep_ms``): reading the
+ledger index, and walking the keyspace as before it.
 
 Prints one JSON line per N on stdout; logs go to stderr. Uses the Redis of
 ``--redis-url`` / ``REDIS_URL`` (never flushed: its keys are the sim's pool,
@@ -351,6 +353,41 @@ def wait_for_fleet(client: Any, pool: str, count: int, timeout: float) -> None:
     raise TimeoutError(f"only {len(live)} of {count} simulated workers serving after {timeout:.0f}s")
 
 
+def measure_sweeps(client: Any, counts: list[int], rounds: int, run_id: str) -> dict[str, dict[str, float]]:
+    """One reaper sweep (``Reaper.sweep``), in ms (median of ``rounds``), with each of
+    ``counts`` unrelated keys added (task-result-like, deleted after): ``index`` as it
+    sweeps (the ledger index), ``scan`` as every sweep did before it and as the safety
+    net does every ``ledger_index.SAFETY_SCAN_EVERY`` sweeps (a walk of the keyspace)."""
+    from rollout_queue.workers.queue.reaper import InflightLedger, Reaper
+
+    node = f"ctlsim-sweeper-{run_id}@{SIM_HOST}"
+    reapers = {how: Reaper(app, client, node, max_redeliveries=3, grace_s=10.0, interval_s=HEARTBEAT_S,
+                           counter_ttl_s=3600, ledger=InflightLedger(client, node, ttl_s=3600),
+                           scan_every=every) for how, every in (("index", 10**9), ("scan", 1))}
+    prefix, written = f"celery-task-meta-ctlsim-{run_id}-", 0
+    figures: dict[str, dict[str, float]] = {}
+    try:
+        for count in sorted(counts):
+            pipe = client.pipeline(transaction=False)
+            for i in range(written, count):
+                pipe.set(f"{prefix}{i}", "{}", ex=600)  # gone by themselves if this run dies
+            pipe.execute()
+            written = max(written, count)
+            timings: dict[str, float] = {}
+            for how, reaper in reapers.items():
+                took = []
+                for _ in range(rounds):
+                    t = time.perf_counter()
+                    reaper.sweep()
+                    took.append(time.perf_counter() - t)
+                timings[how] = round(1000 * statistics.median(took), 2)
+            figures[str(count)] = timings
+    finally:
+        for start in range(0, written, 5_000):
+            client.delete(*(f"{prefix}{i}" for i in range(start, min(written, start + 5_000))))
+    return figures
+
+
 def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> dict[str, Any]:
     import torch
     from rich.console import Console
@@ -459,6 +496,7 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
         idle_cpu = dict(sorted(((n, round(u / idle_window / 1e6, 4)) for n, (_, u) in idle.items() if u),
                                key=lambda kv: -kv[1])[:4])
         keyspace = int(redis.dbsize())
+        sweep_ms = measure_sweeps(redis, args.sweep_keys, args.rounds, run_id)
         return {
             "bench": "control_plane",
             "workers": workers,
@@ -486,6 +524,7 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
             "idle_redis_commands_per_s_by_command": top_idle,
             "idle_redis_cpu_share_by_command": idle_cpu,
             "redis_keys": keyspace,
+            "sweep_ms": sweep_ms,
             "rounds": args.rounds,
             "fleet_start_s": round(started_s, 1),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({socket.gethostname()})",
@@ -513,6 +552,8 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=200)
     p.add_argument("--idle-s", type=float, default=4.0, help="window of the idle fleet's command count")
     p.add_argument("--lifetime", type=float, default=240.0, help="a simulated node process stops after this")
+    p.add_argument("--sweep-keys", type=int, nargs="+", default=[0, 10_000, 50_000],
+                   help="unrelated keys to time one reaper sweep among (sweep_ms)")
     p.add_argument("--redis-url")
     # The child processes' own flags.
     p.add_argument("--sim-process", action="store_true", help=argparse.SUPPRESS)

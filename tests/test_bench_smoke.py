@@ -25,6 +25,7 @@ import json
 import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import psutil
 import pytest
@@ -39,7 +40,7 @@ from tests.procs import ROOT, Proc, python
 BENCHES: dict[str, tuple[list[str], bool]] = {
     "colocated.py": (["--device", "cpu", "--shapes", "qwen2-tiny", "--iters", "1", "--bucket-mib", "1"], False),
     "control_plane.py": (["--workers", "4", "--processes", "1", "--rounds", "1", "--tasks", "8",
-                          "--idle-s", "0.5", "--lifetime", "120"], False),
+                          "--idle-s", "0.5", "--lifetime", "120", "--sweep-keys", "0", "1000"], False),
     "dedup_check.py": (["--iterations", "5"], False),
     "sync_pattern.py": (["--shape", "qwen2-tiny", "--iters", "2", "--direct-mib", "1"], False),
     "latency.py": (["--iterations", "3", "--input-len", "8", "--max-tokens", "2", "--trace"], True),
@@ -163,14 +164,20 @@ def assert_ran_with_a_json_line(script: str, run: Future[tuple[int | None, str]]
     assert json_lines(log), f"{script} printed no JSON line:\n{tail}"
 
 
+def bench_record(run: Future[tuple[int | None, str]], bench: str) -> dict[str, Any]:
+    """The one JSON line of ``bench`` its smoke run printed, once it exited 0."""
+    code, log = run.result()
+    assert code == 0, "\n".join(log.splitlines()[-30:])
+    (record,) = [line for line in json_lines(log) if line.get("bench") == bench]
+    return record
+
+
 def test_the_latency_smoke_run_breaks_the_queue_leg_down_by_phase(
     bench_runs: dict[str, Future[tuple[int | None, str]]]
 ) -> None:
     from rollout_queue.tasks.trace import PHASES
 
-    code, log = bench_runs["latency.py"].result()
-    assert code == 0, "\n".join(log.splitlines()[-30:])
-    (record,) = [line for line in json_lines(log) if line.get("bench") == "latency"]
+    record = bench_record(bench_runs["latency.py"], "latency")
     assert list(record["phases_p50_ms"]) == [*PHASES, "total", "outside_engine"]
     assert record["traces_out_of_order"] == 0
     # The worker's first tasks after it said it serves: the warm-up's figure.
@@ -183,3 +190,11 @@ def test_the_latency_smoke_run_breaks_the_queue_leg_down_by_phase(
     assert record["producer_first_apply_async_ms"] > 0
     assert list(record["first_task_phases_ms"]) == list(record["tenth_task_phases_ms"]) == [
         *PHASES, "total", "outside_engine"]
+
+
+def test_the_control_plane_smoke_run_times_a_sweep_by_the_ledger_index_and_by_a_walk_of_the_keyspace(
+    bench_runs: dict[str, Future[tuple[int | None, str]]]
+) -> None:
+    sweeps = bench_record(bench_runs["control_plane.py"], "control_plane")["sweep_ms"]
+    assert isinstance(sweeps, dict) and list(sweeps) == ["0", "1000"]
+    assert all(set(timings) == {"index", "scan"} and min(timings.values()) > 0 for timings in sweeps.values())

@@ -571,6 +571,7 @@ def test_a_message_taken_by_a_worker_killed_before_recording_it_is_restored(quie
     lists = [queue] + [f"{queue}\x06\x16{p}" for p in (3, 6, 9)]
     assert client.eval(FETCH_SCRIPT, *fetch_args(lists, node))  # ... and SIGKILL
     assert client.llen(queue) == 0 and client.llen(keys.processing_key(node)) == 1
+    assert client.sismember(keys.LEDGER_NODES, node), "the fetch names the node in the reapers' index"
     reports = [r for r in _reaper(quiet).sweep() if r.node == node]
     assert [r.restored for r in reports] == [[task_id]]
     assert client.llen(queue) == 1 and client.llen(keys.processing_key(node)) == 0
@@ -588,6 +589,100 @@ def _reaper(quiet: Any, max_redeliveries: int = 3, grace_s: float = 0.0) -> Reap
     return Reaper(app, client, "reaper@tests", max_redeliveries=max_redeliveries,
                   grace_s=grace_s, interval_s=1.0, counter_ttl_s=600,
                   ledger=InflightLedger(client, "reaper@tests", ttl_s=600))
+
+
+def _scans(client: Any) -> int:
+    """How many SCAN commands the server has run."""
+    return int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
+
+
+def test_a_dead_node_named_by_its_ledgers_multi_alone_is_reaped_without_a_scan_and_leaves_the_index(
+    quiet: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollout_queue.workers.queue import reliable_redis
+
+    client = quiet[0].client(decode_responses=True)
+    queue, node = f"index-{uuid.uuid4().hex[:6]}", "ghost-4@tests"
+    # A fetch script that names nobody: what a BLMOVE fetch is (the MULTI names the node).
+    monkeypatch.setattr(reliable_redis, "FETCH_SCRIPT", FETCH_SCRIPT.replace(
+        "redis.call('SADD', KEYS[#KEYS], ARGV[1])\n", ""))
+    task_id, tag = _strand(quiet, queue, node)
+    assert client.sismember(keys.LEDGER_NODES, node)
+    client.set(keys.worker_key(node), "{}", px=60_000)  # alive: neither reaped nor dropped
+    assert [r for r in _reaper(quiet).sweep() if r.node == node] == []
+    assert client.sismember(keys.LEDGER_NODES, node)
+    client.delete(keys.worker_key(node))
+    scans = _scans(client)
+    reports = [r for r in _reaper(quiet).sweep() if r.node == node]
+    assert [r.restored for r in reports] == [[task_id]]
+    assert _scans(client) == scans, "found through the index, not a walk of the keyspace"
+    assert client.sismember(keys.LEDGER_NODES, node), "dropped the pass after its reap"
+    assert _reaper(quiet).sweep() == [] and not client.sismember(keys.LEDGER_NODES, node)
+    assert client.llen(queue) == 1 and not client.hexists(keys.KOMBU_UNACKED, tag)
+
+
+def test_the_ledger_index_keeps_a_node_while_any_of_its_keys_exists_and_drops_it_after(quiet: Any) -> None:
+    client = quiet[0].client(decode_responses=True)
+    node = "ghost-5@tests"
+    reaper = _reaper(quiet)
+    own_queue, top_priority = keys.node_queue(node), f"{keys.node_queue(node)}\x06\x169"
+    writes = {
+        keys.worker_key(node): lambda key: client.set(key, "{}"),
+        keys.inflight_key(node): lambda key: client.sadd(key, "a-tag"),
+        keys.processing_key(node): lambda key: client.lpush(key, "an-item"),
+        own_queue: lambda key: client.lpush(key, "a-turn"),
+        top_priority: lambda key: client.lpush(key, "a-turn"),
+    }
+    for key, write in writes.items():
+        client.sadd(keys.LEDGER_NODES, node)
+        write(key)
+        assert reaper.prune_index([node]) == set(), key
+        assert client.sismember(keys.LEDGER_NODES, node), key
+        client.delete(key)
+        assert reaper.prune_index([node]) == {node}, key
+        assert not client.sismember(keys.LEDGER_NODES, node), key
+
+
+def test_the_safety_net_scan_finds_a_dead_node_missing_from_the_index_and_adds_it(quiet: Any) -> None:
+    # A worker from before the index names itself nowhere: only the walk of the
+    # keyspace, every scan_every sweeps, finds its ledger.
+    client = quiet[0].client(decode_responses=True)
+    queue, node = f"index-{uuid.uuid4().hex[:6]}", "old-version@tests"
+    task_id, tag = _strand(quiet, queue, node)
+    client.srem(keys.LEDGER_NODES, node)
+    scans = _scans(client)
+    assert [r for r in _reaper(quiet).sweep() if r.node == node] == []
+    assert client.hexists(keys.KOMBU_UNACKED, tag) and _scans(client) == scans
+    walker = _reaper(quiet, grace_s=60)
+    walker.scan_every = 2
+    walker.sweep()
+    assert not client.sismember(keys.LEDGER_NODES, node) and _scans(client) == scans
+    assert walker.sweep() == [], "within its grace period"
+    assert _scans(client) > scans and client.sismember(keys.LEDGER_NODES, node), "found and added"
+    reports = [r for r in _reaper(quiet).sweep() if r.node == node]  # the next sweeper, by the index
+    assert [r.restored for r in reports] == [[task_id]]
+
+
+def test_a_sweep_among_many_unrelated_keys_reads_the_index_and_walks_none_of_them(quiet: Any) -> None:
+    # Task results share the Redis: a day of them at 100 tasks/s is 8.6 M keys.
+    # How long a sweep takes at 0 / 10,000 / 50,000 keys is bench/control_plane.py's.
+    client = quiet[0].client(decode_responses=True)
+    prefix = f"celery-task-meta-filler-{uuid.uuid4().hex[:6]}-"
+    pipe = client.pipeline(transaction=False)
+    for i in range(50_000):
+        pipe.set(f"{prefix}{i}", "{}", ex=600)
+    pipe.execute()
+    queue, node = f"index-{uuid.uuid4().hex[:6]}", "ghost-6@tests"
+    task_id, _ = _strand(quiet, queue, node)
+    before = client.info("commandstats")
+    reports = [r for r in _reaper(quiet).sweep() if r.node == node]
+    after = client.info("commandstats")
+    assert [r.restored for r in reports] == [[task_id]]
+    calls = {name: after[name]["calls"] - before.get(name, {}).get("calls", 0) for name in after}
+    assert calls.get("cmdstat_scan", 0) == 0
+    assert calls.get("cmdstat_smembers", 0) >= 1
+    for start in range(0, 50_000, 5_000):
+        client.delete(*(f"{prefix}{i}" for i in range(start, start + 5_000)))
 
 
 def test_one_reaper_of_the_fleet_sweeps_and_another_takes_over_when_it_stops(quiet: Any) -> None:
@@ -697,6 +792,7 @@ def test_kill_9_of_a_worker_with_300_prompts_in_flight_loses_no_task_and_runs_no
         dying.wait_until(lambda: len(held_tags(server, "rel-b@tests")) >= 4, 120,
                          "rel-b to hold tasks")
         held = len(held_tags(server, "rel-b@tests"))
+        assert server.client().sismember(keys.LEDGER_NODES, "rel-b@tests"), "where the reapers look"
         dying.kill_tree(signal.SIGKILL)
         dying.popen.wait(10)
         metas = check_all_done(producer, ids, 10, 300, figures)
@@ -708,6 +804,8 @@ def test_kill_9_of_a_worker_with_300_prompts_in_flight_loses_no_task_and_runs_no
     twice = {i: events.seen[i] for i in ids if events.count(i, "task-succeeded") > 1}
     assert not twice, f"tasks that finished twice: {twice}"
     assert not server.client().exists(keys.inflight_key("rel-b@tests"))
+    wait_for(lambda: not server.client().sismember(keys.LEDGER_NODES, "rel-b@tests"), 30,
+             "the reaped node to leave the ledger index")
     figures["kills_survived"] += 1
     figures["kill"] = {"tasks": len(ids), "prompts": 300, "held_by_victim": held,
                        "redelivered": len(redelivered),
