@@ -19,11 +19,11 @@ with SIGKILL (OOM killer, lost host) would hold its tasks that long. So:
   registry key (``rq:worker:<node>``, refreshed by its heartbeat) has been
   gone for ``grace_s`` seconds, as seen by this reaper with Redis reachable
   all along, while its processing list or in-flight set still exists, is
-  dead. Under a
-  per-node lock the reaper moves each message it still holds back to its
-  queue, in one WATCH/MULTI transaction per message (the steps of kombu's
-  ``QoS.restore_by_tag``, plus the node's list or set and the redelivery
-  count), so a message is restored at most once whoever races for it;
+  dead. Under a per-node lock the reaper moves each message it still holds
+  back to its queue, in one WATCH/MULTI transaction per message (the steps
+  of kombu's ``QoS.restore_by_tag``, plus the node's list or set and the
+  redelivery count), so a message is restored at most once whoever races
+  for it;
 * a task redelivered ``max_redeliveries`` times is not restored again: the
   reaper stores a ``RedeliveryLimitReached`` failure as its result and drops
   the message. A poison task that kills its worker cannot go round for ever.
