@@ -13,8 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -304,14 +306,42 @@ class Conversation(_Message):
 
 TextPrompt = Annotated[str, Field(min_length=1)]
 TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
-ChatPrompt = Annotated[list[ChatMessage], Field(min_length=1)] | Conversation
+
+
+def _chat_form(prompt: Any) -> str | None:
+    """A chat prompt's form: a list of messages, or a conversation with its options."""
+    if isinstance(prompt, (Conversation, dict)):
+        return "conversation"
+    return "messages" if isinstance(prompt, (list, tuple)) else None
+
+
+ChatPrompt = Annotated[
+    Annotated[list[ChatMessage], Field(min_length=1), Tag("messages")]
+    | Annotated[Conversation, Tag("conversation")],
+    Discriminator(_chat_form),
+]
 PromptKind = Literal["text", "chat", "tokens"]
+
+
+def _prompts_kind(prompts: Any) -> PromptKind | None:
+    """The kind of a task's prompts (``GenerateRequest._one_kind`` made it one):
+    only that kind's checks run, so a bad prompt gets its own kind's error, not
+    one from each kind it is not."""
+    return _kind_of(prompts[0]) if isinstance(prompts, (list, tuple)) and prompts else None
+
+
+Prompts = Annotated[
+    Annotated[list[TextPrompt], Tag("text")]
+    | Annotated[list[TokenPrompt], Tag("tokens")]
+    | Annotated[list[ChatPrompt], Tag("chat")],
+    Discriminator(_prompts_kind),
+]
 
 
 class GenerateRequest(_Message):
     """The arguments of one ``generate`` task, validated."""
 
-    prompts: list[TextPrompt] | list[TokenPrompt] | list[ChatPrompt]
+    prompts: Prompts
     params: SamplingParams
 
     def conversation(self, index: int) -> Conversation:

@@ -131,14 +131,18 @@ def test_requests_accept_one_prompt_kind_per_task(prompts: Any) -> None:
         ([[1, -2]], "greater than or equal to 0"),
         ([[{"role": "wizard", "content": "x"}]], "role"),
         ([[{"role": "user", "content": "x", "mood": "n"}]], "mood"),
+        ([{"messages": []}], "at least 1 item"),
         ([3.5], "prompt 0 is float"),
     ],
     ids=["empty", "bare-string", "mixed", "empty-text", "empty-tokens", "negative-id", "bad-role",
-         "extra-key", "float"],
+         "extra-key", "empty-conversation", "float"],
 )
 def test_requests_refuse_bad_prompts_with_a_clear_message(prompts: Any, message: str) -> None:
-    with pytest.raises(pydantic.ValidationError, match=message):
+    with pytest.raises(pydantic.ValidationError, match=message) as caught:
         build_request(prompts, {})
+    # Only the prompts' own kind is checked: a negative token id is one error,
+    # not one from each kind of prompt it is not (a string, a chat).
+    assert caught.value.error_count() == 1, str(caught.value)
 
 
 def test_token_prompts_refuse_ids_beyond_int32_and_accept_the_largest() -> None:
