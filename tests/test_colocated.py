@@ -132,6 +132,9 @@ def test_a_trainer_whose_weights_live_in_shared_memory_hands_over_its_own_storag
     everything = sum(t.numel() * t.element_size() for t in shared_b.values())
     assert 0 < received[1]["in_place_bytes"] <= everything
     assert received[1]["in_place_tensors"] > len(shared_b) // 2
+    # The engine's host side of that load, reported with the worker's phases.
+    assert received[1]["resolve_s"] > 0 and received[1]["issue_s"] > 0
+    assert {"resolve", "issue"} <= set(report.worker_phases)
     on_b = by_worker(GREEDY)
     assert {str(tokens(r)) for r in on_b[NEAR]} == {str(tokens(r)) for r in on_b[FAR]} != {str(reference_a)}
 

@@ -93,11 +93,14 @@ class BucketSink(Protocol):
              learn_in_place: bool = True) -> None:
         """``load_weights`` on these tensors of ``buffer``, each at its offset."""
 
-    def load_tensors(self, tensors: Sequence[tuple[TensorSpec, Any, int, int]]) -> tuple[int, int]:
+    def load_tensors(self, tensors: Sequence[tuple[TensorSpec, Any, int, int]]) -> dict[str, float]:
         """Load tensors that lie in several buffers (per tensor: its spec, its
         buffer, its byte offset there, the buffer's index): one copy each for what
-        lands in place, one ``load_weights`` for the rest; returns the count and
-        bytes of the tensors copied in place."""
+        lands in place, one ``load_weights`` for the rest. Returns the count and
+        bytes of the tensors copied in place (``in_place_tensors``,
+        ``in_place_bytes``) and the host's seconds before the first copy is
+        issued (``resolve_s``: where each tensor lands) and issuing the copies
+        (``issue_s``)."""
 
     def arrived(self, names: Sequence[str]) -> None:
         """These manifest tensors are in the model now."""

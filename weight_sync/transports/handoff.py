@@ -245,10 +245,9 @@ class HandoffReceiver(TransportReceiver):
                 placed.append((spec, storages[index], int(offset), int(index)))
             self._layout = (text, placed)
         t1 = time.monotonic()
-        in_place_tensors, in_place_bytes = sink.load_tensors(self._layout[1])
+        loaded = sink.load_tensors(self._layout[1])
         sink.arrived([spec.name for spec in manifest.tensors])
-        return {"wire_s": wait_s + t1 - t0, "load_s": time.monotonic() - t1, "in_place_tensors": in_place_tensors,
-                "in_place_bytes": in_place_bytes}
+        return {"wire_s": wait_s + t1 - t0, "load_s": time.monotonic() - t1, **loaded}
 
     def abort(self) -> None:
         self.store = None

@@ -234,8 +234,9 @@ class SyncParticipant:
             if decision.group_round is not None and not decision.relayed(self.node):
                 self._groups[plan.transport_of(self.node)] = decision.group_round
             seconds["update"] = time.monotonic() - t
-            for step in ("join", "receive", "wire", "load", "finish"):  # the slowest engine rank's
-                seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
+            for step in ("join", "receive", "wire", "load", "resolve", "issue", "finish"):  # the slowest rank's
+                if any(f"{step}_s" in s for s in stats):
+                    seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
             if decision.relayed(self.node):
                 missing = self._still_missing(plan)
                 if missing is not None:
