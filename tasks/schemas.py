@@ -260,7 +260,8 @@ class ChatMessage(_Message):
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
         if self.content is None and not self.tool_calls:
-            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may stand alone)")
+            raise ValueError(f"{self.role!r} message without content: only an assistant's tool calls may "
+                             "stand without it")
         return self
 
 

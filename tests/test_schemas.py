@@ -132,10 +132,11 @@ def test_requests_accept_one_prompt_kind_per_task(prompts: Any) -> None:
         ([[{"role": "wizard", "content": "x"}]], "role"),
         ([[{"role": "user", "content": "x", "mood": "n"}]], "mood"),
         ([{"messages": []}], "at least 1 item"),
+        ([[{"role": "assistant", "content": None}]], "'assistant' message without content"),
         ([3.5], "prompt 0 is float"),
     ],
     ids=["empty", "bare-string", "mixed", "empty-text", "empty-tokens", "negative-id", "bad-role",
-         "extra-key", "empty-conversation", "float"],
+         "extra-key", "empty-conversation", "no-content", "float"],
 )
 def test_requests_refuse_bad_prompts_with_a_clear_message(prompts: Any, message: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=message) as caught:
