@@ -144,7 +144,9 @@ def test_a_trainer_whose_weights_live_in_shared_memory_hands_over_its_own_storag
         tensor.copy_(weights["A"][name])
     report = sender.sync(shared_b, version=current + 3)
     assert sorted(report.workers) == [FAR, NEAR]
-    assert control.engine_command("last_receive", workers=[NEAR], timeout=30)[NEAR][0]["in_place_bytes"] > 0
+    stepped = control.engine_command("last_receive", workers=[NEAR], timeout=30)[NEAR][0]
+    # The same storages: the engine copies by the last sync's plan (and reads the new values, below).
+    assert stepped["in_place_bytes"] > 0 and stepped["planned"] == 0 and received[1]["planned"] == 1
     for node, results in by_worker(GREEDY).items():
         assert all(tokens(r) == reference_a and r["weight_version"] == current + 3 for r in results), node
 

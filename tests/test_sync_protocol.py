@@ -762,3 +762,49 @@ def test_a_shared_memory_handoff_delivers_every_tensor_and_reuses_its_segments()
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"rq-sync-{sender._token}")]
     with pytest.raises(SyncRefused, match="not a weight-sync segment"):
         receiver.open({"segment": "../etc/passwd", "size": 1}, 1, torch.device("cpu"))
+
+
+class _Worker:
+    """vLLM's worker, as far as the engine receiver reads it: its model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_runner = type("Runner", (), {"model": model})()
+
+
+def test_a_steady_handoff_reuses_its_load_plan_until_a_parameter_under_it_moves() -> None:
+    from rollout_queue.weight_sync.receiver import EngineReceiver
+
+    model = _LoaderModel()
+    receiver = EngineReceiver(_Worker(model), "direct")
+    state = _checkpoint(1)
+    # The trainer's own storages, as a handoff lists them: (spec, storage bytes, offset, storage index).
+    specs = wire.plan_buckets([(n, wire.dtype_name(t), list(t.shape)) for n, t in state.items()],
+                              bucket_bytes=1 << 20).tensors
+    layout = [(spec, wire.flat_bytes(state[spec.name]), 0, k) for k, spec in enumerate(specs)]
+
+    def load_and_check(expect_planned: bool) -> dict[str, float]:
+        stats = receiver.load_tensors(layout)
+        assert stats["planned"] == float(expect_planned)
+        reference = _LoaderModel()
+        reference.load_weights(list(state.items()))
+        for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+            assert torch.equal(got, want), name
+        return stats
+
+    assert load_and_check(True)["in_place_tensors"] == 0  # the first: watched, learns the places
+    assert load_and_check(True)["in_place_tensors"] == 4  # planned from what was learned, kept
+    for tensor in state.values():  # the trainer's step, in place
+        tensor.add_(1.0)
+    load_and_check(False)
+    # vLLM gives a parameter new storage, or replaces it: planned again, and the
+    # copies land in the parameter the model holds now.
+    model.qkv.data = torch.zeros_like(model.qkv.data)
+    load_and_check(True)
+    load_and_check(False)
+    model.o = torch.nn.Parameter(torch.zeros(4, 4))
+    load_and_check(True)
+    # Another layout (a list the handoff made anew) is planned for.
+    layout = list(layout)
+    load_and_check(True)
+    receiver.abort_update()  # it lets go of the trainer's memory: so does the plan
+    load_and_check(True)

@@ -21,7 +21,7 @@ reallocated is never written through a stale pointer.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -56,6 +56,9 @@ class InPlaceMap:
         # (parameter address, offset): a view costs a few torch calls, ~140 of
         # them on the receiver's path before its first receive is posted.
         self._views: dict[str, tuple[int, int, Any]] = {}
+        # Bumped whenever a watch changes what is mapped: a load planned from an
+        # older map is planned again.
+        self.generation = 0
 
     def known(self, name: str) -> bool:
         return name in self.places or name in self.refused
@@ -86,6 +89,28 @@ class InPlaceMap:
                 self._views[spec.name] = (param.data_ptr(), offset, out[spec.name])
         return out
 
+    def anchors(self, model: Any, names: Iterable[str]) -> list[tuple[Any, str, Any, int]]:
+        """What the regions :meth:`targets` just gave for ``names`` rest on: per parameter,
+        its module, its name there, the parameter and its address. :meth:`unmoved`
+        then tells whether those regions still lie in the model's parameters, a
+        few attribute reads per parameter instead of a walk of the model."""
+        found: dict[str, tuple[Any, str, Any, int]] = {}
+        for name in names:
+            owner = self.places[name][0]
+            if owner not in found:
+                prefix, _, leaf = owner.rpartition(".")
+                module = model.get_submodule(prefix)
+                param = module._parameters[leaf]
+                found[owner] = (module, leaf, param, param.data_ptr())
+        return list(found.values())
+
+    @staticmethod
+    def unmoved(anchors: Iterable[tuple[Any, str, Any, int]]) -> bool:
+        """Whether each parameter of ``anchors`` is still its module's, at the same address
+        (a parameter vLLM replaced, or whose data it swapped, is not)."""
+        return all(module._parameters.get(leaf) is param and param.data_ptr() == address
+                   for module, leaf, param, address in anchors)
+
     @contextmanager
     def watch(
         self, model: Any, buffer: Any, specs: Sequence[TensorSpec], offsets: Sequence[int]
@@ -112,6 +137,7 @@ class InPlaceMap:
                     self.places.pop(spec.name, None)
                 else:
                     self.places[spec.name] = copies[0]
+        self.generation += 1
 
 
 class _Received:

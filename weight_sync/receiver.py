@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_queue.tasks.errors import ManifestMismatch, WeightSyncError
@@ -98,6 +99,24 @@ def refresh_tied_layers(model: Any, loaded: set[str] | None = None) -> list[str]
 
 
 
+@dataclass
+class _SteadyLoad:
+    """A planned load of a handoff's storages (``EngineReceiver.load_tensors``), kept
+    for the next load of the same layout: its ``tensors`` (the handoff's list, the
+    same object while the layout holds), the in-place map's generation it was
+    planned from, the copies' destinations and sources, what goes through
+    ``load_weights``, and the parameters the destinations rest on. Planning walks
+    the model and slices every source (2 ms of a 0.5B sync on the 2-core VM);
+    checking that the plan still holds reads a few attributes per parameter."""
+
+    tensors: Sequence[tuple[TensorSpec, Any, int, int]]
+    generation: int
+    destinations: list[Any]
+    sources: list[Any]
+    known: list[tuple[str, Any]]
+    anchors: list[tuple[Any, str, Any, int]]
+
+
 class EngineReceiver:
     """One engine rank's end of the sync: phases, the transports' ends, loading.
 
@@ -117,6 +136,7 @@ class EngineReceiver:
         self.bytes_touched = False  # a receive straight into the model's parameters was posted
         self.in_place = InPlaceMap()
         self.last_stats: dict[str, float] = {}  # of the last receive
+        self._steady: _SteadyLoad | None = None  # the last load of a handoff's storages, as planned
 
     # ---------------------------------------------------------------- helpers
 
@@ -236,6 +256,7 @@ class EngineReceiver:
                 self.layerwise_open = False
         if self.transport is not None:
             self.transport.abort()
+        self._steady = None  # it holds the trainer's memory the transport just let go of
         self.received = set()
         self.bytes_touched = False
         self.phase = Phase.IDLE
@@ -265,26 +286,22 @@ class EngineReceiver:
         copied straight into their parameter regions (one ``copy_`` each), those
         it does not know yet are loaded in one ``load_weights`` while it watches
         (the first sync), the rest go through one ``load_weights``. Returns what
-        ``BucketSink.load_tensors`` says."""
+        ``BucketSink.load_tensors`` says, and ``planned``: 1.0 when this load found
+        each tensor's place anew, 0.0 when it reused the last load's plan."""
         model = self.model()
         if self.load_mode != "direct":
             model.load_weights(weights=[self._typed(spec, buffer, at) for spec, buffer, at, _ in tensors])
             return {"in_place_tensors": 0, "in_place_bytes": 0}
         t0 = time.monotonic()
-        targets = self.in_place.targets(model, [spec for spec, _, _, _ in tensors])
-        sources: list[Any] = []
-        destinations: list[Any] = []
-        known: list[tuple[str, Any]] = []
+        steady = self._steady
         unknown: dict[int, tuple[Any, list[tuple[TensorSpec, int]]]] = {}  # by buffer
-        for spec, buffer, at, index in tensors:
-            region = targets.get(spec.name)
-            if region is not None:
-                destinations.append(region)
-                sources.append(buffer[at : at + spec.nbytes])
-            elif self.in_place.known(spec.name):
-                known.append(self._typed(spec, buffer, at))
-            else:
-                unknown.setdefault(index, (buffer, []))[1].append((spec, at))
+        planned = not (steady is not None and steady.tensors is tensors
+                       and steady.generation == self.in_place.generation and InPlaceMap.unmoved(steady.anchors))
+        if planned:
+            destinations, sources, known, unknown = self._plan_load(model, tensors)
+        else:
+            assert steady is not None
+            destinations, sources, known = steady.destinations, steady.sources, steady.known
         t1 = time.monotonic()
         if destinations:
             self.touched()
@@ -303,7 +320,34 @@ class EngineReceiver:
                                             for view in wire.bucket_views(buffer, specs, offsets)])
         return {"in_place_tensors": len(destinations),
                 "in_place_bytes": sum(int(region.numel()) for region in destinations),
-                "resolve_s": t1 - t0, "issue_s": t2 - t1}
+                "resolve_s": t1 - t0, "issue_s": t2 - t1, "planned": float(planned)}
+
+    def _plan_load(self, model: Any, tensors: Sequence[tuple[TensorSpec, Any, int, int]]) -> tuple[
+            list[Any], list[Any], list[tuple[str, Any]], dict[int, tuple[Any, list[tuple[TensorSpec, int]]]]]:
+        """``load_tensors``' plan: the regions the mapped tensors land in and their
+        sources, the typed views ``load_weights`` takes, and (by buffer) the tensors
+        not mapped yet. A plan with none of the latter is kept for the next load of
+        the same ``tensors`` (a steady handoff of the trainer's storages)."""
+        targets = self.in_place.targets(model, [spec for spec, _, _, _ in tensors])
+        sources: list[Any] = []
+        destinations: list[Any] = []
+        placed: list[str] = []
+        known: list[tuple[str, Any]] = []
+        unknown: dict[int, tuple[Any, list[tuple[TensorSpec, int]]]] = {}  # by buffer
+        for spec, buffer, at, index in tensors:
+            region = targets.get(spec.name)
+            if region is not None:
+                destinations.append(region)
+                sources.append(buffer[at : at + spec.nbytes])
+                placed.append(spec.name)
+            elif self.in_place.known(spec.name):
+                known.append(self._typed(spec, buffer, at))
+            else:
+                unknown.setdefault(index, (buffer, []))[1].append((spec, at))
+        self._steady = None if unknown else _SteadyLoad(
+            tensors=tensors, generation=self.in_place.generation, destinations=destinations, sources=sources,
+            known=known, anchors=self.in_place.anchors(model, placed))
+        return destinations, sources, known, unknown
 
     @staticmethod
     def _typed(spec: TensorSpec, buffer: Any, at: int) -> tuple[str, Any]:

@@ -99,8 +99,8 @@ class BucketSink(Protocol):
         lands in place, one ``load_weights`` for the rest. Returns the count and
         bytes of the tensors copied in place (``in_place_tensors``,
         ``in_place_bytes``) and the host's seconds before the first copy is
-        issued (``resolve_s``: where each tensor lands) and issuing the copies
-        (``issue_s``)."""
+        issued (``resolve_s``: where each tensor lands, or the check that the last
+        load's answer still holds) and issuing the copies (``issue_s``)."""
 
     def arrived(self, names: Sequence[str]) -> None:
         """These manifest tensors are in the model now."""
