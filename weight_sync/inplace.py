@@ -14,8 +14,10 @@ parameter. Anything else (a narrowed or converted copy as with tensor
 parallelism or quantization, a copy done twice, an in-place change, any
 value computed from it) leaves the tensor on the normal path, loaded through
 ``load_weights`` every sync. The map holds parameter names and byte offsets,
-and resolves them against the model at each sync, so a parameter vLLM
-reallocated is never written through a stale pointer.
+and resolves them against the model at each sync (or, for a load planned
+before, checks that each parameter under it is still the model's, at the
+same address: :meth:`InPlaceMap.anchors`), so a parameter vLLM reallocated
+is never written through a stale pointer.
 """
 
 from __future__ import annotations
