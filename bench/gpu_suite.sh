@@ -5,7 +5,7 @@
 # JSON lines land in $OUT/bench-gpu.jsonl and "<step>: rc=... in ...s" in $OUT/steps.txt
 # (rc=124: the step hit its limit; <STEP>_LIMIT=seconds overrides one, e.g. SHARED_LIMIT=500).
 # $OUT defaults to .artifacts/gpu.
-#   tests 480      pytest -m gpu tests/test_gpu.py (two GPUs for some)
+#   tests 480      pytest -m gpu tests/test_gpu.py (two GPUs for some; GPU_TEST_ARGS, e.g. "-k colocated")
 #   sync 300       bench/weight_transfer.py, qwen2-7b shape (SYNC_ARGS; traces in sync.log, sync-worker.log)
 #   colocated 300  bench/colocated.py: the CUDA IPC handoff on one GPU (COLOCATED_ARGS, default the 7B shape)
 #   pattern 200    bench/sync_pattern.py
@@ -63,7 +63,8 @@ for step in $steps; do
   cleanup
   start=$(date +%s)
   case $step in
-    tests)      timeout -k 15 480 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py > "$OUT/tests.log" 2>&1 ;;
+    tests)      timeout -k 15 480 python3 -m pytest -p no:cacheprovider -q -s -m gpu tests/test_gpu.py ${GPU_TEST_ARGS:-} \
+                  > "$OUT/tests.log" 2>&1 ;;
     sync)       RQ_SYNC_TRACE=1 bench sync 300 bench/weight_transfer.py --device cuda --shape qwen2-7b ${SYNC_ARGS:-}
                 rc=$?; cp .artifacts/bench-weight-sync/worker-0.log "$OUT/sync-worker.log" 2>/dev/null; (exit $rc) ;;
     pattern)    bench pattern 200 bench/sync_pattern.py --device cuda ;;
