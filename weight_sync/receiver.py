@@ -214,6 +214,8 @@ class EngineReceiver:
             initialize_layerwise_reload(model)
             self.layerwise_open = True
         stats = self.transport.receive(self, manifest, device, deadline)
+        if "planned" not in stats:  # not a load of the trainer's storages: drop that plan, and what it maps
+            self._steady = None
         self.phase = Phase.RECEIVED
         self.last_stats = stats
         timed = {"wire_s": stats.get("wire_s", 0.0), "load_s": stats.get("load_s", 0.0)}
