@@ -116,6 +116,10 @@ class _SteadyLoad:
     known: list[tuple[str, Any]]
     anchors: list[tuple[Any, str, Any, int]]
 
+    def holds(self, tensors: Sequence[tuple[TensorSpec, Any, int, int]], generation: int) -> bool:
+        """Whether this plan serves a load of ``tensors`` with the in-place map at ``generation``."""
+        return self.tensors is tensors and self.generation == generation and InPlaceMap.unmoved(self.anchors)
+
 
 class EngineReceiver:
     """One engine rank's end of the sync: phases, the transports' ends, loading.
@@ -296,14 +300,11 @@ class EngineReceiver:
             return {"in_place_tensors": 0, "in_place_bytes": 0}
         t0 = time.monotonic()
         steady = self._steady
-        unknown: dict[int, tuple[Any, list[tuple[TensorSpec, int]]]] = {}  # by buffer
-        planned = not (steady is not None and steady.tensors is tensors
-                       and steady.generation == self.in_place.generation and InPlaceMap.unmoved(steady.anchors))
-        if planned:
+        planned = steady is None or not steady.holds(tensors, self.in_place.generation)
+        if planned or steady is None:
             destinations, sources, known, unknown = self._plan_load(model, tensors)
         else:
-            assert steady is not None
-            destinations, sources, known = steady.destinations, steady.sources, steady.known
+            destinations, sources, known, unknown = steady.destinations, steady.sources, steady.known, {}
         t1 = time.monotonic()
         if destinations:
             self.touched()
