@@ -6,8 +6,10 @@ engine op switches them between legs; the prefix cache is reset before each
 leg; the order alternates; ``--rounds`` of each; medians): one engine, so the
 ratio measures the checkpoints, not a difference between two engines (two
 engines on one H200, both without checkpoints, differed by 7 %). Then the
-worker takes one long task and is killed with ``kill -9`` at a random moment
-after its first checkpoint, and restarted under the same name (it restores
+worker takes one long task and is killed with ``kill -9`` once every sample
+has kept a random share (15-45 %) of its tokens, at a random moment within
+the next two checkpoint intervals (so the kill lands mid-task, between two
+checkpoints, on a slow machine or a fast one), and restarted under the same name (it restores
 its own tasks before consuming anything, the same path as the reaper's on
 another node).
 
@@ -131,13 +133,21 @@ def main() -> None:
         handle = generate.apply_async((prompts, kill_params), queue=stack.queue)
         history: list[tuple[float, dict[str, int]]] = []
         kill_after: float | None = None
+        target = rng.uniform(0.15, 0.45) * kill_len  # tokens every sample has kept when the kill nears
+        full: tuple[float, int] | None = None  # when every sample first had a checkpoint, the least kept then
         while True:
             now, lengths = time.monotonic(), saved_lengths(client, handle.id)
             if not history or lengths != history[-1][1]:
                 history.append((now, lengths))
-            if kill_after is None and len(lengths) == kill_prompts:
-                # A random moment in the next stretch of generation.
-                kill_after = now + rng.uniform(0.5, 2.0) * (now - history[0][0] + 0.5)
+            least = min(lengths.values()) if len(lengths) == kill_prompts else 0
+            if least and full is None:
+                full = (now, least)
+            if kill_after is None and least >= target:
+                # Seconds per checkpoint interval, from the growth seen since every sample had one
+                # (or since the submit, prefill included, when none was seen).
+                (t0, n0) = full if full is not None and least > full[1] else (history[0][0], 0)
+                per_interval = (now - t0) * interval / (least - n0)
+                kill_after = now + rng.uniform(0.0, 2.0) * per_interval
             if kill_after is not None and now >= kill_after:
                 break
             if handle.ready():

@@ -55,7 +55,7 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
     "redis_memory.py": (["--tasks", "4", "--prompt-chars", "40", "--max-tokens", "2"], True),
     "resume.py": (["--prompts", "4", "--input-len", "8", "--output-len", "8", "--prompts-per-task", "4",
                    "--rounds", "1", "--checkpoint-tokens", "4", "--kill-prompts", "2",
-                   "--kill-output-len", "1536"], False),
+                   "--kill-output-len", "256"], False),
     "scaling.py": (["--prompts", "8", "--input-len", "8", "--output-len", "4", "--prompts-per-task", "4",
                     "--rounds", "1"], False),
     "shared_gpu.py": (["--smoke"], False),
@@ -70,7 +70,7 @@ EXAMPLES: dict[str, list[str]] = {
     "trl_grpo.py": ["--steps", "2", "--workers", "2", "--log-dir", str(ROOT / ".run" / "examples" / "trl-grpo")],
 }
 # Started first, longest first, so the lanes end together: each smoke run's seconds
-# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70, shared_gpu 55,
+# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70 (before its kill by tokens), shared_gpu 55,
 # streaming 40, latency 39, scaling 32, sessions 30, trl_grpo 28, throughput 25,
 # weight_transfer 21, sync_pattern 19; the others 15 s or less each.
 LONGEST = ["resume.py", "shared_gpu.py", "streaming.py", "latency.py", "scaling.py", "sessions.py",
