@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from pydantic import ValidationError
 from rollout_queue.api.settings import ApiSettings
 from rollout_queue.cli import command
 from rollout_queue.cli.localstack import LocalStack, WorkerSpec, free_port
+from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
+from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.errors import LocalStackError
 from rollout_queue.tasks.settings import ClientSettings, redact_url
 from rollout_queue.workers.settings import WorkerSettings
@@ -133,11 +136,14 @@ def test_a_bad_variable_read_when_the_app_is_built_is_one_line_too() -> None:
 
 @pytest.mark.slow  # its workers import vLLM before they fail
 def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_and_a_wait_names_both(
-    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, tmp_path: Path, zygote: Callable[[], Zygote | None],
 ) -> None:
     # Another Redis named in the caller's environment: nothing listens there.
     elsewhere = f"redis://127.0.0.1:{free_port()}/0"
     monkeypatch.setenv("RQ_REDIS_URL", elsewhere)
+    forks = zygote()
+    if forks is not None:  # the workers forked from the suite's zygote, as a bench's are (~7 s of imports less each)
+        monkeypatch.setenv(ZYGOTE_ENV, forks.address)
     not_a_model = tmp_path / "not-a-model"  # the worker exits at its engine's start, after naming its broker
     not_a_model.mkdir()
     with LocalStack(tmp_path, prefix="url-test") as stack:
@@ -147,10 +153,12 @@ def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_a
         log = (tmp_path / "worker-0.log").read_text(errors="replace")
         assert f"(broker {redact_url(redis_url)})" in log, "the exported RQ_REDIS_URL won in the worker"
         assert "exited with code" in str(exited.value) and "connected to Redis at" not in str(exited.value)
-        # A worker told to use another Redis, where nothing answers: it exits at once (exit 2,
-        # before any engine), and the stack's error names both (the log tail and its own URL).
+        # A worker told to use another Redis, where nothing answers: it exits once its wait for
+        # Redis ends (exit 2, before any engine; 1 s here instead of the default 10), and the
+        # stack's error names both (the log tail and its own URL).
+        unanswered = {"RQ_REDIS_URL": elsewhere, "RQ_BROKER_CONNECT_TIMEOUT": "1"}
         with pytest.raises(LocalStackError) as elsewhere_exit:
-            stack.start_worker(WorkerSpec(not_a_model, env={"RQ_REDIS_URL": elsewhere}), index=1, timeout=120)
+            stack.start_worker(WorkerSpec(not_a_model, env=unanswered), index=1, timeout=120)
         message = str(elsewhere_exit.value)
         assert "exited with code 2" in message and f"Redis at {elsewhere} did not answer" in message
         assert redact_url(redis_url) in message
