@@ -65,6 +65,31 @@ def fork_cpu_engine_core(config: Any) -> None:
     as vLLM itself does on CUDA."""
     if config.device_config.device_type == "cpu" and config.parallel_config.distributed_executor_backend == "uni":
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        eager_logprob_ranks()
+
+
+def eager_logprob_ranks() -> None:
+    """Rank sampled tokens among the logprobs without ``torch.compile`` (CPU engines forked from here).
+
+    vLLM's sampler ranks each returned token with ``batched_count_greater_than``,
+    a ``torch.compile``'d ``(x >= values).sum(-1)``; compiled so that a GPU does
+    not keep a batch x vocabulary mask in memory. On CPU its first call, a
+    request's first logprobs, compiles C++ through inductor: 12.8 s on the
+    2-core test machine with an empty inductor cache, 2.9-4 s with a full one,
+    in every new engine process (a fresh worker's first task with logprobs, or
+    its warm-up). The same expression run eagerly takes 0.3 ms for a small
+    batch; its mask, at most ``max_num_seqs`` x vocabulary bytes, is small
+    beside a CPU engine's memory. Set in this process before the engine core is
+    forked from it, so the core runs the eager one."""
+    import torch
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return (x >= values).sum(-1)
+
+    logprobs.batched_count_greater_than = batched_count_greater_than
+    sampler.batched_count_greater_than = batched_count_greater_than  # bound by name at its import
 
 
 @dataclass
