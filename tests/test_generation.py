@@ -239,6 +239,27 @@ def test_logprobs_1_gives_one_logprob_per_generated_token(gen_worker: Proc) -> N
         assert [top[0][1] for top in sample["top_logprobs"]] == pytest.approx(sample["logprobs"])
 
 
+def test_each_prompt_tokens_rank_is_its_place_among_the_logprobs(gen_worker: Proc) -> None:
+    """The engine's rank of each prompt token (counted in the engine: on CPU by the
+    worker's eager ``batched_count_greater_than``, ``workers.engine.host.eager_logprob_ranks``)
+    agrees with the top logprobs it returns beside it."""
+    k = 20  # vLLM's default max_logprobs
+    result = run(["Once upon a time there was", "a b c d e f"], {"max_tokens": 1, "prompt_logprobs": k})
+    checked = 0
+    for out in result["outputs"]:
+        for token, own, top, rank in zip(out["prompt_token_ids"], out["prompt_logprobs"],
+                                         out["prompt_top_logprobs"], out["prompt_ranks"]):
+            if rank is None:  # the first prompt token has no logprob
+                continue
+            assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+            if rank <= k:
+                assert top[rank - 1][0] == token and top[rank - 1][1] == pytest.approx(own), (rank, token, top)
+            else:
+                assert token not in [t for t, _ in top] and own < top[-1][1], (rank, token, top)
+            checked += 1
+    assert checked >= 8
+
+
 def test_max_tokens_sets_finish_reason_length(gen_worker: Proc) -> None:
     result = run(["2+2=", "a"], {"temperature": 0, "max_tokens": 5, "ignore_eos": True})
     for out in result["outputs"]:
