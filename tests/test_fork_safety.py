@@ -50,7 +50,7 @@ from tests.procs import ROOT, python
 pytestmark = pytest.mark.slow
 
 PROBE_TIMEOUT_S = 180
-FORKED_OP_TIMEOUT_S = 8.0  # the op takes ~0.1 s on 2 cores (80x margin, for a loaded machine); a libgomp deadlock never ends
+FORKED_OP_TIMEOUT_S = 8.0  # the op takes ~0.1 s on 2 cores (80x, for a loaded machine); a libgomp deadlock never ends
 
 
 def forked_torch_op() -> str:
