@@ -9,9 +9,9 @@ engines on one H200, both without checkpoints, differed by 7 %). Then the
 worker takes one long task and is killed with ``kill -9`` once every sample
 has kept a random share (15-45 %) of its tokens, at a random moment within
 the next two checkpoint intervals (so the kill lands mid-task, between two
-checkpoints, on a slow machine or a fast one), and restarted under the same name (it restores
-its own tasks before consuming anything, the same path as the reaper's on
-another node).
+checkpoints, on a slow machine or a fast one), and restarted under the same
+name (it restores its own tasks before consuming anything, the same path as
+the reaper's on another node).
 
     .venv/bin/python bench/resume.py                     # CPU, tiny model
     python bench/resume.py --device cuda                 # H200: 1,024 x 256-token generations

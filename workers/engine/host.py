@@ -78,9 +78,11 @@ def eager_logprob_ranks() -> None:
     2-core test machine with an empty inductor cache, 2.9-4 s with a full one,
     in every new engine process (a fresh worker's first task with logprobs, or
     its warm-up). The same expression run eagerly takes 0.3 ms for a small
-    batch; its mask, at most ``max_num_seqs`` x vocabulary bytes, is small
-    beside a CPU engine's memory. Set in this process before the engine core is
-    forked from it, so the core runs the eager one."""
+    batch; its mask (one byte per logprob) is a quarter of the float32
+    logprobs it is computed from, which exist already. Set in this process
+    before the engine core is forked from it, so the core runs the eager one
+    (a CPU worker with bound threads spawns its model process and keeps the
+    compiled one)."""
     import torch
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops import logprobs
