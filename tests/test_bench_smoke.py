@@ -70,9 +70,10 @@ EXAMPLES: dict[str, list[str]] = {
     "trl_grpo.py": ["--steps", "2", "--workers", "2", "--log-dir", str(ROOT / ".run" / "examples" / "trl-grpo")],
 }
 # Started first, longest first, so the lanes end together: each smoke run's seconds
-# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70 (before its kill by tokens), shared_gpu 55,
+# measured 2026-12-05 (workers forked from the zygote, load 3-4): resume 70, shared_gpu 55,
 # streaming 40, latency 39, scaling 32, sessions 30, trl_grpo 28, throughput 25,
-# weight_transfer 21, sync_pattern 19; the others 15 s or less each.
+# weight_transfer 21, sync_pattern 19; the others 15 s or less each. (Resume's kill by
+# tokens since: 118 -> 84 s in a fresh-clone suite run; still the longest.)
 LONGEST = ["resume.py", "shared_gpu.py", "streaming.py", "latency.py", "scaling.py", "sessions.py",
            "trl_grpo.py", "throughput.py", "weight_transfer.py", "sync_pattern.py"]
 
