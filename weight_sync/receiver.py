@@ -168,6 +168,7 @@ class EngineReceiver:
     def update(self, request: dict[str, Any]) -> dict[str, Any]:
         """Join, receive and load, verify and finalize (an ``UpdateRequest``); answers
         an ``UpdateResult``: the seconds of each step, or what failed."""
+        entered = time.monotonic()
         try:
             parsed = UpdateRequest.model_validate(request)
             t0 = time.monotonic()
@@ -178,7 +179,11 @@ class EngineReceiver:
             self.finish_update()
         except Exception as exc:  # noqa: BLE001  answered as a kind and a message; the host rolls back
             return UpdateResult(failure=SyncFailure.of(exc)).model_dump(mode="json")
-        seconds = {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": time.monotonic() - t2}
+        left = time.monotonic()
+        # entered_at/left_at: this host's monotonic clock, one for every process on it; the
+        # worker host subtracts its own stamps around the call (the call's way in and out).
+        seconds = {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": left - t2,
+                   "entered_at": entered, "left_at": left}
         return UpdateResult(seconds=seconds).model_dump(mode="json")
 
     def begin_update(self, request: UpdateRequest) -> int:

@@ -233,10 +233,12 @@ class SyncParticipant:
             stats = self._update_engine(plan, decision)
             if decision.group_round is not None and not decision.relayed(self.node):
                 self._groups[plan.transport_of(self.node)] = decision.group_round
-            seconds["update"] = time.monotonic() - t
+            returned = time.monotonic()
+            seconds["update"] = returned - t
             for step in ("join", "receive", "wire", "load", "resolve", "issue", "finish"):  # the slowest rank's
                 if any(f"{step}_s" in s for s in stats):
                     seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
+            seconds.update(_call_ways(stats, t, returned))
             if decision.relayed(self.node):
                 missing = self._still_missing(plan)
                 if missing is not None:
@@ -424,6 +426,21 @@ class SyncParticipant:
 def round_named(raw_plan: Any) -> str:
     """The round an unchecked plan names, for a log line ("?" when it names none)."""
     return str(raw_plan.get("round", "?")) if isinstance(raw_plan, dict) else "?"
+
+
+def _call_ways(stats: list[dict[str, float]], called: float, returned: float) -> dict[str, float]:
+    """The engine call's way in (``call_in``: the call made here to the engine method's
+    start) and out (``call_out``: its end to the answer here), the slowest rank's, from
+    the ranks' stamps (``entered_at``, ``left_at``) on this host's monotonic clock;
+    none where a rank's stamps fall outside the call (a rank on another host)."""
+    ways_in = [s["entered_at"] - called for s in stats if "entered_at" in s]
+    ways_out = [returned - s["left_at"] for s in stats if "left_at" in s]
+    if not ways_in or len(ways_out) != len(ways_in):
+        return {}
+    span = returned - called
+    if not all(0.0 <= way <= span for way in ways_in + ways_out):
+        return {}
+    return {"call_in": max(ways_in), "call_out": max(ways_out)}
 
 
 def _is_loopback(host: str) -> bool:
