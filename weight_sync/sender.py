@@ -51,6 +51,13 @@ worker that is silent or fails is named in the ``WeightSyncError`` the
 trainer raises once the others have committed; it fences itself until a
 later sync catches it up. The process group is kept between syncs while the
 roster is unchanged.
+
+``SyncReport.phases`` times each phase above, and the trainer's two other
+steps: ``prepare`` (the tensors listed, cast and planned into the manifest,
+the version and each worker's transport chosen) and ``close`` (the round
+marked over); together they are the whole sync but for the report's own
+building. ``worker_phases`` are the slowest worker's steps, the engine
+call's way in and out (``call_in``, ``call_out``) among them.
 """
 
 from __future__ import annotations
@@ -217,7 +224,7 @@ class WeightSender:
             phases: dict[str, float] = {}
             tensors = named_tensors(weights)
 
-            t = time.monotonic()
+            t = t_members = time.monotonic()
             members = self.membership()
             if stale_only:
                 if version is None:
@@ -228,11 +235,13 @@ class WeightSender:
                                     phase="membership")
             phases["membership"] = time.monotonic() - t
 
+            t = time.monotonic()
             version = self.next_version() if version is None else int(version)
             backend = self.choose_backend(tensors, members)
             handoffs = self.choose_handoffs(members, backend)
             manifest, tensors_by_name = self.manifest(tensors, members, backend)
             own = all(tensors_by_name[name] is tensor for name, tensor in tensors)
+            phases["prepare"] = time.monotonic() - t + (t_members - started)
             outcome = self.run_round(members, manifest, version, pause, backend, handoffs, deadline,
                                      tensors_by_name, own_tensors=own, phases=phases)
             plan, silent, failed, broken = outcome.plan, outcome.silent, outcome.failed, outcome.broken
@@ -257,8 +266,9 @@ class WeightSender:
         own_tensors: bool = False, phases: dict[str, float] | None = None,
     ) -> RoundOutcome:
         """Phases 2-5 of one round, each timed into ``phases``: rendezvous, trigger,
-        ready, transfer, commit. A transfer that breaks does not end the round: the
-        workers that got every bucket still commit, and the break is in the outcome."""
+        ready, transfer, commit, then ``close`` (the round marked over). A transfer
+        that breaks does not end the round: the workers that got every bucket still
+        commit, and the break is in the outcome."""
         phases = {} if phases is None else phases
         t = time.monotonic()
         self.rendezvous()
@@ -270,7 +280,9 @@ class WeightSender:
         try:
             return self._run_triggered(plan, silent, deadline, tensors, own_tensors, phases)
         finally:
+            t = time.monotonic()
             self._mark_over(plan)
+            phases["close"] = time.monotonic() - t
 
     def _mark_over(self, plan: SyncPlan) -> None:
         """The round has ended and the pool's version is final for it (``keys.sync_over``)."""
