@@ -18,6 +18,7 @@ import pytest
 import redis as redis_lib
 
 from rollout_queue.cli.localstack import LocalProcess, RedisServer, redis_reachable
+from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
 from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.settings import environment_redis_url, redis_url_env
 from tests.procs import ARTIFACTS, LOGS, ROOT, Proc, install_guard, python
@@ -159,6 +160,13 @@ def stop_module_workers() -> Iterator[None]:
     for proc, for_session in _STARTED[first:]:
         if not for_session and proc in running:  # not stopped yet (a pid is not signalled twice)
             proc.stop()
+
+
+def zygote_env(zygote: Callable[[], Zygote | None]) -> dict[str, str]:
+    """The environment that makes a ``LocalStack`` (a bench's, a test's) fork its CPU
+    workers from the session's zygote (``zygote``: the fixture's value); empty without one."""
+    forks = zygote()
+    return {} if forks is None else {ZYGOTE_ENV: forks.address}
 
 
 @pytest.fixture(scope="session")

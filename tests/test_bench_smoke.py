@@ -30,10 +30,9 @@ from typing import Any
 import psutil
 import pytest
 
-from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
 from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.settings import redis_url_env
-from tests.conftest import CONTROL_SECRET
+from tests.conftest import CONTROL_SECRET, zygote_env
 from tests.procs import ROOT, Proc, python
 
 # bench file -> (smoke flags, whether it sends to the shared worker)
@@ -123,10 +122,9 @@ def bench_runs(
 ) -> Iterator[dict[str, Future[tuple[int | None, str]]]]:
     """Every bench's smoke run, started ``LANES`` at a time; by bench, its exit code and log."""
     # The workers a bench starts serve without a warm-up: a smoke run's figures do not matter.
-    env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1"}
-    forks = zygote()
-    if forks is not None:  # their CPU workers are forked from the suite's zygote, as the suite's are
-        env[ZYGOTE_ENV] = forks.address
+    # Their CPU workers are forked from the suite's zygote, as the suite's are.
+    env = {**redis_url_env(redis_url), "RQ_WEIGHT_SYNC_SECRET": CONTROL_SECRET, "RQ_SKIP_WARM_UP": "1",
+           **zygote_env(zygote)}
     order = LONGEST + sorted((set(BENCHES) | set(EXAMPLES)) - set(LONGEST))
     with ThreadPoolExecutor(LANES, thread_name_prefix="bench-smoke") as lanes:
         runs = {}

@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from rollout_queue.api.settings import ApiSettings
 from rollout_queue.cli import command
 from rollout_queue.cli.localstack import LocalStack, WorkerSpec, free_port
-from rollout_queue.cli.zygote import ADDRESS_ENV as ZYGOTE_ENV
 from rollout_queue.cli.zygote import Zygote
 from rollout_queue.tasks.errors import LocalStackError
 from rollout_queue.tasks.settings import ClientSettings, redact_url
 from rollout_queue.workers.settings import WorkerSettings
+from tests.conftest import zygote_env
 
 
 def test_unprefixed_variables_that_systems_set_do_not_change_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,9 +141,8 @@ def test_a_local_stack_worker_uses_the_stacks_redis_whatever_rq_redis_url_says_a
     # Another Redis named in the caller's environment: nothing listens there.
     elsewhere = f"redis://127.0.0.1:{free_port()}/0"
     monkeypatch.setenv("RQ_REDIS_URL", elsewhere)
-    forks = zygote()
-    if forks is not None:  # the workers forked from the suite's zygote, as a bench's are (~7 s of imports less each)
-        monkeypatch.setenv(ZYGOTE_ENV, forks.address)
+    for name, value in zygote_env(zygote).items():  # the workers forked, as a bench's are (~7 s of imports less each)
+        monkeypatch.setenv(name, value)
     not_a_model = tmp_path / "not-a-model"  # the worker exits at its engine's start, after naming its broker
     not_a_model.mkdir()
     with LocalStack(tmp_path, prefix="url-test") as stack:

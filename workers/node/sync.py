@@ -433,14 +433,10 @@ def _call_ways(stats: list[dict[str, float]], called: float, returned: float) ->
     start) and out (``call_out``: its end to the answer here), the slowest rank's, from
     the ranks' stamps (``entered_at``, ``left_at``) on this host's monotonic clock;
     none where a rank's stamps fall outside the call (a rank on another host)."""
-    ways_in = [s["entered_at"] - called for s in stats if "entered_at" in s]
-    ways_out = [returned - s["left_at"] for s in stats if "left_at" in s]
-    if not ways_in or len(ways_out) != len(ways_in):
+    ways = [(s["entered_at"] - called, returned - s["left_at"]) for s in stats if "entered_at" in s]
+    if not ways or not all(0.0 <= way <= returned - called for pair in ways for way in pair):
         return {}
-    span = returned - called
-    if not all(0.0 <= way <= span for way in ways_in + ways_out):
-        return {}
-    return {"call_in": max(ways_in), "call_out": max(ways_out)}
+    return {"call_in": max(w for w, _ in ways), "call_out": max(w for _, w in ways)}
 
 
 def _is_loopback(host: str) -> bool:
