@@ -429,7 +429,8 @@ def measure(args: argparse.Namespace, workers: int, secret: str, model: str) -> 
             t_members = time.monotonic()
             manifest, _ = sender.manifest(tensors, members, "gloo")
             deadline = time.monotonic() + 60
-            plan, silent = sender.trigger(members, manifest, sender.next_version(), "wait", "gloo", deadline)
+            plan = sender.plan_round(members, manifest, sender.next_version(), "wait", "gloo", deadline)
+            silent = sender.trigger(plan, deadline)
             t_accepted = time.monotonic()
             decision, not_ready = sender.await_ready(plan, set(plan.members) - set(silent), deadline)
             t_ready = time.monotonic()

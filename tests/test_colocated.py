@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rollout_queue.tasks import control, generate, keys
-from rollout_queue.tasks.errors import WorkerLost
+from rollout_queue.tasks.errors import ManifestMismatch, WorkerLost
 from rollout_queue.tasks.registry import live_workers
 from rollout_queue.weight_sync import sync_weights
 from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
@@ -193,9 +193,21 @@ def test_a_failed_handoff_names_the_worker_fences_it_and_catch_up_brings_it_back
     assert all(r["worker"] == FAR for r in [generate.apply_async((PROMPTS, GREEDY), queue=QUEUE).get(timeout=240)
                                            for _ in range(3)])
 
+    # Only the near worker is behind: its rounds have one member, handed the
+    # weights, decided by the plan (the worker claims them). One it refuses
+    # (a tensor its checkpoint has not) changes no weight and leaves it fenced.
+    misnamed = {("model.not_a_tensor" if i == 0 else name): t for i, (name, t) in enumerate(weights["A"].items())}
+    with pytest.raises(ManifestMismatch, match="not a tensor of this model's checkpoint") as refused:
+        sender.sync(misnamed, version=current + 1, stale_only=True)
+    assert list(refused.value.workers) == [NEAR]
+    assert versions(redis_client) == {NEAR: current, FAR: current + 1}
+
     report = sender.catch_up(weights["A"], timeout=120)
     assert report is not None and report.workers == [NEAR] and report.backend == "shm"
     assert versions(redis_client) == {NEAR: current + 1, FAR: current + 1}
+    # No "ready" phase: the handoff is announced before the trigger, the worker claims the round.
+    assert list(report.phases) == ["membership", "prepare", "rendezvous", "transfer", "trigger", "commit", "close"]
+    assert "pause" in report.worker_phases and "update" in report.worker_phases
     on_a = by_worker(GREEDY)
     assert all(tokens(r) == reference_a for r in on_a[NEAR])
 

@@ -549,6 +549,41 @@ def test_a_worker_whose_trainer_never_decides_resumes_fenced_for_the_next_heartb
     assert state.current == "serving"
 
 
+def test_in_a_decided_round_the_first_decision_written_stands_and_a_called_off_worker_loads_nothing() -> None:
+    """A round of one handed member: the worker claims the go, the trainer giving up
+    claims its no-go, in the trainer's real store; whoever writes first decides."""
+    from rollout_queue.weight_sync.protocol import SyncDecision
+    from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.state import NodeState
+
+    port = free_port()
+    store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)
+    worker_end = wire.connect_store("127.0.0.1", port, 30.0)
+    try:
+        claimed = SyncRound(f"1-claimed-{time.time()}")
+        assert SyncDecision.handed("w@h").claim(worker_end, claimed) == SyncDecision.handed("w@h")
+        stood = SyncDecision(go=False, reason="given up").claim(store, claimed)
+        assert stood.go and stood.handoff == ["w@h"]  # too late to give up: the worker is loading
+
+        # The trainer gave the round up first: the worker pauses, finds the no-go,
+        # resumes on its old weights without calling the engine, and says why.
+        host, acks, state = RecordingHost(), AckLists(), NodeState()
+        state.ready()
+        participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
+        plan = _plan(round=SyncRound(f"2-called-off-{time.time()}"), store_port=port, decided=True,
+                     handoffs={"w@h": "shm"})
+        assert not SyncDecision(go=False, reason="did not answer the trigger").claim(store, plan.round).go
+        participant.sync(plan)
+    finally:
+        del worker_end, store
+    assert host.calls == [("pause", "wait"), ("resume", None)]  # EngineHostFake: no engine call
+    assert acks.acks(keys.sync_acks(plan.round, "ready")) == []  # a decided round has no ready ack
+    (done,) = acks.acks(keys.sync_acks(plan.round, "done"))
+    assert not done.ok and done.error is not None and "called off" in done.error.message
+    assert "did not answer the trigger" in done.error.message
+    assert state.refusal() == "missed sync to version 3"
+
+
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
 ) -> None:
     from rollout_queue.workers.node.sync import SyncParticipant

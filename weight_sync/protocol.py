@@ -6,7 +6,9 @@ Who sends what, in the order of a sync (``weight_sync.sender`` draws the phases)
                                          names the Manifest by digest, carries
                                          the workers' deadlines (WorkerTimeouts)
     SyncAck         worker → trainer     "accepted", "ready", "done" (Redis list)
-    SyncDecision    trainer → workers    roster and ranks (the trainer's TCPStore)
+    SyncDecision    trainer → workers    roster and ranks (the trainer's TCPStore);
+                                         in a decided round, claimed by its one
+                                         worker (``SyncDecision.claim``)
     UpdateRequest   worker host → engine the one engine call (``collective_rpc``)
     UpdateResult    engine → worker host its seconds, or its SyncFailure
     SyncReport      sender → its caller  what the sync did
@@ -32,6 +34,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler
 from pydantic_core import core_schema
 
+from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import SYNC_ERRORS, SyncErrorKind, WeightSyncError, sync_error_kind
 from rollout_queue.tasks.schemas import PauseMode
 
@@ -40,8 +43,9 @@ from rollout_queue.tasks.schemas import PauseMode
 # 6: a transport per worker (``SyncPlan.handoffs``), the roster beyond the group;
 # 7: one name per round (``SyncRound``) in the plan, the acks and the decision;
 # 8: the ready ack names the group the engine holds (``SyncAck.group_round``);
-# 9: a catch-up relayed by a member (``SyncDecision.relay``).
-PROTOCOL_VERSION = 9
+# 9: a catch-up relayed by a member (``SyncDecision.relay``);
+# 10: a round of one handed member is decided by its plan (``SyncPlan.decided``).
+PROTOCOL_VERSION = 10
 
 _ROUND = re.compile(r"(0|[1-9][0-9]*)-([0-9A-Za-z_.-]+)")
 
@@ -175,6 +179,14 @@ class SyncPlan(_Message):
     manifest: Manifest | None = Field(default=None, exclude=True)
     issued_at: float
     timeouts: WorkerTimeouts = WorkerTimeouts()
+    # The plan is the decision: a round of one member, handed the weights, whose
+    # handoff the trainer announced before the trigger. The worker takes the
+    # round by writing the go decision itself (``SyncDecision.claim``) once it
+    # has paused, and loads at once: no "ready" ack, no decision to wait for.
+    # A trainer that gives the round up writes its no-go the same way; the
+    # first write stands, so the worker never loads from memory the trainer
+    # has moved on from.
+    decided: bool = False
 
     def transport_of(self, node: str) -> str:
         """The transport ``node`` gets its weights by in this sync."""
@@ -257,6 +269,18 @@ class SyncDecision(_Message):
     def roster(self) -> set[str]:
         """Every worker the sync goes ahead with."""
         return {*self.offsets, *self.handoff, *(self.relay.offsets if self.relay is not None else ())}
+
+    @classmethod
+    def handed(cls, node: str) -> SyncDecision:
+        """The go decision of a decided round (``SyncPlan.decided``): ``node`` handed the weights."""
+        return cls(go=True, world=1, handoff=[node])
+
+    def claim(self, store: Any, sync_round: SyncRound) -> SyncDecision:
+        """Write this as round ``sync_round``'s decision unless one is there; the one
+        that stands. In a decided round the worker claims the go and a trainer giving
+        the round up claims its no-go: one atomic compare-and-set in the store decides."""
+        stood = store.compare_set(keys.sync_decision(sync_round), "", self.model_dump_json())
+        return SyncDecision.model_validate_json(stood)
 
     def relayed(self, node: str) -> bool:
         """Whether ``node`` takes this round's buckets through the relay."""

@@ -40,6 +40,15 @@ commit (Redis, Celery, the store). How the bytes travel is the transports'
 handed the weights (``shm``, ``cuda_ipc``), the others share a process group
 (``gloo``, ``nccl``); ``SyncSettings.transport`` can force one.
 
+A round of one member handed the weights (the one-GPU colocated set-up:
+a trainer and its engine) is *decided* by its plan (``SyncPlan.decided``):
+the trainer announces the handoff (4) before the trigger (3), and the
+worker, once paused, claims the round by writing the go decision into the
+store itself (a compare-and-set: a trainer giving the round up writes its
+no-go the same way, and the first write stands), then loads and acks
+"done". No "ready" ack, no decision to wait for: the all-accepted check has
+one member to ask, and the round costs two hops fewer.
+
 A round has one name, its ``SyncRound`` (``<epoch>-<nonce>``, the epoch from
 ``keys.SYNC_EPOCH``): the plan and every ack carry it, log lines and errors
 print it, and its Redis and store names derive from it (``keys.sync_*``).
@@ -133,17 +142,14 @@ def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
         pairs = list(weights.items())
     else:
         pairs = list(weights)
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[Any, ...]] = set()
     unique: list[tuple[str, torch.Tensor]] = []
     for name, value in pairs:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(value).__name__}, not a tensor")
         tensor: torch.Tensor = value.detach()
-        ident = (
-            int(tensor.untyped_storage().data_ptr()),
-            int(tensor.storage_offset()),
-            tuple(int(d) for d in tensor.shape),
-        )
+        # (torch.Size hashes as the tuple it is: a steady sync lists hundreds of tensors)
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
         if tensor.numel() and ident in seen:
             continue  # tied weights (e.g. lm_head = embed_tokens): the checkpoint holds one
         seen.add(ident)
@@ -268,16 +274,24 @@ class WeightSender:
         """Phases 2-5 of one round, each timed into ``phases``: rendezvous, trigger,
         ready, transfer, commit, then ``close`` (the round marked over). A transfer
         that breaks does not end the round: the workers that got every bucket still
-        commit, and the break is in the outcome."""
+        commit, and the break is in the outcome.
+
+        A round of one member handed the weights is decided by its plan
+        (``SyncPlan.decided``): rendezvous, transfer (the handoff announced),
+        trigger, commit, close; the worker claims the round itself."""
         phases = {} if phases is None else phases
         t = time.monotonic()
         self.rendezvous()
         phases["rendezvous"] = time.monotonic() - t
 
-        t = time.monotonic()
-        plan, silent = self.trigger(members, manifest, version, pause, backend, deadline, handoffs)
-        phases["trigger"] = time.monotonic() - t
+        decided = len(members) == 1 and members[0].node in (handoffs or {})
+        plan = self.plan_round(members, manifest, version, pause, backend, deadline, handoffs, decided=decided)
         try:
+            if decided:
+                return self._run_decided(plan, deadline, tensors, own_tensors, phases)
+            t = time.monotonic()
+            silent = self.trigger(plan, deadline)
+            phases["trigger"] = time.monotonic() - t
             return self._run_triggered(plan, silent, deadline, tensors, own_tensors, phases)
         finally:
             t = time.monotonic()
@@ -325,6 +339,52 @@ class WeightSender:
         if broken is not None and not committed:
             raise broken
         return RoundOutcome(plan, decision, silent, failed, broken, committed, worker_phases, phases)
+
+    def _run_decided(
+        self, plan: SyncPlan, deadline: float, tensors: dict[str, torch.Tensor], own_tensors: bool,
+        phases: dict[str, float],
+    ) -> RoundOutcome:
+        """A decided round: announce the handoff, trigger, wait for the one worker's
+        "done". No "ready" phase: the worker claims the round once it has paused.
+        A worker that refuses, or is silent until the trigger's or the sync's
+        deadline and has not claimed the round, is left on its old weights
+        (the trainer claims the no-go); the errors are the usual ones."""
+        (node,) = plan.members
+        decision = SyncDecision.handed(node)
+        t = time.monotonic()
+        broken: WeightSyncError | None = None
+        try:
+            self.transfer(plan, decision, tensors, deadline, own_tensors=own_tensors)
+        except WeightSyncError as exc:
+            broken = exc
+        phases["transfer"] = time.monotonic() - t
+        if broken is not None:  # nothing announced: the worker is never triggered
+            raise broken
+
+        try:
+            t = time.monotonic()
+            timeout = self._publish(plan, deadline)
+            answers = self._collect(plan, "accepted", {node}, time.monotonic() + timeout)
+            phases["trigger"] = time.monotonic() - t
+            self._refused(plan, answers)
+            if node not in answers and self._call_off(plan, "did not answer the trigger"):
+                self._no_answer(plan, {node}, timeout)
+
+            t = time.monotonic()
+            committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
+            phases["commit"] = time.monotonic() - t
+        finally:
+            self.transport(plan.handoffs[node]).finished(plan)  # the announced keys leave the store
+        silent = node not in self._acks.get("done", {})
+        if silent and not self._call_off(plan, "no commit ack before the deadline"):
+            log.warning("weight sync round %s: %s took the round and has not acked it by the deadline",
+                        plan.round, node)
+        return RoundOutcome(plan, decision, {}, failed, None, committed, worker_phases, phases)
+
+    def _call_off(self, plan: SyncPlan, reason: str) -> bool:
+        """Give a decided round up unless its worker has claimed it; whether it was given up."""
+        stood = SyncDecision(go=False, reason=reason).claim(self.store, plan.round)
+        return not stood.go
 
     # --------------------------------------------------------------- phases
 
@@ -444,21 +504,16 @@ class WeightSender:
             ) from exc
         self.store_port = int(self.store.port)
 
-    def trigger(
+    def plan_round(
         self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode,
-        backend: str, deadline: float, handoffs: dict[str, HandoffName] | None = None,
-    ) -> tuple[SyncPlan, dict[str, str]]:
-        """3. One broadcast control message; every member answers accepted or refused.
-
-        The answers come as "accepted" acks on the list the "ready" acks follow
-        on (one Redis wait, no control-reply round trip). Returns the plan and
-        the members that did not answer in time.
-        """
-        plan = SyncPlan(
+        backend: str, deadline: float, handoffs: dict[str, HandoffName] | None = None, *, decided: bool = False,
+    ) -> SyncPlan:
+        """3. The round's plan (its epoch taken, its manifest published)."""
+        return SyncPlan(
             round=SyncRound.new(int(self.client.incr(keys.SYNC_EPOCH))), weight_version=version, pause=pause,
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
-            handoffs=handoffs or {},
+            handoffs=handoffs or {}, decided=decided,
             manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
             # A worker waits for the decision no longer than the trainer may take to
             # write it (its trigger and ready phases): a trainer gone or cut off
@@ -470,40 +525,62 @@ class WeightSender:
                 "outcome": max(deadline - time.monotonic(), 0.1) + OUTCOME_GRACE_S,
             }),
         )
+
+    def _publish(self, plan: SyncPlan, deadline: float) -> float:
+        """3. The one broadcast control message; the seconds to wait for the answers."""
+        plan.issued_at = time.time()  # a decided round's handoff went between planning and now
         arguments = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
                                      self.settings.weight_sync_secret, destination=list(plan.members))
-        timeout = min(self.settings.timeouts.trigger, max(deadline - time.monotonic(), 0.1))
         self._acks = {}
-        t = time.monotonic()
         app.control.broadcast(
             keys.CONTROL_SYNC, arguments=arguments, destination=list(plan.members), reply=False,
         )
+        return min(self.settings.timeouts.trigger, max(deadline - time.monotonic(), 0.1))
+
+    def trigger(self, plan: SyncPlan, deadline: float) -> dict[str, str]:
+        """3. Publish the plan; every member answers accepted or refused.
+
+        The answers come as "accepted" acks on the list the "ready" acks follow
+        on (one Redis wait, no control-reply round trip). Returns the members
+        that did not answer in time.
+        """
+        t = time.monotonic()
+        timeout = self._publish(plan, deadline)
         published = time.monotonic()
         answers = self._collect(plan, "accepted", set(plan.members), time.monotonic() + timeout)
         if os.environ.get("RQ_SYNC_TRACE"):
             log.warning("[rq-sync-trace] trigger: plan dumped and published %.4f, answers %.4f",
                         published - t, time.monotonic() - published)
-        refused = {node: a.error for node, a in answers.items() if not a.ok}
+        self._refused(plan, answers)
         missing = set(plan.members) - set(answers)
-        if refused:
-            # Nobody changes a weight: release whoever accepted.
-            self._decide(plan, SyncDecision(go=False, reason="another worker refused the plan"))
-            kinds = {failure.kind if failure else "refused" for failure in refused.values()}
-            error_cls = ManifestMismatch if "manifest_mismatch" in kinds else SyncRefused
-            raise error_cls(
-                "weight sync refused before any weight changed: "
-                + "; ".join(f"{node}: {why or 'refused'}" for node, why in sorted(refused.items())),
-                phase="trigger", workers=refused,
-            )
         if len(missing) == len(plan.members):
             self._decide(plan, SyncDecision(go=False, reason="no worker answered"))
-            raise WorkerLost(
-                f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))} "
-                "(a worker does not answer a trigger that is not signed with its RQ_WEIGHT_SYNC_SECRET: "
-                "check that the trainer has the workers' secret)",
-                phase="trigger", workers=missing,
-            )
-        return plan, {node: "did not answer the trigger" for node in missing}
+            self._no_answer(plan, missing, timeout)
+        return {node: "did not answer the trigger" for node in missing}
+
+    def _refused(self, plan: SyncPlan, answers: dict[str, SyncAck]) -> None:
+        """Raise the refusal among the trigger's ``answers``, if any; nobody changes a weight."""
+        refused = {node: a.error for node, a in answers.items() if not a.ok}
+        if not refused:
+            return
+        if not plan.decided:  # release whoever accepted
+            self._decide(plan, SyncDecision(go=False, reason="another worker refused the plan"))
+        kinds = {failure.kind if failure else "refused" for failure in refused.values()}
+        error_cls = ManifestMismatch if "manifest_mismatch" in kinds else SyncRefused
+        raise error_cls(
+            "weight sync refused before any weight changed: "
+            + "; ".join(f"{node}: {why or 'refused'}" for node, why in sorted(refused.items())),
+            phase="trigger", workers=refused,
+        )
+
+    @staticmethod
+    def _no_answer(plan: SyncPlan, missing: set[str], timeout: float) -> None:
+        raise WorkerLost(
+            f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))} "
+            "(a worker does not answer a trigger that is not signed with its RQ_WEIGHT_SYNC_SECRET: "
+            "check that the trainer has the workers' secret)",
+            phase="trigger", workers=missing,
+        )
 
     def await_ready(
         self, plan: SyncPlan, accepted: set[str], deadline: float

@@ -13,7 +13,10 @@ in ``weight_sync.sender``):
              → push a failed "ready" ack at once, never a hang
     pause    close intake, pause the engine (wait|keep|abort)  → push "ready" ack
              (an idle engine is not paused; its prefix-cache reset starts here)
-    decide   wait for the trainer's decision in its TCPStore
+    decide   wait for the trainer's decision in its TCPStore; in a decided
+             round (one member, handed the weights: ``SyncPlan.decided``) no
+             "ready" ack and no wait: claim the round by writing the go decision
+             there unless the trainer has called it off
     update   rq_update(UpdateRequest) on every engine rank, one call
              (``weight_sync.receiver``): join (or reuse) the group, receive
              the buckets over gloo / NCCL and load them, check every entry
@@ -151,12 +154,15 @@ class SyncParticipant:
                 # a trainer that gives up a sync writes a decision that leaves the late worker
                 # out; this one runs after it (one sync thread), its "ready" ack inside the
                 # trainer's ready deadline.
-                self._ack(plan, "accepted", True)
+                if not plan.decided:
+                    self._ack(plan, "accepted", True)
                 # From the trainer's publish to this handler (one clock when both share a host),
                 # and this handler's own time.
                 timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
                 self._current = self._pool.submit(self.sync, plan, timing)
                 self._current_round = plan.round
+                if plan.decided:  # the sync goes on meanwhile: nobody waits for this ack
+                    self._ack(plan, "accepted", True)
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync round %s refused: %s", named, exc)
             failure = SyncFailure.of(exc)
@@ -220,10 +226,15 @@ class SyncParticipant:
             paused = True  # from here a failure resumes: pause() closes intake first and may fail after
             self.host.pause(plan.pause, timeout=plan.timeouts.pause)
             seconds["pause"] = time.monotonic() - t
-            self._ack(plan, "ready", True, seconds=seconds, group_round=self._groups.get(plan.transport_of(self.node)))
-            ready = True
             trainer_lives = False
-            decision = self._await_decision(plan)
+            if plan.decided:  # no "ready" ack: the round is this worker's once it claims it
+                ready = True
+                decision = self._claim(plan)
+            else:
+                self._ack(plan, "ready", True, seconds=seconds,
+                          group_round=self._groups.get(plan.transport_of(self.node)))
+                ready = True
+                decision = self._await_decision(plan)
             trainer_lives = True
             if not decision.go or self.node not in decision.roster:
                 reason = decision.reason or "left out of the roster"
@@ -353,20 +364,32 @@ class SyncParticipant:
     def _await_decision(self, plan: SyncPlan) -> SyncDecision:
         """Read the trainer's decision from its store (the client is kept between syncs),
         waiting no longer than the plan's ``timeouts.decision`` (and a grace)."""
+        key = keys.sync_decision(plan.round)
+        return self._from_store(plan, "got no decision for sync round", lambda store: (
+            SyncDecision.model_validate_json(store.get(key))))
+
+    def _claim(self, plan: SyncPlan) -> SyncDecision:
+        """A decided round (``SyncPlan.decided``): write its go decision in the trainer's
+        store unless the trainer has called the round off; the decision that stands."""
+        mine = SyncDecision.handed(self.node)
+        return self._from_store(plan, "could not claim sync round", lambda store: mine.claim(store, plan.round))
+
+    def _from_store(self, plan: SyncPlan, what: str, call: Callable[[Any], SyncDecision]) -> SyncDecision:
+        """``call`` on the trainer's store (the client is kept between syncs), for no
+        longer than the plan's ``timeouts.decision`` (and a grace)."""
         from torch.distributed import DistError, DistNetworkError
 
-        key = keys.sync_decision(plan.round)
         waited = plan.timeouts.decision + DECISION_GRACE_S
         deadline = time.monotonic() + waited
 
         def read() -> SyncDecision:
             try:
-                return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
+                return call(self._decision_store(plan, deadline))
             except DistNetworkError:
                 self._store = None  # the trainer's store restarted: reconnect once
                 if time.monotonic() >= deadline:
                     raise
-                return SyncDecision.model_validate_json(self._decision_store(plan, deadline).get(key))
+                return call(self._decision_store(plan, deadline))
 
         try:
             return self._decision_reads.submit(read).result(timeout=max(deadline - time.monotonic(), 0.1) + 1.0)
@@ -375,7 +398,7 @@ class SyncParticipant:
             self._store = None
             why = str(exc).strip()[:200] or "no answer in time"
             raise self._store_failure(
-                RendezvousTimeout, plan, f"got no decision for sync round {plan.round} within {waited:.0f}s from",
+                RendezvousTimeout, plan, f"{what} {plan.round} within {waited:.0f}s from",
                 f"{type(exc).__name__}: {why}", "the trainer is gone or cut off; resuming on the weights held",
             ) from exc
 
