@@ -175,6 +175,13 @@ def sync_handoff(sync_round: str, transport: str, bucket: int) -> str:
     return f"rq/handoff/{sync_round}/{transport}/{bucket}"
 
 
+def sync_handoff_layout(transport: str, digest: str) -> str:
+    """Key, in the trainer's rendezvous store, of a handoff's storages layout (the
+    trainer's own storages, named for mapping), stored once per layout: a round's
+    ``sync_handoff`` key names it by ``digest``."""
+    return f"rq/handoff-layout/{transport}/{digest}"
+
+
 def sync_group(sync_round: str) -> str:
     """Namespace, in the trainer's rendezvous store, of the process group that
     round ``sync_round`` formed (later rounds reuse it while the roster holds)."""

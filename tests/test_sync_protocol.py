@@ -799,6 +799,44 @@ def test_a_shared_memory_handoff_delivers_every_tensor_and_reuses_its_segments()
         receiver.open({"segment": "../etc/passwd", "size": 1}, 1, torch.device("cpu"))
 
 
+def test_a_handoff_that_fails_while_packing_fails_the_engine_waiting_for_its_next_bucket_at_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout_queue.tasks.errors import WorkerLost
+    from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
+    from rollout_queue.weight_sync.settings import SyncSettings
+    from rollout_queue.weight_sync.transports.base import SendJob
+    from rollout_queue.weight_sync.transports.shm import ShmReceiver, ShmSender
+
+    tensors = {f"t{i}": torch.randn(64 + i, 33) for i in range(7)}
+    manifest = wire.plan_buckets([(n, "float32", list(t.shape)) for n, t in tensors.items()], 20_000)
+    store, sender, receiver = _Store(), ShmSender("shm", SyncSettings()), ShmReceiver("shm")
+    plan = _plan(round=SyncRound("1-broken"), store_port=1, handoffs={"w@h": "shm"})
+    decision = SyncDecision.handed("w@h")
+
+    def cut(bucket: int) -> None:
+        if bucket == 1:
+            raise OSError("no space left on /dev/shm")
+
+    sender.before_bucket = cut
+    receiver.store, receiver.store_address = store, ("127.0.0.1", 1)
+    try:
+        with ThreadPoolExecutor(1) as executor, pytest.raises(WorkerLost, match="no space left"):
+            sender.send(SendJob(plan=plan, decision=decision, manifest=manifest, tensors=tensors, store=store,
+                                nodes=["w@h"], deadline=time.monotonic() + 30, executor=executor))
+        receiver.begin(UpdateRequest(plan=plan, decision=decision, node="w@h"), 0, torch.device("cpu"))
+        sink = _Sink()
+        started = time.monotonic()
+        with pytest.raises(WorkerLost, match="failed before bucket 1 was there.*no space left"):
+            receiver.receive(sink, manifest, torch.device("cpu"), time.monotonic() + 60)
+        assert time.monotonic() - started < 5
+        assert sink.names == {spec.name for spec in manifest.tensors if spec.bucket == 0}  # bucket 0 arrived
+        sender.finished(plan)
+        assert store.values == {}  # the failure's keys leave the store with the round's
+    finally:
+        sender.close()
+
+
 class _Worker:
     """vLLM's worker, as far as the engine receiver reads it: its model."""
 

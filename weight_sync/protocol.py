@@ -180,7 +180,7 @@ class SyncPlan(_Message):
     issued_at: float
     timeouts: WorkerTimeouts = WorkerTimeouts()
     # The plan is the decision: a round of one member, handed the weights, whose
-    # handoff the trainer announced before the trigger. The worker takes the
+    # handoff the trainer announces as the trigger travels. The worker takes the
     # round by writing the go decision itself (``SyncDecision.claim``) once it
     # has paused, and loads at once: no "ready" ack, no decision to wait for.
     # A trainer that gives the round up writes its no-go the same way; the

@@ -42,12 +42,13 @@ handed the weights (``shm``, ``cuda_ipc``), the others share a process group
 
 A round of one member handed the weights (the one-GPU colocated set-up:
 a trainer and its engine) is *decided* by its plan (``SyncPlan.decided``):
-the trainer announces the handoff (4) before the trigger (3), and the
-worker, once paused, claims the round by writing the go decision into the
+the trainer announces the handoff (4) while the trigger (3) travels, and
+the worker, once paused, claims the round by writing the go decision into the
 store itself (a compare-and-set: a trainer giving the round up writes its
 no-go the same way, and the first write stands), then loads and acks
 "done". No "ready" ack, no decision to wait for: the all-accepted check has
-one member to ask, and the round costs two hops fewer.
+one member to ask, and the round costs two hops fewer. The trainer
+publishes the trigger first and announces the handoff while it travels.
 
 A round has one name, its ``SyncRound`` (``<epoch>-<nonce>``, the epoch from
 ``keys.SYNC_EPOCH``): the plan and every ack carry it, log lines and errors
@@ -277,8 +278,9 @@ class WeightSender:
         commit, and the break is in the outcome.
 
         A round of one member handed the weights is decided by its plan
-        (``SyncPlan.decided``): rendezvous, transfer (the handoff announced),
-        trigger, commit, close; the worker claims the round itself."""
+        (``SyncPlan.decided``): rendezvous, trigger, transfer (the handoff
+        announced while the trigger travels), commit, close; the worker claims
+        the round itself."""
         phases = {} if phases is None else phases
         t = time.monotonic()
         self.rendezvous()
@@ -344,31 +346,36 @@ class WeightSender:
         self, plan: SyncPlan, deadline: float, tensors: dict[str, torch.Tensor], own_tensors: bool,
         phases: dict[str, float],
     ) -> RoundOutcome:
-        """A decided round: announce the handoff, trigger, wait for the one worker's
-        "done". No "ready" phase: the worker claims the round once it has paused.
-        A worker that refuses, or is silent until the trigger's or the sync's
-        deadline and has not claimed the round, is left on its old weights
-        (the trainer claims the no-go); the errors are the usual ones."""
+        """A decided round: trigger, announce the handoff while the trigger travels
+        (the worker's engine reads it when it gets there), wait for the one worker's
+        "done". No "ready" phase: the worker claims the round once it has paused. A
+        worker that refuses, or is silent until the trigger's or the sync's deadline
+        and has not claimed the round, is left on its old weights (the trainer claims
+        the no-go); the errors are the usual ones."""
         (node,) = plan.members
         decision = SyncDecision.handed(node)
         t = time.monotonic()
+        timeout = self._publish(plan, deadline)
+        published = time.monotonic()
+        phases["trigger"] = published - t
         broken: WeightSyncError | None = None
         try:
-            self.transfer(plan, decision, tensors, deadline, own_tensors=own_tensors)
-        except WeightSyncError as exc:
-            broken = exc
-        phases["transfer"] = time.monotonic() - t
-        if broken is not None:  # nothing announced: the worker is never triggered
-            raise broken
+            try:
+                self.transfer(plan, decision, tensors, deadline, own_tensors=own_tensors)
+            except WeightSyncError as exc:  # announced as failed: an engine waiting for it fails at once
+                broken = exc
+            phases["transfer"] = time.monotonic() - published
 
-        try:
             t = time.monotonic()
-            timeout = self._publish(plan, deadline)
-            answers = self._collect(plan, "accepted", {node}, time.monotonic() + timeout)
-            phases["trigger"] = time.monotonic() - t
+            answers = self._collect(plan, "accepted", {node}, published + timeout)
+            phases["trigger"] += time.monotonic() - t
             self._refused(plan, answers)
             if node not in answers and self._call_off(plan, "did not answer the trigger"):
+                if broken is not None:
+                    raise broken
                 self._no_answer(plan, {node}, timeout)
+            if broken is not None and self._call_off(plan, "the trainer's handoff failed"):
+                raise broken
 
             t = time.monotonic()
             committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
@@ -379,7 +386,9 @@ class WeightSender:
         if silent and not self._call_off(plan, "no commit ack before the deadline"):
             log.warning("weight sync round %s: %s took the round and has not acked it by the deadline",
                         plan.round, node)
-        return RoundOutcome(plan, decision, {}, failed, None, committed, worker_phases, phases)
+        if broken is not None and not committed:
+            raise broken
+        return RoundOutcome(plan, decision, {}, failed, broken, committed, worker_phases, phases)
 
     def _call_off(self, plan: SyncPlan, reason: str) -> bool:
         """Give a decided round up unless its worker has claimed it; whether it was given up."""

@@ -16,6 +16,7 @@ tensor itself from known classes (``torch.multiprocessing.reductions``).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from rollout_queue.tasks.errors import SyncRefused
@@ -29,7 +30,15 @@ def device_uuid(index: int | None = None) -> str:
     """The physical identity of a CUDA device of this process (default: the current one)."""
     import torch
 
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).uuid)
+    return _uuid_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _uuid_of(index: int) -> str:
+    """A device's UUID never changes in a process: asked once (every sync's plan asks)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 class CudaIpcSender(HandoffSender):

@@ -7,15 +7,19 @@ Trainer, two ways:
   was cast) and each lies in memory the engine can map (a CUDA tensor on the
   engine's GPU; a CPU tensor in shared memory, ``model.share_memory()``), the
   trainer names each storage under them once (a CUDA IPC handle, a
-  ``/dev/shm`` name) and announces that layout under ``keys.sync_handoff``
-  bucket 0. No packing; the engine copies from the trainer's tensors
-  straight into its parameters. The layout is kept while the storages are
-  the same ones, so a steady sync shares nothing new.
+  ``/dev/shm`` name), stores that layout once (``keys.sync_handoff_layout``,
+  by digest) and announces its digest under ``keys.sync_handoff`` bucket 0.
+  No packing; the engine copies from the trainer's tensors straight into its
+  parameters. The layout is kept while the storages are the same ones, so a
+  steady sync shares nothing new and the engine reads a digest it knows.
 - *packed* (otherwise): each bucket is packed into a buffer the engine can
   map (kept between syncs, one per bucket, so a steady sync allocates
   nothing and the engine maps nothing new), and its description is written
   under ``keys.sync_handoff`` once the bytes are there (CUDA: the stream is
   synchronized): bucket k is announced while bucket k+1 is packed.
+
+A send that fails announces the failure under every bucket key it had not
+announced yet: an engine waiting for one fails at once, not at its deadline.
 
 Either way, before announcing, the trainer waits until its writes are done,
 and its memory is written again only by the next sync, after every worker's
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import abc
 import datetime
+import hashlib
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +51,8 @@ if TYPE_CHECKING:
 
     from rollout_queue.weight_sync.settings import SyncSettings
 
+log = logging.getLogger(__name__)
+
 
 class HandoffSender(TransportSender):
     """Packs each bucket into a mappable buffer and names it in the store."""
@@ -55,8 +63,10 @@ class HandoffSender(TransportSender):
         self._descriptions: list[str] = []
         self._announced: tuple[Any, list[str]] | None = None  # the store and the keys of the last send
         # The storages layout last announced: what it was made of (names and
-        # addresses), and its text.
-        self._layout: tuple[tuple[Any, ...], str] | None = None
+        # addresses), its text, and its digest.
+        self._layout: tuple[tuple[Any, ...], str, str] | None = None
+        # The store the layout of that digest is stored in (the store of a later sender may be another).
+        self._layout_stored: tuple[Any, str] | None = None
 
     @abc.abstractmethod
     def allocate(self, index: int, size: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -76,17 +86,19 @@ class HandoffSender(TransportSender):
         """The buffers are being dropped."""
 
     def send(self, job: SendJob) -> None:
+        announced: list[str] = []
+        self._announced = (job.store, announced)
         try:
             layout = self._storages_layout(job) if job.own_tensors else None
             if layout is not None:
                 self.leaving(0)
                 self.packed()
+                self._store_layout(job.store)
                 key = keys.sync_handoff(job.plan.round, self.name, 0)
                 job.store.set(key, layout)
-                self._announced = (job.store, [key])
+                announced.append(key)
                 return
             buffers = self._ensure(job.manifest.bucket_sizes)
-            announced: list[str] = []
             for bucket in wire.iter_buckets(job.manifest):
                 if time.monotonic() > job.deadline:
                     raise TimeoutError("the sync's deadline passed while packing")
@@ -96,12 +108,40 @@ class HandoffSender(TransportSender):
                 key = keys.sync_handoff(job.plan.round, self.name, bucket.index)
                 job.store.set(key, self._descriptions[bucket.index])
                 announced.append(key)
-            self._announced = (job.store, announced)
         except Exception as exc:
-            raise WorkerLost(
+            error = WorkerLost(
                 f"handoff of sync round {job.plan.round} over {self.name} failed: {type(exc).__name__}: {exc}",
                 phase="transfer", workers=job.nodes,
-            ) from exc
+            )
+            self._announce_failure(job, announced, str(error))
+            raise error from exc
+
+    def _announce_failure(self, job: SendJob, announced: list[str], message: str) -> None:
+        """Every bucket key not announced yet says the send failed (best effort)."""
+        failure = json.dumps({"failed": message})
+        for index in range(max(len(job.manifest.bucket_sizes), 1)):
+            key = keys.sync_handoff(job.plan.round, self.name, index)
+            if key in announced:
+                continue
+            try:
+                job.store.set(key, failure)
+            except Exception:  # noqa: BLE001  the store gone: the engine's deadline ends its wait
+                return
+            announced.append(key)
+
+    def _store_layout(self, store: Any) -> None:
+        """The announced layout's text, stored once in ``store`` under its digest."""
+        assert self._layout is not None  # made by _storages_layout
+        _, text, digest = self._layout
+        if self._layout_stored == (store, digest):
+            return
+        if self._layout_stored is not None and self._layout_stored[0] is store:
+            try:
+                store.delete_key(keys.sync_handoff_layout(self.name, self._layout_stored[1]))
+            except Exception:  # best effort: a layout left behind is only bytes
+                log.debug("could not drop the old handoff layout", exc_info=True)
+        store.set(keys.sync_handoff_layout(self.name, digest), text)
+        self._layout_stored = (store, digest)
 
     def _storages_layout(self, job: SendJob) -> str | None:
         """The layout naming the storages under ``job``'s tensors, or None when one
@@ -116,9 +156,9 @@ class HandoffSender(TransportSender):
                 return None
             storage = tensor.untyped_storage()
             made.append((spec.name, storage.data_ptr(), storage.nbytes(), tensor.data_ptr()))
-        key = tuple(made)
+        key = (job.plan.manifest_digest, tuple(made))
         if self._layout is not None and self._layout[0] == key:
-            return self._layout[1]
+            return json.dumps({"layout": self._layout[2]})
         described: dict[int, int] = {}  # storage address -> its index in the layout
         storages: list[dict[str, Any]] = []
         places: list[tuple[int, int]] = []
@@ -132,9 +172,10 @@ class HandoffSender(TransportSender):
                 described[address] = len(storages)
                 storages.append({**description, "bytes": nbytes})
             places.append((described[address], data - address))
-        text = json.dumps({"storages": storages, "tensors": places})
-        self._layout = (key, text)
-        return text
+        # The manifest's digest in it: the places are those of its tensors, in its order.
+        text = json.dumps({"manifest": job.plan.manifest_digest, "storages": storages, "tensors": places})
+        self._layout = (key, text, hashlib.sha256(text.encode()).hexdigest()[:32])
+        return json.dumps({"layout": self._layout[2]})
 
     def _ensure(self, sizes: list[int]) -> list[torch.Tensor]:
         if [int(b.numel()) for b in self._buffers] != list(sizes):
@@ -161,6 +202,7 @@ class HandoffSender(TransportSender):
         self._buffers = []
         self._descriptions = []
         self._layout = None
+        self._layout_stored = None
 
 
 class HandoffReceiver(TransportReceiver):
@@ -172,7 +214,7 @@ class HandoffReceiver(TransportReceiver):
         self.store_address: tuple[str, int] | None = None
         self.round: SyncRound | None = None  # the round being received
         self._mapped: dict[str, Any] = {}  # description -> the buffer mapped from it
-        # The storages layout last received: its text, and per manifest tensor
+        # The storages layout last received: its digest, and per manifest tensor
         # (spec, the mapped storage, the tensor's byte offset in it, the storage's index).
         self._layout: tuple[str, list[tuple[Any, Any, int, int]]] | None = None
 
@@ -196,13 +238,22 @@ class HandoffReceiver(TransportReceiver):
     def _announced(self, bucket: int, deadline: float) -> str:
         assert self.round is not None  # set by begin()
         self.store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        return str(self.store.get(keys.sync_handoff(self.round, self.name, bucket)).decode())
+        text = str(self.store.get(keys.sync_handoff(self.round, self.name, bucket)).decode())
+        if text.startswith('{"failed"'):
+            raise WorkerLost(f"the trainer's handoff failed before bucket {bucket} was there: "
+                             f"{json.loads(text)['failed']}", phase="transfer")
+        return text
 
     def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
         t0 = time.monotonic()
         first = self._announced(0, deadline)
-        if first.startswith('{"storages"'):
-            return self._receive_storages(sink, manifest, device, first, time.monotonic() - t0)
+        if first.startswith('{"layout"'):
+            digest = json.loads(first)["layout"]
+            if self._layout is None or self._layout[0] != digest:
+                self._layout = None
+                text = self.store.get(keys.sync_handoff_layout(self.name, digest)).decode()
+                return self._receive_storages(sink, manifest, device, digest, text, time.monotonic() - t0)
+            return self._receive_storages(sink, manifest, device, digest, None, time.monotonic() - t0)
         self._layout = None
         wait_s = load_s = 0.0
         used: set[str] = set()
@@ -224,12 +275,12 @@ class HandoffReceiver(TransportReceiver):
         self._mapped = {text: self._mapped[text] for text in used}
         return {"wire_s": wait_s, "load_s": load_s, "in_place_tensors": 0, "in_place_bytes": 0}
 
-    def _receive_storages(self, sink: BucketSink, manifest: Manifest, device: Any, text: str,
-                          wait_s: float) -> dict[str, float]:
-        """Load every manifest tensor from the trainer's own storages, as the layout names them."""
+    def _receive_storages(self, sink: BucketSink, manifest: Manifest, device: Any, digest: str,
+                          text: str | None, wait_s: float) -> dict[str, float]:
+        """Load every manifest tensor from the trainer's own storages, as the layout of
+        ``digest`` names them (``text``: that layout, read now; None: the one held)."""
         t0 = time.monotonic()
-        if self._layout is None or self._layout[0] != text:
-            self._layout = None
+        if text is not None:
             self._mapped = {}  # a packed layout's buffers are not needed any more
             layout = json.loads(text)
             storages = [self.open(description, int(description["bytes"]), device)
@@ -243,8 +294,9 @@ class HandoffReceiver(TransportReceiver):
                     raise SyncRefused(f"{spec.name} ({spec.nbytes} bytes at {offset}) lies outside "
                                       f"the trainer's storage {index} ({int(storages[index].numel())} bytes)")
                 placed.append((spec, storages[index], int(offset), int(index)))
-            self._layout = (text, placed)
+            self._layout = (digest, placed)
         t1 = time.monotonic()
+        assert self._layout is not None and self._layout[0] == digest
         loaded = sink.load_tensors(self._layout[1])
         sink.arrived([spec.name for spec in manifest.tensors])
         return {"wire_s": wait_s + t1 - t0, "load_s": time.monotonic() - t1, **loaded}
