@@ -11,7 +11,9 @@ has kept a random share (15-45 %) of its tokens, at a random moment within
 the next two checkpoint intervals (so the kill lands mid-task, between two
 checkpoints, on a slow machine or a fast one), and restarted under the same
 name (it restores its own tasks before consuming anything, the same path as
-the reaper's on another node).
+the reaper's on another node). A long task that ends before its kill (on a
+loaded machine a short one's checkpoints can trail its end) is replaced by
+another aiming at half the share, up to three (``kill_task.attempts``).
 
     .venv/bin/python bench/resume.py                     # CPU, tiny model
     python bench/resume.py --device cuda                 # H200: 1,024 x 256-token generations
@@ -50,6 +52,8 @@ from rollout_queue.tasks.schemas import SamplingParams
 from rollout_queue.tasks.settings import ClientSettings
 from rollout_queue.workers.engine.progress import read_progress
 
+# Long tasks submitted at most, each killed once checkpointed mid-way (one that ends first is replaced).
+KILL_ATTEMPTS = 3
 CPU_DEFAULTS = {"prompts": 64, "output_len": 128, "prompts_per_task": 32, "rounds": 3}
 
 
@@ -129,30 +133,47 @@ def main() -> None:
         # The last round ends on its leg without checkpoints when the rounds are even.
         engine_command("checkpoint_tokens", {"tokens": interval}, workers=[node])
         kill_params = params.model_copy(update={"max_tokens": kill_len})
-        prompts = benchlib.token_prompts(settings.model, kill_prompts, args.input_len, seed=args.seed + 1000)
-        handle = generate.apply_async((prompts, kill_params), queue=stack.queue)
-        history: list[tuple[float, dict[str, int]]] = []
-        kill_after: float | None = None
-        target = rng.uniform(0.15, 0.45) * kill_len  # tokens every sample has kept when the kill nears
-        full: tuple[float, int] | None = None  # when every sample first had a checkpoint, the least kept then
-        while True:
-            now, lengths = time.monotonic(), saved_lengths(client, handle.id)
-            if not history or lengths != history[-1][1]:
-                history.append((now, lengths))
-            least = min(lengths.values()) if len(lengths) == kill_prompts else 0
-            if least and full is None:
-                full = (now, least)
-            if kill_after is None and least >= target:
-                # Seconds per checkpoint interval, from the growth seen since every sample had one
-                # (or since the submit, prefill included, when none was seen).
-                (t0, n0) = full if full is not None and least > full[1] else (history[0][0], 0)
-                per_interval = (now - t0) * interval / (least - n0)
-                kill_after = now + rng.uniform(0.0, 2.0) * per_interval
-            if kill_after is not None and now >= kill_after:
+
+        def until_kill(attempt: int) -> tuple[Any, list[tuple[float, dict[str, int]]]] | None:
+            """Submit the long task and return once it is time to kill (its handle and the
+            lengths seen), or None when it finished first."""
+            prompts = benchlib.token_prompts(settings.model, kill_prompts, args.input_len,
+                                             seed=args.seed + 1000 + attempt)
+            handle = generate.apply_async((prompts, kill_params), queue=stack.queue)
+            history: list[tuple[float, dict[str, int]]] = []
+            kill_after: float | None = None
+            # Tokens every sample has kept when the kill nears; a retry aims earlier.
+            target = max(interval, rng.uniform(0.15, 0.45) * kill_len / 2 ** attempt)
+            full: tuple[float, int] | None = None  # when every sample first had a checkpoint, the least kept then
+            while True:
+                now, lengths = time.monotonic(), saved_lengths(client, handle.id)
+                if not history or lengths != history[-1][1]:
+                    history.append((now, lengths))
+                least = min(lengths.values()) if len(lengths) == kill_prompts else 0
+                if least and full is None:
+                    full = (now, least)
+                if kill_after is None and least >= target:
+                    # Seconds per checkpoint interval, from the growth seen since every sample had one
+                    # (or since the submit, prefill included, when none was seen).
+                    (t0, n0) = full if full is not None and least > full[1] else (history[0][0], 0)
+                    per_interval = (now - t0) * interval / (least - n0)
+                    kill_after = now + rng.uniform(0.0, 2.0) * per_interval
+                if kill_after is not None and now >= kill_after:
+                    return handle, history
+                if handle.ready():
+                    return None
+                time.sleep(0.01)
+
+        # On a loaded machine the checkpoints of a short task can trail its end (the
+        # worker's writer thread starved): the task then finishes before the kill.
+        for attempt in range(KILL_ATTEMPTS):
+            running = until_kill(attempt)
+            if running is not None:
+                handle, history = running
                 break
-            if handle.ready():
-                raise SystemExit("the task finished before the kill: raise --kill-output-len")
-            time.sleep(0.01)
+            benchlib.log(f"the kill task finished before the kill (attempt {attempt + 1}); again, aiming earlier")
+        else:
+            raise SystemExit(f"the task finished before the kill {KILL_ATTEMPTS} times: raise --kill-output-len")
         killed_at = time.monotonic()
         victim.kill(signal.SIGKILL)
         stack.stop_worker(victim)
@@ -190,7 +211,7 @@ def main() -> None:
             "tok_s_with": round(with_, 1),
             "ratio": round(with_ / without, 3),
             "round_ratios": round_ratios,
-            "kill_task": {"prompts": kill_prompts, "max_tokens": kill_len},
+            "kill_task": {"prompts": kill_prompts, "max_tokens": kill_len, "attempts": attempt + 1},
             "tokens_lost_per_sample": {"mean": round(statistics.mean(lost), 1), "max": round(max(lost), 1)},
             "kept_tokens": sum(kept.values()),
             "resumed_tokens": resumed,
