@@ -584,6 +584,42 @@ def test_in_a_decided_round_the_first_decision_written_stands_and_a_called_off_w
     assert state.refusal() == "missed sync to version 3"
 
 
+def test_a_decided_round_nobody_answers_is_called_off_in_the_store_and_moves_no_version(redis_client: Any) -> None:
+    """A colocated worker in the registry that never hears the trigger (gone, or
+    another secret): the trainer waits the trigger's timeout, claims the round's
+    no-go, so a late worker could not load from its memory, and says who."""
+    from rollout_queue.tasks.errors import WorkerLost
+    from rollout_queue.tasks.registry import fleet_version, remove_entry, write_entry
+    from rollout_queue.weight_sync.locality import host_id
+    from rollout_queue.weight_sync.protocol import SyncDecision
+    from rollout_queue.weight_sync.sender import WeightSender
+    from rollout_queue.weight_sync.settings import SyncSettings, SyncTimeouts
+
+    pool, node = f"decided-{time.time()}", "silent@tests"
+    info = _member(node, colocated=True, host=host_id()).model_copy(update={"pool": pool, "queues": [pool]})
+    write_entry(redis_client, node, info.model_dump_json(), 60_000)
+    sender = WeightSender(SyncSettings(weight_sync_secret="not-the-workers", bucket_bytes=1 << 20,
+                                       timeouts=SyncTimeouts(trigger=1.0)), pool)
+    try:
+        plans: list[SyncPlan] = []
+        planned = sender.plan_round
+        sender.plan_round = lambda *a, **kw: plans.append(planned(*a, **kw)) or plans[-1]  # type: ignore[method-assign]
+        started = time.monotonic()
+        with pytest.raises(WorkerLost, match="no worker answered the sync trigger within 1.0s: silent@tests"):
+            sender.sync({"w": torch.ones(64)}, version=5, timeout=30)
+        assert time.monotonic() - started < 10
+        (plan,) = plans
+        assert plan.decided and plan.handoffs == {node: "shm"}
+        stood = SyncDecision.model_validate_json(sender.store.get(keys.sync_decision(plan.round)))
+        assert not stood.go and stood.reason == "did not answer the trigger"
+        # The worker, had it heard the trigger late: its claim finds the no-go.
+        assert SyncDecision.handed(node).claim(sender.store, plan.round) == stood
+        assert fleet_version(redis_client, pool) == 0
+    finally:
+        sender.close()
+        remove_entry(redis_client, node)
+
+
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
 ) -> None:
     from rollout_queue.workers.node.sync import SyncParticipant

@@ -378,7 +378,9 @@ class WeightSender:
                 raise broken
 
             t = time.monotonic()
-            committed, failed, worker_phases = self.await_commit(plan, decision, deadline)
+            # The worker pauses, then loads, within this wait: the ready phase's time and the commit's.
+            committed, failed, worker_phases = self.await_commit(
+                plan, decision, deadline, within=self.settings.timeouts.ready + self.settings.timeouts.commit)
             phases["commit"] = time.monotonic() - t
         finally:
             self.transport(plan.handoffs[node]).finished(plan)  # the announced keys leave the store
@@ -659,11 +661,12 @@ class WeightSender:
             raise failed
 
     def await_commit(
-        self, plan: SyncPlan, decision: SyncDecision, deadline: float
+        self, plan: SyncPlan, decision: SyncDecision, deadline: float, within: float | None = None,
     ) -> tuple[list[str], dict[str, str], dict[str, float]]:
-        """5. Wait for "done" acks; move the pool's fleet version forward."""
-        acks = self._collect(plan, "done", decision.roster,
-                             min(deadline, time.monotonic() + self.settings.timeouts.commit))
+        """5. Wait for "done" acks (for ``within`` seconds at most; default: the commit
+        phase's timeout); move the pool's fleet version forward."""
+        within = self.settings.timeouts.commit if within is None else within
+        acks = self._collect(plan, "done", decision.roster, min(deadline, time.monotonic() + within))
         committed = sorted(node for node, ack in acks.items() if ack.ok)
         failed = {node: str(ack.error or "failed") for node, ack in acks.items() if not ack.ok}
         for node in decision.roster - set(acks):
