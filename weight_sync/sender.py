@@ -47,8 +47,7 @@ the worker, once paused, claims the round by writing the go decision into the
 store itself (a compare-and-set: a trainer giving the round up writes its
 no-go the same way, and the first write stands), then loads and acks
 "done". No "ready" ack, no decision to wait for: the all-accepted check has
-one member to ask, and the round costs two hops fewer. The trainer
-publishes the trigger first and announces the handoff while it travels.
+one member to ask, and the round costs two hops fewer.
 
 A round has one name, its ``SyncRound`` (``<epoch>-<nonce>``, the epoch from
 ``keys.SYNC_EPOCH``): the plan and every ack carry it, log lines and errors
@@ -373,7 +372,7 @@ class WeightSender:
             if node not in answers and self._call_off(plan, "did not answer the trigger"):
                 if broken is not None:
                     raise broken
-                self._no_answer(plan, {node}, timeout)
+                self._no_answer({node}, timeout)
             if broken is not None and self._call_off(plan, "the trainer's handoff failed"):
                 raise broken
 
@@ -566,7 +565,7 @@ class WeightSender:
         missing = set(plan.members) - set(answers)
         if len(missing) == len(plan.members):
             self._decide(plan, SyncDecision(go=False, reason="no worker answered"))
-            self._no_answer(plan, missing, timeout)
+            self._no_answer(missing, timeout)
         return {node: "did not answer the trigger" for node in missing}
 
     def _refused(self, plan: SyncPlan, answers: dict[str, SyncAck]) -> None:
@@ -585,7 +584,8 @@ class WeightSender:
         )
 
     @staticmethod
-    def _no_answer(plan: SyncPlan, missing: set[str], timeout: float) -> None:
+    def _no_answer(missing: set[str], timeout: float) -> None:
+        """Raise the error of a trigger that ``missing`` (every member) did not answer."""
         raise WorkerLost(
             f"no worker answered the sync trigger within {timeout:.1f}s: {', '.join(sorted(missing))} "
             "(a worker does not answer a trigger that is not signed with its RQ_WEIGHT_SYNC_SECRET: "
