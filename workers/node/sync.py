@@ -159,7 +159,7 @@ class SyncParticipant:
                 # From the trainer's publish to this handler (one clock when both share a host),
                 # and this handler's own time.
                 timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
-                self._current = self._pool.submit(self.sync, plan, timing)
+                self._current = self._pool.submit(self.sync, plan, timing, submitted_at=time.monotonic())
                 self._current_round = plan.round
                 if plan.decided:  # the sync goes on meanwhile: nobody waits for this ack
                     self._ack(plan, "accepted", True)
@@ -205,11 +205,15 @@ class SyncParticipant:
 
     # ------------------------------------------------------------------ sync
 
-    def sync(self, plan: SyncPlan, timing: dict[str, float] | None = None) -> None:
+    def sync(self, plan: SyncPlan, timing: dict[str, float] | None = None, *,
+             submitted_at: float | None = None) -> None:
         """The sync after ``accept``, phase by phase (the module docstring's);
-        ``timing``: the trigger's seconds, reported with the rest."""
+        ``timing``: the trigger's seconds, reported with the rest; ``submitted_at``:
+        when ``accept`` handed it to this thread (``start``: the hand-over's seconds)."""
         t_start = time.monotonic()
         seconds: dict[str, float] = dict(timing or {})
+        if submitted_at is not None:
+            seconds["start"] = t_start - submitted_at
         changed = False
         paused = False
         ready = False
@@ -229,7 +233,9 @@ class SyncParticipant:
             trainer_lives = False
             if plan.decided:  # no "ready" ack: the round is this worker's once it claims it
                 ready = True
+                t = time.monotonic()
                 decision = self._claim(plan)
+                seconds["claim"] = time.monotonic() - t
             else:
                 self._ack(plan, "ready", True, seconds=seconds,
                           group_round=self._groups.get(plan.transport_of(self.node)))
