@@ -89,13 +89,13 @@ class HandoffSender(TransportSender):
         announced: list[str] = []
         self._announced = (job.store, announced)
         try:
-            layout = self._storages_layout(job) if job.own_tensors else None
-            if layout is not None:
+            digest = self._storages_layout(job) if job.own_tensors else None
+            if digest is not None:
                 self.leaving(0)
                 self.packed()
                 self._store_layout(job.store)
                 key = keys.sync_handoff(job.plan.round, self.name, 0)
-                job.store.set(key, layout)
+                job.store.set(key, json.dumps({"layout": digest}))
                 announced.append(key)
                 return
             buffers = self._ensure(job.manifest.bucket_sizes)
@@ -144,8 +144,9 @@ class HandoffSender(TransportSender):
         self._layout_stored = (store, digest)
 
     def _storages_layout(self, job: SendJob) -> str | None:
-        """The layout naming the storages under ``job``'s tensors, or None when one
-        of them cannot be named (not contiguous, elsewhere, not mappable)."""
+        """The digest of the layout naming the storages under ``job``'s tensors (made
+        or kept in ``_layout``), or None when one of them cannot be named (not
+        contiguous, elsewhere, not mappable)."""
         import torch
 
         device = self.device()
@@ -158,7 +159,7 @@ class HandoffSender(TransportSender):
             made.append((spec.name, storage.data_ptr(), storage.nbytes(), tensor.data_ptr()))
         key = (job.plan.manifest_digest, tuple(made))
         if self._layout is not None and self._layout[0] == key:
-            return json.dumps({"layout": self._layout[2]})
+            return self._layout[2]
         described: dict[int, int] = {}  # storage address -> its index in the layout
         storages: list[dict[str, Any]] = []
         places: list[tuple[int, int]] = []
@@ -175,7 +176,7 @@ class HandoffSender(TransportSender):
         # The manifest's digest in it: the places are those of its tensors, in its order.
         text = json.dumps({"manifest": job.plan.manifest_digest, "storages": storages, "tensors": places})
         self._layout = (key, text, hashlib.sha256(text.encode()).hexdigest()[:32])
-        return json.dumps({"layout": self._layout[2]})
+        return self._layout[2]
 
     def _ensure(self, sizes: list[int]) -> list[torch.Tensor]:
         if [int(b.numel()) for b in self._buffers] != list(sizes):
@@ -249,11 +250,9 @@ class HandoffReceiver(TransportReceiver):
         first = self._announced(0, deadline)
         if first.startswith('{"layout"'):
             digest = json.loads(first)["layout"]
-            if self._layout is None or self._layout[0] != digest:
-                self._layout = None
-                text = self.store.get(keys.sync_handoff_layout(self.name, digest)).decode()
-                return self._receive_storages(sink, manifest, device, digest, text, time.monotonic() - t0)
-            return self._receive_storages(sink, manifest, device, digest, None, time.monotonic() - t0)
+            held = self._layout is not None and self._layout[0] == digest
+            text = None if held else self.store.get(keys.sync_handoff_layout(self.name, digest)).decode()
+            return self._receive_storages(sink, manifest, device, digest, text, time.monotonic() - t0)
         self._layout = None
         wait_s = load_s = 0.0
         used: set[str] = set()
@@ -281,6 +280,7 @@ class HandoffReceiver(TransportReceiver):
         ``digest`` names them (``text``: that layout, read now; None: the one held)."""
         t0 = time.monotonic()
         if text is not None:
+            self._layout = None
             self._mapped = {}  # a packed layout's buffers are not needed any more
             layout = json.loads(text)
             storages = [self.open(description, int(description["bytes"]), device)
