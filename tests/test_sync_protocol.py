@@ -112,6 +112,36 @@ def test_named_tensors_send_tied_weights_once_and_keep_checkpoint_names() -> Non
         named_tensors({"x": [1.0]})
 
 
+def test_a_sync_of_the_tensors_the_last_one_sent_reuses_its_plan_and_anything_moved_plans_anew() -> None:
+    from rollout_queue.weight_sync.sender import WeightSender, list_tensors
+    from rollout_queue.weight_sync.settings import SyncSettings
+
+    sender = WeightSender(SyncSettings(bucket_bytes=1 << 20), "p")
+    members = [_member("w@h", colocated=True, host="h")]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    first, _, own = sender.manifest(list_tensors(model), members, "gloo")
+    assert own == list_tensors(model).layout  # the caller's own tensors: no copy made
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # an optimizer step: in place, same memory
+    again, by_name, own = sender.manifest(list_tensors(model), members, "gloo")
+    assert again is first and own is not None
+    assert by_name["0.weight"].data_ptr() == model[0].weight.data_ptr()
+    assert torch.equal(by_name["0.weight"], model[0].weight)
+
+    before = own
+    model[1].weight = torch.nn.Parameter(torch.zeros(8, 2).t())  # new memory, not contiguous
+    moved, by_name, own = sender.manifest(list_tensors(model), members, "gloo")
+    assert own is not None and own != before  # walked again: the new tensor as it lies
+    assert not {entry[0]: entry[4] for entry in own}["1.weight"]  # (name, ..., contiguous, ...)
+    assert moved.wire() == first.wire()  # same names, dtypes and shapes: the same manifest
+
+    half = {name: t.half() for name, t in model.state_dict().items()}  # cast to the workers' float32 here
+    cast, by_name, own = sender.manifest(list_tensors(half), members, "gloo")
+    assert own is None and by_name["0.weight"].dtype == torch.float32
+    _, _, own = sender.manifest(list_tensors(half), members, "gloo")
+    assert own is None  # copies again: never reused as the caller's own
+
+
 def _plan(**updates: object) -> SyncPlan:
     plan = SyncPlan(
         round=SyncRound("1-abc"), weight_version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
@@ -783,6 +813,11 @@ class _Sink:
         for name, view in wire.bucket_views(buffer, specs, offsets):
             self.loaded[name] = view.clone()
 
+    def load_tensors(self, tensors: Any) -> dict[str, float]:
+        for spec, buffer, at, _ in tensors:
+            self.loaded[spec.name] = wire.bucket_views(buffer, [spec], [at])[0][1].clone()
+        return {}
+
     def arrived(self, names: Any) -> None:
         self.names.update(names)
 
@@ -833,6 +868,44 @@ def test_a_shared_memory_handoff_delivers_every_tensor_and_reuses_its_segments()
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"rq-sync-{sender._token}")]
     with pytest.raises(SyncRefused, match="not a weight-sync segment"):
         receiver.open({"segment": "../etc/passwd", "size": 1}, 1, torch.device("cpu"))
+
+
+def test_a_handoff_of_the_trainers_own_storages_is_announced_by_digest_and_made_anew_when_one_moves() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
+    from rollout_queue.weight_sync.sender import list_tensors
+    from rollout_queue.weight_sync.settings import SyncSettings
+    from rollout_queue.weight_sync.transports.base import SendJob
+    from rollout_queue.weight_sync.transports.shm import ShmReceiver, ShmSender
+
+    tensors = {f"t{i}": torch.randn(16 + i, 8).share_memory_() for i in range(4)}
+    manifest = wire.plan_buckets([(n, "float32", list(t.shape)) for n, t in tensors.items()], 1 << 20)
+    store, sender, receiver = _Store(), ShmSender("shm", SyncSettings()), ShmReceiver("shm")
+    plan = _plan(round=SyncRound("1-own"), store_port=1, handoffs={"w@h": "shm"})
+    decision = SyncDecision.handed("w@h")
+    receiver.store, receiver.store_address = store, ("127.0.0.1", 1)
+    announced = []
+    try:
+        with ThreadPoolExecutor(1) as executor:
+            for step in range(3):
+                if step == 2:  # one tensor replaced by another in other memory
+                    tensors["t1"] = (tensors["t1"] * 3).share_memory_()
+                sender.send(SendJob(plan=plan, decision=decision, manifest=manifest, tensors=tensors, store=store,
+                                    nodes=["w@h"], deadline=time.monotonic() + 30, executor=executor,
+                                    own=list_tensors(tensors).layout))
+                announced.append(store.values[keys.sync_handoff(plan.round, "shm", 0)])
+                receiver.begin(UpdateRequest(plan=plan, decision=decision, node="w@h"), 0, torch.device("cpu"))
+                sink = _Sink()
+                receiver.receive(sink, manifest, torch.device("cpu"), time.monotonic() + 30)
+                assert all(torch.equal(sink.loaded[n], t) for n, t in tensors.items())
+                sender.finished(plan)
+                for tensor in tensors.values():
+                    tensor.add_(1)  # a step in place: the same storages
+        assert announced[0] == announced[1] != announced[2]
+        assert announced[0].startswith(b'{"layout"')
+    finally:
+        sender.close()
 
 
 def test_a_handoff_that_fails_while_packing_fails_the_engine_waiting_for_its_next_bucket_at_once() -> None:

@@ -131,8 +131,22 @@ GLOO_CHUNK_BYTES = 128 << 20
 Weights = Any  # torch.nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 
 
-def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs with checkpoint names; tied tensors are sent once."""
+@dataclass(frozen=True)
+class TensorList:
+    """One sync's tensors, by checkpoint name (tied ones once), and ``layout``:
+    where each lies and in what form (name, dtype, shape, device, contiguity,
+    address, its storage's address and size). Two syncs with equal layouts send
+    from the same memory in the same form, as a trainer that updates its
+    parameters in place does every step: the second reuses what the first
+    planned (its manifest, a handoff's storages layout) without walking the
+    tensors again."""
+
+    pairs: list[tuple[str, torch.Tensor]]
+    layout: tuple[tuple[Any, ...], ...]
+
+
+def list_tensors(weights: Weights) -> TensorList:
+    """``weights`` as a :class:`TensorList`: one pass over the tensors."""
     import torch
 
     pairs: list[tuple[str, Any]]
@@ -144,19 +158,28 @@ def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
         pairs = list(weights)
     seen: set[tuple[Any, ...]] = set()
     unique: list[tuple[str, torch.Tensor]] = []
+    layout: list[tuple[Any, ...]] = []
     for name, value in pairs:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name!r} is a {type(value).__name__}, not a tensor")
-        tensor: torch.Tensor = value.detach()
+        tensor: torch.Tensor = value.detach() if value.requires_grad else value
+        storage = tensor.untyped_storage()
         # (torch.Size hashes as the tuple it is: a steady sync lists hundreds of tensors)
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-        if tensor.numel() and ident in seen:
+        ident = (storage.data_ptr(), tensor.storage_offset(), tensor.shape)
+        if ident in seen and tensor.numel():
             continue  # tied weights (e.g. lm_head = embed_tokens): the checkpoint holds one
         seen.add(ident)
         unique.append((name, tensor))
+        layout.append((name, tensor.dtype, tensor.shape, tensor.device, tensor.is_contiguous(),
+                       tensor.data_ptr(), ident[0], storage.nbytes()))
     if not unique:
         raise ValueError("no tensors to sync")
-    return unique
+    return TensorList(unique, tuple(layout))
+
+
+def named_tensors(weights: Weights) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with checkpoint names; tied tensors are sent once."""
+    return list_tensors(weights).pairs
 
 
 @dataclass
@@ -212,6 +235,8 @@ class WeightSender:
         self._acks: dict[str, dict[str, SyncAck]] = {}
         # The last layout planned: its key, manifest, and the manifest's JSON and digest.
         self._planned: tuple[Any, Manifest, str, str] | None = None
+        # What the last sync of the caller's own tensors was planned from, and its manifest.
+        self._steady: tuple[tuple[Any, ...], Manifest] | None = None
 
     # ------------------------------------------------------------------ sync
 
@@ -228,7 +253,7 @@ class WeightSender:
             started = time.monotonic()
             deadline = started + timeout
             phases: dict[str, float] = {}
-            tensors = named_tensors(weights)
+            listed = list_tensors(weights)
 
             t = t_members = time.monotonic()
             members = self.membership()
@@ -243,13 +268,12 @@ class WeightSender:
 
             t = time.monotonic()
             version = self.next_version() if version is None else int(version)
-            backend = self.choose_backend(tensors, members)
+            backend = self.choose_backend(listed.pairs, members)
             handoffs = self.choose_handoffs(members, backend)
-            manifest, tensors_by_name = self.manifest(tensors, members, backend)
-            own = all(tensors_by_name[name] is tensor for name, tensor in tensors)
+            manifest, tensors_by_name, own = self.manifest(listed, members, backend)
             phases["prepare"] = time.monotonic() - t + (t_members - started)
             outcome = self.run_round(members, manifest, version, pause, backend, handoffs, deadline,
-                                     tensors_by_name, own_tensors=own, phases=phases)
+                                     tensors_by_name, own=own, phases=phases)
             plan, silent, failed, broken = outcome.plan, outcome.silent, outcome.failed, outcome.broken
             report = outcome.report(manifest, time.monotonic() - started)
             lost = {**silent, **failed}
@@ -269,7 +293,7 @@ class WeightSender:
     def run_round(
         self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode, backend: str,
         handoffs: dict[str, HandoffName], deadline: float, tensors: dict[str, torch.Tensor], *,
-        own_tensors: bool = False, phases: dict[str, float] | None = None,
+        own: tuple[tuple[Any, ...], ...] | None = None, phases: dict[str, float] | None = None,
     ) -> RoundOutcome:
         """Phases 2-5 of one round, each timed into ``phases``: rendezvous, trigger,
         ready, transfer, commit, then ``close`` (the round marked over). A transfer
@@ -279,7 +303,8 @@ class WeightSender:
         A round of one member handed the weights is decided by its plan
         (``SyncPlan.decided``): rendezvous, trigger, transfer (the handoff
         announced while the trigger travels), commit, close; the worker claims
-        the round itself."""
+        the round itself. ``own``: the layout of ``tensors`` when they are the
+        caller's own (``TensorList.layout``), None when some were made for this sync."""
         phases = {} if phases is None else phases
         t = time.monotonic()
         self.rendezvous()
@@ -289,11 +314,11 @@ class WeightSender:
         plan = self.plan_round(members, manifest, version, pause, backend, deadline, handoffs, decided=decided)
         try:
             if decided:
-                return self._run_decided(plan, deadline, tensors, own_tensors, phases)
+                return self._run_decided(plan, deadline, tensors, own, phases)
             t = time.monotonic()
             silent = self.trigger(plan, deadline)
             phases["trigger"] = time.monotonic() - t
-            return self._run_triggered(plan, silent, deadline, tensors, own_tensors, phases)
+            return self._run_triggered(plan, silent, deadline, tensors, own, phases)
         finally:
             t = time.monotonic()
             self._mark_over(plan)
@@ -308,7 +333,7 @@ class WeightSender:
 
     def _run_triggered(
         self, plan: SyncPlan, silent: dict[str, str], deadline: float, tensors: dict[str, torch.Tensor],
-        own_tensors: bool, phases: dict[str, float],
+        own: tuple[tuple[Any, ...], ...] | None, phases: dict[str, float],
     ) -> RoundOutcome:
         """Phases 3-5 of a round whose trigger went out: ready, transfer, commit."""
         t = time.monotonic()
@@ -318,7 +343,7 @@ class WeightSender:
 
         t = time.monotonic()
         try:
-            self.transfer(plan, decision, tensors, deadline, own_tensors=own_tensors)
+            self.transfer(plan, decision, tensors, deadline, own=own)
             broken: WeightSyncError | None = None
         except WeightSyncError as exc:
             # One peer gone (a link cut mid-transfer) fails the collective here,
@@ -342,8 +367,8 @@ class WeightSender:
         return RoundOutcome(plan, decision, silent, failed, broken, committed, worker_phases, phases)
 
     def _run_decided(
-        self, plan: SyncPlan, deadline: float, tensors: dict[str, torch.Tensor], own_tensors: bool,
-        phases: dict[str, float],
+        self, plan: SyncPlan, deadline: float, tensors: dict[str, torch.Tensor],
+        own: tuple[tuple[Any, ...], ...] | None, phases: dict[str, float],
     ) -> RoundOutcome:
         """A decided round: trigger, announce the handoff while the trigger travels
         (the worker's engine reads it when it gets there), wait for the one worker's
@@ -360,7 +385,7 @@ class WeightSender:
         broken: WeightSyncError | None = None
         try:
             try:
-                self.transfer(plan, decision, tensors, deadline, own_tensors=own_tensors)
+                self.transfer(plan, decision, tensors, deadline, own=own)
             except WeightSyncError as exc:  # announced as failed: an engine waiting for it fails at once
                 broken = exc
             phases["transfer"] = time.monotonic() - published
@@ -470,31 +495,43 @@ class WeightSender:
             end.reset()
 
     def manifest(
-        self, tensors: list[tuple[str, torch.Tensor]], members: list[WorkerInfo], backend: str
-    ) -> tuple[Manifest, dict[str, torch.Tensor]]:
-        """Cast floating tensors to the workers' dtype; plan the buckets."""
+        self, listed: TensorList, members: list[WorkerInfo], backend: str
+    ) -> tuple[Manifest, dict[str, torch.Tensor], tuple[tuple[Any, ...], ...] | None]:
+        """Cast floating tensors to the workers' dtype; plan the buckets. Also
+        returns ``listed``'s layout when none was cast or moved (the tensors
+        sent are the caller's own), else None.
 
+        A trainer syncs the same tensors every step: a sync whose layout, dtype,
+        device and bucket settings equal the last one's, which sent the caller's
+        own tensors, reuses its manifest as it is."""
         dtypes = {w.dtype for w in members}
         if len(dtypes) > 1:
             raise SyncRefused(f"the pool's workers run different dtypes {sorted(dtypes)}", phase="membership")
         target = wire.torch_dtype(dtypes.pop())
         device = self.transport(backend).device()
+        chunk = self.settings.chunk_bytes
+        if chunk is None:  # gloo's default; NCCL sends whole buckets
+            chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
+        buckets = (self.settings.bucket_bytes, chunk, self.settings.direct_bytes)
+        steady = (listed.layout, target, device, buckets)
+        if self._steady is not None and self._steady[0] == steady and self._planned is not None \
+                and self._planned[1] is self._steady[1]:
+            return self._planned[1], dict(listed.pairs), listed.layout
         by_name: dict[str, torch.Tensor] = {}
-        for name, tensor in tensors:
+        for name, tensor in listed.pairs:
             if tensor.is_floating_point() and tensor.dtype != target:
                 tensor = tensor.to(target)
             if device.type == "cuda" and tensor.device != device:
                 tensor = tensor.to(device, non_blocking=True)
             by_name[name] = tensor
         specs = tuple((name, wire.dtype_name(t), tuple(t.shape)) for name, t in by_name.items())
-        chunk = self.settings.chunk_bytes
-        if chunk is None:  # gloo's default; NCCL sends whole buckets
-            chunk = GLOO_CHUNK_BYTES if backend == "gloo" else 0
-        key = (specs, self.settings.bucket_bytes, chunk, self.settings.direct_bytes)
+        key = (specs, *buckets)
         if self._planned is None or self._planned[0] != key:  # a trainer syncs the same layout every step
-            manifest = wire.plan_buckets(specs, *key[1:])
+            manifest = wire.plan_buckets(specs, *buckets)
             self._planned = (key, manifest, *manifest.wire())
-        return self._planned[1], by_name
+        own = all(by_name[name] is tensor for name, tensor in listed.pairs)
+        self._steady = (steady, self._planned[1]) if own else None
+        return self._planned[1], by_name, listed.layout if own else None
 
     def rendezvous(self) -> None:
         """2. Host the TCPStore (once; it lives on between syncs)."""
@@ -519,12 +556,13 @@ class WeightSender:
         backend: str, deadline: float, handoffs: dict[str, HandoffName] | None = None, *, decided: bool = False,
     ) -> SyncPlan:
         """3. The round's plan (its epoch taken, its manifest published)."""
+        epoch, digest = self._take_epoch(manifest)
         return SyncPlan(
-            round=SyncRound.new(int(self.client.incr(keys.SYNC_EPOCH))), weight_version=version, pause=pause,
+            round=SyncRound.new(epoch), weight_version=version, pause=pause,
             store_host=self.settings.rendezvous_host, store_port=self.store_port,
             members={w.node: w.ranks for w in members}, backend=backend,  # type: ignore[arg-type]
             handoffs=handoffs or {}, decided=decided,
-            manifest_digest=self._publish_manifest(manifest), manifest=manifest, issued_at=time.time(),
+            manifest_digest=digest, manifest=manifest, issued_at=time.time(),
             # A worker waits for the decision no longer than the trainer may take to
             # write it (its trigger and ready phases): a trainer gone or cut off
             # leaves it resuming on its old weights.
@@ -639,10 +677,11 @@ class WeightSender:
                             handoff=[node for node in ready if node in plan.handoffs])
 
     def transfer(self, plan: SyncPlan, decision: SyncDecision, tensors: dict[str, torch.Tensor],
-                 deadline: float, *, own_tensors: bool = False) -> None:
+                 deadline: float, *, own: tuple[tuple[Any, ...], ...] | None = None) -> None:
         """4. Each transport of the plan delivers the buckets to its workers:
-        the handoffs first (they only announce), then the group. ``own_tensors``:
-        ``tensors`` are the caller's own, not copies made for this sync."""
+        the handoffs first (they only announce), then the group. ``own``: the
+        layout of ``tensors`` when they are the caller's own, not copies made for
+        this sync (``TensorList.layout``)."""
         assert plan.manifest is not None  # attached by trigger(); never serialized
         failed: WeightSyncError | None = None
         for name in plan.transports():
@@ -651,7 +690,7 @@ class WeightSender:
                 continue
             job = SendJob(plan=plan, decision=decision, manifest=plan.manifest, tensors=tensors,
                           store=self.store, nodes=nodes, deadline=deadline, executor=self._pool,
-                          own_tensors=own_tensors)
+                          own=own)
             try:
                 self.transport(name).send(job)
             except WeightSyncError as exc:
@@ -685,18 +724,24 @@ class WeightSender:
 
     # -------------------------------------------------------------- helpers
 
-    def _publish_manifest(self, manifest: Manifest) -> str:
-        """Store the manifest's JSON where workers read it by digest; its digest.
+    def _take_epoch(self, manifest: Manifest) -> tuple[int, str]:
+        """A new round's epoch, and the digest of ``manifest``, stored where workers
+        read it by digest: one round trip.
 
-        Once per layout: a later sync with the same manifest only refreshes the
-        key's expiry (and stores it again if it is gone, e.g. Redis was flushed).
+        The manifest is stored once per layout: a later round with the same one
+        only refreshes the key's expiry (and stores it again if it is gone, e.g.
+        Redis was flushed: a second round trip).
         """
         assert self._planned is not None and self._planned[1] is manifest  # planned by manifest()
         text, digest = self._planned[2:]
         key = keys.sync_manifest(digest)
-        if not self.client.expire(key, keys.MANIFEST_TTL_S):
+        pipe = self.client.pipeline(transaction=False)
+        pipe.incr(keys.SYNC_EPOCH)
+        pipe.expire(key, keys.MANIFEST_TTL_S)
+        epoch, kept = pipe.execute()
+        if not kept:
             self.client.set(key, text, ex=keys.MANIFEST_TTL_S)
-        return digest
+        return int(epoch), digest
 
     def _decide(self, plan: SyncPlan, decision: SyncDecision) -> None:
         self.store.set(keys.sync_decision(plan.round), decision.model_dump_json())
@@ -767,4 +812,4 @@ class WeightSender:
             client.connection_pool.disconnect()
 
 
-__all__ = ["GLOO_CHUNK_BYTES", "WeightSender", "Weights", "named_tensors"]
+__all__ = ["GLOO_CHUNK_BYTES", "TensorList", "WeightSender", "Weights", "list_tensors", "named_tensors"]

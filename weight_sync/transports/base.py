@@ -38,9 +38,10 @@ class SendJob:
     nodes: list[str]  # the workers this transport serves in this sync
     deadline: float  # time.monotonic() by which the send must be done
     executor: ThreadPoolExecutor  # for blocking legs, waited for with a timeout
-    # The tensors are the caller's own (none cast or moved for this sync): a
-    # handoff may name their storages instead of packing copies of them.
-    own_tensors: bool = False
+    # The tensors are the caller's own (none cast or moved for this sync), lying
+    # as this says (``sender.TensorList.layout``): a handoff may name their
+    # storages instead of packing copies of them. None: copies made for the sync.
+    own: tuple[tuple[Any, ...], ...] | None = None
 
 
 class TransportSender(abc.ABC):

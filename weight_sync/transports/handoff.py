@@ -89,7 +89,7 @@ class HandoffSender(TransportSender):
         announced: list[str] = []
         self._announced = (job.store, announced)
         try:
-            digest = self._storages_layout(job) if job.own_tensors else None
+            digest = self._storages_layout(job) if job.own is not None else None
             if digest is not None:
                 self.leaving(0)
                 self.packed()
@@ -146,9 +146,12 @@ class HandoffSender(TransportSender):
     def _storages_layout(self, job: SendJob) -> str | None:
         """The digest of the layout naming the storages under ``job``'s tensors (made
         or kept in ``_layout``), or None when one of them cannot be named (not
-        contiguous, elsewhere, not mappable)."""
+        contiguous, elsewhere, not mappable). The tensors of a layout equal to the
+        last one's (``job.own``) lie where they lay: the layout made then holds."""
         import torch
 
+        if self._layout is not None and self._layout[0] == (job.plan.manifest_digest, job.own):
+            return self._layout[2]
         device = self.device()
         made: list[tuple[str, int, int, int]] = []
         for spec in job.manifest.tensors:
@@ -157,9 +160,6 @@ class HandoffSender(TransportSender):
                 return None
             storage = tensor.untyped_storage()
             made.append((spec.name, storage.data_ptr(), storage.nbytes(), tensor.data_ptr()))
-        key = (job.plan.manifest_digest, tuple(made))
-        if self._layout is not None and self._layout[0] == key:
-            return self._layout[2]
         described: dict[int, int] = {}  # storage address -> its index in the layout
         storages: list[dict[str, Any]] = []
         places: list[tuple[int, int]] = []
@@ -175,7 +175,7 @@ class HandoffSender(TransportSender):
             places.append((described[address], data - address))
         # The manifest's digest in it: the places are those of its tensors, in its order.
         text = json.dumps({"manifest": job.plan.manifest_digest, "storages": storages, "tensors": places})
-        self._layout = (key, text, hashlib.sha256(text.encode()).hexdigest()[:32])
+        self._layout = ((job.plan.manifest_digest, job.own), text, hashlib.sha256(text.encode()).hexdigest()[:32])
         return self._layout[2]
 
     def _ensure(self, sizes: list[int]) -> list[torch.Tensor]:
