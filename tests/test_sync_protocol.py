@@ -136,7 +136,7 @@ def test_a_sync_of_the_tensors_the_last_one_sent_reuses_its_plan_and_anything_mo
     assert moved.wire() == first.wire()  # same names, dtypes and shapes: the same manifest
 
     half = {name: t.half() for name, t in model.state_dict().items()}  # cast to the workers' float32 here
-    cast, by_name, own = sender.manifest(list_tensors(half), members, "gloo")
+    _, by_name, own = sender.manifest(list_tensors(half), members, "gloo")
     assert own is None and by_name["0.weight"].dtype == torch.float32
     _, _, own = sender.manifest(list_tensors(half), members, "gloo")
     assert own is None  # copies again: never reused as the caller's own
