@@ -311,7 +311,9 @@ class WeightSender:
         phases["rendezvous"] = time.monotonic() - t
 
         decided = len(members) == 1 and members[0].node in (handoffs or {})
+        t = time.monotonic()
         plan = self.plan_round(members, manifest, version, pause, backend, deadline, handoffs, decided=decided)
+        planned = time.monotonic() - t
         try:
             if decided:
                 return self._run_decided(plan, deadline, tensors, own, phases)
@@ -320,6 +322,7 @@ class WeightSender:
             phases["trigger"] = time.monotonic() - t
             return self._run_triggered(plan, silent, deadline, tensors, own, phases)
         finally:
+            phases["trigger"] = phases.get("trigger", 0.0) + planned  # the plan is the trigger's first step
             t = time.monotonic()
             self._mark_over(plan)
             phases["close"] = time.monotonic() - t

@@ -222,6 +222,7 @@ class SyncParticipant:
         trainer_lives = True
         try:
             self.state.begin_update()
+            seconds["begin"] = time.monotonic() - t_start
             if not self._store_kept(plan):
                 self._check_rendezvous(plan)  # a kept store client has reached it already
             if self.host.weights_asleep():  # loading into sleeping weights crashes vLLM
@@ -265,7 +266,9 @@ class SyncParticipant:
             self.host.resume(plan.weight_version, timeout=plan.timeouts.resume)
             paused = False
             seconds["commit"] = time.monotonic() - t
+            t = time.monotonic()
             self.state.finish_update()  # a sleeping engine's KV cache stays asleep
+            seconds["settle"] = time.monotonic() - t
             self.last_error = None
             for observe in self.on_synced:
                 observe(time.monotonic() - t_start)
