@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import socket
 import statistics
 import sys
@@ -90,6 +91,22 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         })
 
 
+def _result(results: Any, sides: list[Any], deadline: float) -> Any:
+    """Rank 0's result; a side that exits without it (its traceback is above) ends the
+    bench at once, the other side killed, instead of leaving it waiting for its peer."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            codes = [side.exitcode for side in sides]
+            if any(code not in (None, 0) for code in codes) or all(code is not None for code in codes) \
+                    or time.monotonic() > deadline:
+                for side in sides:
+                    side.kill()
+                raise SystemExit(f"sync_pattern: no result from the two sides (exit codes {codes}); "
+                                 "see their tracebacks above") from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -109,7 +126,7 @@ def main() -> int:
     sides = [ctx.Process(target=_side, args=(rank, port, args, results)) for rank in (0, 1)]
     for side in sides:
         side.start()
-    got = results.get(timeout=900)
+    got = _result(results, sides, time.monotonic() + 900)
     for side in sides:
         side.join(120)
     manifest, times = got["manifest"], got["times"]

@@ -119,26 +119,26 @@ def test_a_sync_of_the_tensors_the_last_one_sent_reuses_its_plan_and_anything_mo
     sender = WeightSender(SyncSettings(bucket_bytes=1 << 20), "p")
     members = [_member("w@h", colocated=True, host="h")]
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    first, _, own = sender.manifest(list_tensors(model), members, "gloo")
+    first, _, own = sender.plan_manifest(list_tensors(model), members, "gloo")
     assert own == list_tensors(model).layout  # the caller's own tensors: no copy made
     with torch.no_grad():
         model[0].weight.mul_(2)  # an optimizer step: in place, same memory
-    again, by_name, own = sender.manifest(list_tensors(model), members, "gloo")
+    again, by_name, own = sender.plan_manifest(list_tensors(model), members, "gloo")
     assert again is first and own is not None
     assert by_name["0.weight"].data_ptr() == model[0].weight.data_ptr()
     assert torch.equal(by_name["0.weight"], model[0].weight)
 
     before = own
     model[1].weight = torch.nn.Parameter(torch.zeros(8, 2).t())  # new memory, not contiguous
-    moved, by_name, own = sender.manifest(list_tensors(model), members, "gloo")
+    moved, by_name, own = sender.plan_manifest(list_tensors(model), members, "gloo")
     assert own is not None and own != before  # walked again: the new tensor as it lies
     assert not {entry[0]: entry[4] for entry in own}["1.weight"]  # (name, ..., contiguous, ...)
     assert moved.wire() == first.wire()  # same names, dtypes and shapes: the same manifest
 
     half = {name: t.half() for name, t in model.state_dict().items()}  # cast to the workers' float32 here
-    _, by_name, own = sender.manifest(list_tensors(half), members, "gloo")
+    _, by_name, own = sender.plan_manifest(list_tensors(half), members, "gloo")
     assert own is None and by_name["0.weight"].dtype == torch.float32
-    _, _, own = sender.manifest(list_tensors(half), members, "gloo")
+    _, _, own = sender.plan_manifest(list_tensors(half), members, "gloo")
     assert own is None  # copies again: never reused as the caller's own
 
 

@@ -270,7 +270,7 @@ class WeightSender:
             version = self.next_version() if version is None else int(version)
             backend = self.choose_backend(listed.pairs, members)
             handoffs = self.choose_handoffs(members, backend)
-            manifest, tensors_by_name, own = self.manifest(listed, members, backend)
+            manifest, tensors_by_name, own = self.plan_manifest(listed, members, backend)
             phases["prepare"] = time.monotonic() - t + (t_members - started)
             outcome = self.run_round(members, manifest, version, pause, backend, handoffs, deadline,
                                      tensors_by_name, own=own, phases=phases)
@@ -498,11 +498,18 @@ class WeightSender:
             end.reset()
 
     def manifest(
+        self, tensors: TensorList | list[tuple[str, torch.Tensor]], members: list[WorkerInfo], backend: str
+    ) -> tuple[Manifest, dict[str, torch.Tensor]]:
+        """Cast floating tensors to the workers' dtype; plan the buckets."""
+        listed = tensors if isinstance(tensors, TensorList) else list_tensors(tensors)
+        manifest, by_name, _ = self.plan_manifest(listed, members, backend)
+        return manifest, by_name
+
+    def plan_manifest(
         self, listed: TensorList, members: list[WorkerInfo], backend: str
     ) -> tuple[Manifest, dict[str, torch.Tensor], tuple[tuple[Any, ...], ...] | None]:
-        """Cast floating tensors to the workers' dtype; plan the buckets. Also
-        returns ``listed``'s layout when none was cast or moved (the tensors
-        sent are the caller's own), else None.
+        """``manifest``, and ``listed``'s layout when no tensor was cast or moved
+        (the tensors sent are the caller's own), else None.
 
         A trainer syncs the same tensors every step: a sync whose layout, dtype,
         device and bucket settings equal the last one's, which sent the caller's
