@@ -22,7 +22,6 @@ that starts workers has its own pool, queue and log folder.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,7 +62,7 @@ BENCHES: dict[str, tuple[list[str], bool]] = {
     "weight_transfer.py": (["--shape", "qwen2-tiny", "--iters", "1"], False),
 }
 BENCH_TIMEOUT_S = 600
-LANES = int(os.environ.get("RQ_BENCH_LANES", "2"))
+LANES = 2
 # The examples no other test runs, in the same lanes (examples/grpo.py: tests/test_rl_loop.py):
 # TRL's GRPOTrainer against a stack of its own (two workers and a gateway), two steps.
 EXAMPLES: dict[str, list[str]] = {
