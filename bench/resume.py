@@ -13,7 +13,8 @@ checkpoints, on a slow machine or a fast one), and restarted under the same
 name (it restores its own tasks before consuming anything, the same path as
 the reaper's on another node). A long task that ends before its kill (on a
 loaded machine a short one's checkpoints can trail its end) is replaced by
-another aiming at half the share, up to three (``kill_task.attempts``).
+another aiming at half the share, up to three (``kill_task.attempts``); one
+that ends as its kill lands, the same way, on a restarted worker.
 
     .venv/bin/python bench/resume.py                     # CPU, tiny model
     python bench/resume.py --device cuda                 # H200: 1,024 x 256-token generations
@@ -164,20 +165,33 @@ def main() -> None:
                     return None
                 time.sleep(0.01)
 
+        def restart() -> Any:
+            """Worker 0 again, under the same name. The dead worker's registry entry says
+            "serving" until its TTL ends: only then can the new one's be told from it."""
+            while client.exists(keys.worker_key(node)):
+                time.sleep(0.1)
+            return stack.start_worker(spec(interval), index=0, timeout=900)
+
         # On a loaded machine the checkpoints of a short task can trail its end (the
-        # worker's writer thread starved): the task then finishes before the kill.
+        # worker's writer thread starved): the task then finishes before the kill, or
+        # as it lands (its checkpoints gone with its stored result).
         for attempt in range(KILL_ATTEMPTS):
             running = until_kill(attempt)
-            if running is not None:
-                handle, history = running
+            if running is None:
+                benchlib.log(f"the kill task finished before the kill (attempt {attempt + 1}); again, aiming earlier")
+                continue
+            handle, history = running
+            killed_at = time.monotonic()
+            victim.kill(signal.SIGKILL)
+            stack.stop_worker(victim)
+            kept = saved_lengths(client, handle.id)
+            if kept and not handle.ready():
                 break
-            benchlib.log(f"the kill task finished before the kill (attempt {attempt + 1}); again, aiming earlier")
+            benchlib.log(f"the kill task finished as the kill landed (attempt {attempt + 1}); again on a restarted "
+                         "worker, aiming earlier")
+            victim = restart()
         else:
             raise SystemExit(f"the task finished before the kill {KILL_ATTEMPTS} times: raise --kill-output-len")
-        killed_at = time.monotonic()
-        victim.kill(signal.SIGKILL)
-        stack.stop_worker(victim)
-        kept = saved_lengths(client, handle.id)
         lost = []
         for name, length in kept.items():
             # From the first full interval on: a request's first output (1 token) is saved
@@ -186,11 +200,7 @@ def main() -> None:
             (t0, n0), (t1, n1) = changes[0], changes[-1]
             rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
             lost.append(max(0.0, min(kill_len - length, rate * (killed_at - t1))))
-        # The dead worker's registry entry says "serving" until its TTL ends:
-        # only then can the restarted one's be told from it.
-        while client.exists(keys.worker_key(node)):
-            time.sleep(0.1)
-        stack.start_worker(spec(interval), index=0, timeout=900)
+        restart()
         serving_at = time.monotonic()
         first_new: float | None = None
         while not handle.ready():
