@@ -10,7 +10,10 @@ file on stdout and stderr, its argv and environment) and runs ``python -m
 rollout_queue.cli`` as the command line would, from ``rollout_queue``'s
 first import on. So the worker's whole code path is the real one; what the
 children share is the third-party imports, nothing of the project's (its
-settings are read from the environment in ``main()``, after the fork).
+settings are read from the environment in ``main()``, after the fork). A
+child may also run a script (``python bench/latency.py ...``: the suite's
+bench smoke runs), as the interpreter would (its folder first on
+``sys.path``), for the same imports saved.
 
 The zygote forks before any torch op (its imports start no OpenMP pool:
 ``tests/test_fork_safety.py``), on its only thread. It reaps its children
@@ -99,7 +102,7 @@ class ZygoteClient:
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: Path | None, log_path: Path,
              timeout: float = 60.0) -> ForkedChild:
-        """A worker process running ``argv`` (``python -m rollout_queue.cli ...``)."""
+        """A process running ``argv`` (``python -m rollout_queue.cli ...`` or ``python SCRIPT.py ...``)."""
         with self._forking, self._changed:
             seen = len(self._started)
             try:
@@ -219,12 +222,19 @@ def run_child(command: dict[str, Any]) -> int:
     os.environ.clear()
     os.environ.update(command["env"])
     argv: list[str] = command["argv"]
-    if argv[1:3] != ["-m", "rollout_queue.cli"]:
-        print(f"the zygote runs `python -m rollout_queue.cli ...` only, not {argv}", file=sys.stderr)
-        return 2
-    sys.argv = ["rollout_queue.cli", *argv[3:]]  # runpy sets argv[0] to the module's file
     try:
-        runpy.run_module("rollout_queue.cli", run_name="__main__", alter_sys=True)
+        if argv[1:3] == ["-m", "rollout_queue.cli"]:
+            sys.argv = ["rollout_queue.cli", *argv[3:]]  # runpy sets argv[0] to the module's file
+            runpy.run_module("rollout_queue.cli", run_name="__main__", alter_sys=True)
+        elif len(argv) > 1 and argv[1].endswith(".py") and os.path.isfile(argv[1]):
+            script = os.path.abspath(argv[1])  # a script, as `python script.py ...` runs it
+            sys.argv = [script, *argv[2:]]
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+        else:
+            print(f"the zygote runs `python -m rollout_queue.cli ...` or `python SCRIPT.py ...`, not {argv}",
+                  file=sys.stderr)
+            return 2
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0

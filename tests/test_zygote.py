@@ -10,6 +10,7 @@ closed connection started and left running.
 from __future__ import annotations
 
 import os
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,32 @@ def test_a_child_forked_over_the_socket_reports_its_exit_code_there(
         child = connection.fork(argv, dict(os.environ), ROOT, tmp_path / "status.log")
         assert child.wait(60) == 1, (tmp_path / "status.log").read_text()
         assert "nobody@nowhere" in (tmp_path / "status.log").read_text()
+    finally:
+        connection.close()
+
+
+def test_a_script_forked_from_the_zygote_runs_as_the_interpreter_would_run_it(
+    connection: ZygoteClient, tmp_path: Path
+) -> None:
+    # As `python SCRIPT.py ARGS` (the bench smoke's runs): __main__, its argv, its
+    # folder first on sys.path (a bench imports benchlib beside it), its exit code.
+    (tmp_path / "helper.py").write_text("WORD = 'beside'\n")
+    (tmp_path / "script.py").write_text(textwrap.dedent("""
+        import sys
+        import helper
+        assert __name__ == "__main__"
+        print("ran", sys.argv[1:], helper.WORD, "torch" in sys.modules)
+        sys.exit(3)
+    """))
+    log = tmp_path / "script.log"
+    try:
+        child = connection.fork([python(), str(tmp_path / "script.py"), "a", "b"], dict(os.environ), ROOT, log)
+        assert child.wait(60) == 3, log.read_text()
+        # Run from the zygote's memory: torch is imported already, and nothing imported it here.
+        assert "ran ['a', 'b'] beside True" in log.read_text()
+        refused = connection.fork([python(), "-c", "print(1)"], dict(os.environ), ROOT, tmp_path / "refused.log")
+        assert refused.wait(60) == 2
+        assert "not [" in (tmp_path / "refused.log").read_text()
     finally:
         connection.close()
 
