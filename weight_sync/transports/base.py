@@ -40,7 +40,8 @@ class SendJob:
     executor: ThreadPoolExecutor  # for blocking legs, waited for with a timeout
     # The tensors are the caller's own (none cast or moved for this sync), lying
     # as this says (``sender.TensorList.layout``): a handoff may name their
-    # storages instead of packing copies of them. None: copies made for the sync.
+    # storages instead of packing copies of them (in the manifest's order: the
+    # manifest is planned from that list). None: copies made for the sync.
     own: tuple[tuple[Any, ...], ...] | None = None
 
 

@@ -152,21 +152,16 @@ class HandoffSender(TransportSender):
 
         if self._layout is not None and self._layout[0] == (job.plan.manifest_digest, job.own):
             return self._layout[2]
+        assert job.own is not None  # the caller's own tensors only, listed in the manifest's order
         device = self.device()
-        made: list[tuple[str, int, int, int]] = []
-        for spec in job.manifest.tensors:
-            tensor = job.tensors[spec.name]
-            if tensor.device != device or not tensor.is_contiguous():
-                return None
-            storage = tensor.untyped_storage()
-            made.append((spec.name, storage.data_ptr(), storage.nbytes(), tensor.data_ptr()))
+        if any(where != device or not contiguous for _, _, _, where, contiguous, *_ in job.own):
+            return None
         described: dict[int, int] = {}  # storage address -> its index in the layout
         storages: list[dict[str, Any]] = []
         places: list[tuple[int, int]] = []
-        for spec, (_, address, nbytes, data) in zip(job.manifest.tensors, made):
+        for name, *_, data, address, nbytes in job.own:  # where each lies, as listed (sender.TensorList)
             if address not in described:
-                whole = torch.empty(0, dtype=torch.uint8, device=device).set_(
-                    job.tensors[spec.name].untyped_storage())
+                whole = torch.empty(0, dtype=torch.uint8, device=device).set_(job.tensors[name].untyped_storage())
                 description = self.share(whole)
                 if description is None:
                     return None
