@@ -3,7 +3,7 @@
     python examples/grpo.py                       # SmolLM2-135M-Instruct, on-policy, 20 steps
     python examples/grpo.py --max-staleness 1     # step k+1 generates while step k trains
     python examples/grpo.py --bench               # timing legs of both modes, then the run; one JSON line
-    python examples/grpo.py --device cuda         # trainer and worker colocated on GPU 0, sleep level 1
+    python examples/grpo.py --device cuda         # trainer and worker colocated on GPU 0, sleep level 2
     python examples/grpo.py --device cuda --dry-run   # the settings and worker command lines; starts nothing
 
 The task is a verifiable one a 135M model learns in minutes on CPU: "What is
@@ -46,10 +46,12 @@ cores: ``--trainer-threads`` and ``--worker-threads`` split them
 cuda:0 and the local workers start on the same GPU with ``--colocated``
 (``worker_spec``: a float32 engine, ``--gpu-memory-utilization`` 0.2 each, the
 rest the trainer's), so every sync is a CUDA IPC handoff. ``--sleep-level``
-(default 1) puts the pool to sleep before each optimizer step
+(default 2) puts the pool to sleep before each optimizer step
 (``sync_weights.sleep``) and hands the new weights over on the way back
-(``sync_weights.wake(model)``): the step line and the JSON log gain the sleep
-and wake seconds. Level 0 keeps the engine awake beside the trainer, which
+(``sync_weights.wake(model)``); level 2 drops the engine's weights, which
+the wake replaces anyway, where level 1 copies them to host memory first
+(17-18 s a sleep for a 7B engine, docs/WEIGHT_SYNC.md, "Colocated training").
+The step line and the JSON log gain the sleep and wake seconds. Level 0 keeps the engine awake beside the trainer, which
 ``--max-staleness 1`` needs to overlap generation with training; ``--bench``
 therefore times both modes at level 0, and on-policy at ``--sleep-level`` too.
 """
@@ -800,7 +802,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="cuda: the pool sleeps at this vLLM level while the trainer steps, and "
                         "sync_weights.wake(model) hands the weights over (1: weights offloaded to host, "
                         "2: dropped); 0: it stays awake beside the trainer, which --max-staleness needs "
-                        "(default: 1 on-policy, 0 with --max-staleness; cpu: 0 only)")
+                        "(default: 2 on-policy, 0 with --max-staleness; cpu: 0 only)")
     p.add_argument("--gpu-memory-utilization", type=float, default=COLOCATED_GPU_FRACTION,
                    help="cuda: the share of the GPU each local worker's engine may take; the rest is the "
                         "trainer's (default: %(default)s)")
@@ -850,7 +852,7 @@ def resolve_device_args(args: argparse.Namespace) -> str | None:
         args.sleep_level, args.engine_dtype = 0, "float32"
         return None
     if args.sleep_level is None:
-        args.sleep_level = 0 if args.max_staleness > 0 else 1
+        args.sleep_level = 0 if args.max_staleness > 0 else 2
     if args.sleep_level and args.max_staleness > 0:
         return (f"--max-staleness {args.max_staleness} needs --sleep-level 0: a sleeping engine generates "
                 "nothing, so rollouts can overlap training only with the engine awake beside the trainer")

@@ -256,11 +256,11 @@ def test_the_reward_rise_has_a_standard_error_from_the_step_means() -> None:
 # --------------------------------------------------------------------------
 
 
-def test_cuda_sleeps_at_level_1_on_policy_and_stays_awake_with_max_staleness() -> None:
+def test_cuda_sleeps_at_level_2_on_policy_and_stays_awake_with_max_staleness() -> None:
     args = grpo.parse_args(["--device", "cuda"])
-    assert (args.sleep_level, args.engine_dtype, args.gpu_memory_utilization) == (1, "float32", 0.2)
+    assert (args.sleep_level, args.engine_dtype, args.gpu_memory_utilization) == (2, "float32", 0.2)
     assert grpo.parse_args(["--device", "cuda", "--max-staleness", "1"]).sleep_level == 0
-    assert grpo.parse_args(["--device", "cuda", "--sleep-level", "2"]).sleep_level == 2
+    assert grpo.parse_args(["--device", "cuda", "--sleep-level", "1"]).sleep_level == 1
     cpu = grpo.parse_args([])  # the CPU run as it was: no sleep, float32 workers
     assert (cpu.device, cpu.sleep_level, cpu.engine_dtype) == ("cpu", 0, "float32")
 
@@ -423,14 +423,14 @@ def test_the_cuda_bench_times_both_modes_awake_and_on_policy_asleep_and_reports_
     summary = grpo.run(args, tmp_path / "smollm2", "q", "p", out)
 
     assert legs == [(0, 0, "steps-timing-staleness0.jsonl"), (1, 0, "steps-timing-staleness1.jsonl"),
-                    (0, 1, "steps-timing-staleness0-sleep1.jsonl"), (0, 1, "steps.jsonl")]
+                    (0, 2, "steps-timing-staleness0-sleep2.jsonl"), (0, 2, "steps.jsonl")]
     timing = summary["timing"]
-    assert timing["sleep_levels"] == [0, 0, 1] and "sleep level 0" in timing["note"]
+    assert timing["sleep_levels"] == [0, 0, 2] and "sleep level 0" in timing["note"]
     assert timing["step_ratio"] == pytest.approx(2.1 / 2.6, abs=1e-3)
     assert timing["step_ratio_vs_sleep"] == pytest.approx(2.1 / 2.6, abs=1e-3)
     assert {"sleep_s", "wake_s", "handoff_s"} <= set(timing["on_policy_sleep"]) <= set(summary["phases_s"])
     assert summary["phases_s"]["sleep_s"] == 0.3 and summary["phases_s"]["wake_s"] == 0.8
-    assert (summary["device"], summary["sleep_level"], summary["engine_dtype"]) == ("cuda", 1, "float32")
+    assert (summary["device"], summary["sleep_level"], summary["engine_dtype"]) == ("cuda", 2, "float32")
     assert summary["logprob_check"] == {"tolerance": 5e-2, "max_gap": 4e-3, "max_mean_gap": 5e-4,
                                         "checked_steps": 4, "passed": True}
     assert summary["sync_backends"] == ["cuda_ipc"] and summary["gpu"] == "NVIDIA H200"
@@ -450,5 +450,5 @@ def test_the_cpu_bench_keeps_its_two_legs_and_a_dry_run_prints_the_cuda_worker_c
                       "--log-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "'--colocated'" in printed and "'--device', 'cuda'" in printed and "'--dtype', 'float32'" in printed
-    assert "sleep level 1" in printed and "127.0.0.1" not in printed  # the URL stays out of it
+    assert "sleep level 2" in printed and "127.0.0.1" not in printed  # the URL stays out of it
 
