@@ -51,9 +51,10 @@ rest the trainer's), so every sync is a CUDA IPC handoff. ``--sleep-level``
 (``sync_weights.wake(model)``); level 2 drops the engine's weights, which
 the wake replaces anyway, where level 1 copies them to host memory first
 (17-18 s a sleep for a 7B engine, docs/WEIGHT_SYNC.md, "Colocated training").
-The step line and the JSON log gain the sleep and wake seconds. Level 0 keeps the engine awake beside the trainer, which
-``--max-staleness 1`` needs to overlap generation with training; ``--bench``
-therefore times both modes at level 0, and on-policy at ``--sleep-level`` too.
+The step line and the JSON log gain the sleep and wake seconds. Level 0
+keeps the engine awake beside the trainer, which ``--max-staleness 1`` needs
+to overlap generation with training; ``--bench`` therefore times both modes at
+level 0, and on-policy at ``--sleep-level`` too.
 """
 
 from __future__ import annotations
