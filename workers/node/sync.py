@@ -257,11 +257,11 @@ class SyncParticipant:
                 if any(f"{step}_s" in s for s in stats):
                     seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
             seconds.update(_call_ways(stats, t, returned))
-            if decision.relayed(self.node):
-                missing = self._still_missing(plan)
-                if missing is not None:
-                    self._stay_fenced(plan, missing, seconds)
-                    return
+            missing = self._incomplete(plan, decision)
+            if missing is not None:
+                self._stay_fenced(plan, missing, seconds)
+                return
+            self.host.weights_restored()
             t = time.monotonic()
             self.host.resume(plan.weight_version, timeout=plan.timeouts.resume)
             paused = False
@@ -283,28 +283,45 @@ class SyncParticipant:
                 self._ack(plan, "ready", False, error=failure, seconds=seconds)
             self._ack(plan, "done", False, error=failure, seconds=seconds)
 
+    def _incomplete(self, plan: SyncPlan, decision: SyncDecision) -> str | None:
+        """Why the weights are not whole after this update (None: they are): a catch-up
+        through a relay, and an update into weights a level-2 sleep dropped, must bring
+        every tensor of the model (the rest would be stale, or whatever that memory holds)."""
+        if decision.relayed(self.node):
+            missing = self._still_missing(plan)
+            relay = f"catches up to version {plan.weight_version} through a relay"
+            return None if missing is None else f"{relay}; {missing}"
+        if not self.host.weights_dropped():
+            return None
+        if self._shapes is None:  # nothing to tell a whole model by: the trainer's word stands
+            log.warning("weight sync round %s loads weights a level-2 sleep dropped; with no local checkpoint "
+                        "to check them against, every tensor the engine has is taken as sent", plan.round)
+            return None
+        missing = self._still_missing(plan)
+        return None if missing is None else f"slept at level 2 (its weights dropped); {missing}"
+
     def _still_missing(self, plan: SyncPlan) -> str | None:
-        """Catching up through a relay: what the rounds of the plan's version have not
-        brought yet of the whole model (None: nothing, take the version)."""
+        """What the rounds of the plan's version have not brought yet of the whole model
+        (None: nothing, take the version)."""
         assert plan.manifest is not None
         arrived = {spec.name for spec in plan.manifest.tensors}
         if self._catching_up is not None and self._catching_up[0] == plan.weight_version:
             arrived |= self._catching_up[1]
         self._catching_up = (plan.weight_version, arrived)
         if self._shapes is None:
-            return "all of them: this worker has no local checkpoint to tell a whole model by"
+            return "this worker has no local checkpoint to tell a whole model by"
         required = whole_model(self.host.settings.model, self._shapes)
         missing = sorted(required - arrived)
         if not missing:
             self._catching_up = None
             return None
-        return f"{len(missing)} of its checkpoint's {len(required)} tensors, e.g. {', '.join(missing[:3])}"
+        return (f"the update has not brought {len(missing)} of its checkpoint's {len(required)} tensors, "
+                f"e.g. {', '.join(missing[:3])}")
 
     def _stay_fenced(self, plan: SyncPlan, missing: str, seconds: dict[str, float]) -> None:
         """The engine loaded part of the plan's version: resume on it fenced (half-loaded)
         and tell the coordinator why, in the "done" ack."""
-        message = (f"{self.node} catches up to version {plan.weight_version} through a relay; the update has not "
-                   f"brought {missing} yet: it stays fenced until an update brings the whole model")
+        message = f"{self.node} {missing}: it stays fenced until an update brings the whole model"
         self.host.resume(None, timeout=plan.timeouts.resume)
         self.state.fail_update(Fence(FenceReason.HALF_LOADED, message))
         self.last_error = message
