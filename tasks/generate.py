@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol, overload
 
 from celery import Task, signals
 from celery.exceptions import Reject
+from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import OutOfMemoryError, RedisError
@@ -73,18 +74,45 @@ _EVICTION_CHECKED: set[str] = set()
 LINK_OPTIONS = ("link", "link_error", "chain", "chord")
 # Requeues (weights too old, fenced, sync abort) are not failures: allow many.
 REQUEUE_LIMIT = 100_000
+# How often a waiting ``.get()`` reads the result's key itself (GenerationAsyncResult).
+NOTICE_CHECK_S = 5.0
 
 
 class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
     """A ``generate`` task's ``AsyncResult``: ``.get()`` returns the result as a dict
     (as always), :meth:`result_model` as a ``GenerationResult``. A traced task's
-    result gets its ``read`` stamp as ``.get()`` returns it (``tasks.trace``)."""
+    result gets its ``read`` stamp as ``.get()`` returns it (``tasks.trace``).
 
-    def get(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().get(*args, **kwargs)
+    While ``.get()`` waits for the result's notice (Redis pub/sub), it also reads the
+    result's key every ``NOTICE_CHECK_S`` seconds, as the asyncio client's watcher
+    does (``tasks.results``): a notice published while the subscription is being made
+    again is lost. Seen after a Redis restart: Celery's result consumer reads the keys
+    it waits for, then subscribes again, and a result stored between the two was
+    never seen, its ``.get()`` timing out although the result sat in Redis."""
+
+    def get(self, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = NOTICE_CHECK_S if deadline is None else min(NOTICE_CHECK_S, deadline - time.monotonic())
+            try:
+                result = super().get(max(left, 0.0), *args, **kwargs)
+                break
+            except CeleryTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                self._read_key()  # a ready result is cached: the next wait returns it at once
         if isinstance(result, dict) and result.get("trace") is not None:
             trace.stamp(result["trace"], "read")
         return result
+
+    def _read_key(self) -> None:
+        """The result, read from its key; kept when it is ready."""
+        try:
+            meta = self.backend.get_task_meta(self.id)
+        except Exception as exc:  # noqa: BLE001  the notice may still come: a Redis error here is not the wait's
+            log.debug("could not read the result of task %s while waiting for it: %s", self.id, exc)
+            return
+        self._maybe_set_cache(meta)
 
     def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
         """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""

@@ -15,6 +15,7 @@ docs/RELIABILITY.md quotes them.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -490,6 +491,33 @@ def test_reliable_fetch_records_each_message_in_unacked_and_the_in_flight_set_at
         for message in got:
             message.ack()
         assert not tags & set(client.hkeys(keys.KOMBU_UNACKED))
+
+
+def test_get_finds_a_result_whose_notice_never_came_by_reading_its_key(
+    quiet: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A result stored while the producer's subscription is being made again (after a
+    Redis restart: Celery reads the keys it waits for, then subscribes) has no notice
+    for it: seen once, the redis-restart test's last ``.get()`` timed out with the result
+    in Redis. ``.get()`` reads the key now and then (``NOTICE_CHECK_S``) and returns it."""
+    srv, _, task = quiet
+    # The module (``rollout_queue.tasks.generate`` the name is its task).
+    monkeypatch.setattr(importlib.import_module("rollout_queue.tasks.generate"), "NOTICE_CHECK_S", 1.0)
+    queue = f"nobody-{uuid.uuid4().hex[:8]}"
+    handle = task.apply_async((["a lost notice"], {"max_tokens": 2}), queue=queue)
+    # The worker's store, less its PUBLISH: another client of the same backend settings.
+    writer, _ = client_app(srv.url)
+    monkeypatch.setattr(writer.backend, "_set",
+                        lambda key, value, expires=None: writer.backend.client.set(key, value))
+    result = {"signature": "s", "outputs": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0}}
+    threading.Timer(1.5, writer.backend.store_result, (handle.id, result, "SUCCESS")).start()
+    try:
+        began = time.monotonic()
+        assert handle.get(timeout=30) == result
+        assert time.monotonic() - began < 10  # the key's read, not the timeout
+    finally:
+        srv.client().delete(queue, f"_kombu.binding.{queue}")
+        handle.forget()
 
 
 def test_the_fetch_reads_each_tasks_stored_state_in_the_multi_of_its_ledger_record(quiet: Any) -> None:
