@@ -88,7 +88,9 @@ class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
     does (``tasks.results``): a notice published while the subscription is being made
     again is lost. Seen after a Redis restart: Celery's result consumer reads the keys
     it waits for, then subscribes again, and a result stored between the two was
-    never seen, its ``.get()`` timing out although the result sat in Redis."""
+    never seen, its ``.get()`` timing out although the result sat in Redis. The read
+    is Celery's own: each wait it begins reads the key first (its result consumer's
+    ``on_wait_for_pending``), so ``.get()`` waits in steps of ``NOTICE_CHECK_S``."""
 
     def get(self, timeout: float | None = None, *args: Any, **kwargs: Any) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -100,19 +102,9 @@ class GenerationAsyncResult(AsyncResult):  # type: ignore[misc]
             except CeleryTimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
-                self._read_key()  # a ready result is cached: the next wait returns it at once
         if isinstance(result, dict) and result.get("trace") is not None:
             trace.stamp(result["trace"], "read")
         return result
-
-    def _read_key(self) -> None:
-        """The result, read from its key; kept when it is ready."""
-        try:
-            meta = self.backend.get_task_meta(self.id)
-        except Exception as exc:  # noqa: BLE001  the notice may still come: a Redis error here is not the wait's
-            log.debug("could not read the result of task %s while waiting for it: %s", self.id, exc)
-            return
-        self._maybe_set_cache(meta)
 
     def result_model(self, timeout: float | None = None, **options: Any) -> GenerationResult:
         """``.get(timeout, **options)`` parsed into a ``GenerationResult``."""
