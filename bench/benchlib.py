@@ -117,23 +117,25 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def build_model(models_dir: Path, kind: str, seed: int) -> Path:
-    """The tiny model ``kind``/``seed`` in ``models_dir``, built once, in a child process.
+def build_model(models_dir: Path, kind: str, seed: int, *, weights: bool = True) -> Path:
+    """The tiny model ``kind``/``seed`` in ``models_dir``, built once, in a child process
+    (``weights=False``: its config and tokenizer only, for an engine that draws its
+    weights itself, ``load_format="dummy"``).
 
     The child (``python -m rollout_queue.cli make-tiny-model``) does the torch CPU work
     (random init, safetensors) and takes its OpenMP threads with it when it
     exits: this process stays safe for vLLM to fork from. Built in a scratch
     folder and renamed into place, so a concurrent reader never sees half a model.
     """
-    path = models_dir / f"tiny-{kind}-seed{seed}"
-    if (path / "model.safetensors").exists():
+    path = models_dir / (f"tiny-{kind}-seed{seed}" if weights else f"{kind}-config")
+    if (path / ("model.safetensors" if weights else "config.json")).exists():
         return path
     models_dir.mkdir(parents=True, exist_ok=True)
     scratch = models_dir / f".{path.name}.{os.getpid()}.tmp"
-    log(f"building {kind} (seed {seed}) into {path} in a child process")
+    log(f"building {kind} (seed {seed}{'' if weights else ', config only'}) into {path} in a child process")
     subprocess.run(
         [sys.executable, "-m", "rollout_queue.cli", "make-tiny-model", str(scratch), "--kind", kind,
-         "--seed", str(seed)],
+         "--seed", str(seed), *([] if weights else ["--no-weights"])],
         cwd=ROOT, check=True, stdin=subprocess.DEVNULL, stdout=sys.stderr,  # stdout: the JSON line only
     )
     try:
@@ -148,6 +150,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     return EngineSettings(
         model=args.model, device=args.device, dtype=args.dtype,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=getattr(args, "load_format", None) or "auto",
     )
 
 
@@ -156,6 +159,7 @@ def worker_spec(settings: EngineSettings, max_inflight: int = 64) -> WorkerSpec:
         model=settings.model, device=settings.device, dtype=settings.dtype,
         max_model_len=settings.max_model_len or 0, max_inflight=max_inflight,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        extra=[] if settings.load_format == "auto" else ["--load-format", settings.load_format],
     )
 
 

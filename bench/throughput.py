@@ -21,6 +21,7 @@ headline ``ratio`` is queue / raw; ``ratio_vs_plain`` is queue / plain, and
     .venv/bin/python bench/throughput.py                       # CPU: tiny model, 256 prompts x 64 tokens
     python bench/throughput.py --device cuda --model PATH      # GPU: 1024 prompts x (128 in, 256 out)
     python bench/throughput.py --device cuda --alone           # GPU, each leg alone (2 rounds: ~7 min on an H200)
+    python bench/throughput.py --device cuda --alone --shape qwen2-7b   # the same with a 7B shape (random weights)
     .venv/bin/python bench/throughput.py --smoke [--alone]     # CPU, a few prompts: the JSON line only
 
 Prints one JSON line: queue_tok_s, offline_tok_s, ratio (queue / offline), ...
@@ -74,6 +75,9 @@ def main() -> None:
     p.add_argument("--alone", action="store_true", help="each leg alone on the device, one process per leg")
     p.add_argument("--repeats", type=int, default=2, help="--alone: measured runs per leg per round")
     p.add_argument("--smoke", action="store_true", help="a few short prompts, one round: a quick check")
+    p.add_argument("--shape", choices=("qwen2-0.5b", "qwen2-7b"),
+                   help="a model of this shape whose random weights every engine draws itself "
+                        "(load_format dummy; instead of --model): qwen2-7b keeps a GPU busy")
     p.add_argument("--leg", choices=("raw", "plain"), help=argparse.SUPPRESS)  # --alone's child process
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -85,6 +89,11 @@ def main() -> None:
             args.gpu_memory_utilization = ALONE_MEMORY[args.device]
         if args.rounds is None:
             args.rounds = ALONE_ROUNDS  # every leg starts afresh each round: rounds cost engine starts
+    if args.shape is not None:
+        if args.model is None:
+            args.model = str(benchlib.build_model(benchlib.ROOT / ".models", args.shape, benchlib.TINY_MODEL_SEED,
+                                                  weights=False).resolve())
+        args.load_format = "dummy"
     args = benchlib.resolve(args)
     if args.leg:
         engine_leg_process(args)
@@ -204,6 +213,7 @@ def alone_engine(args: argparse.Namespace, leg: str, round_: int) -> list[float]
         "--prompts", str(args.prompts), "--input-len", str(args.input_len),
         "--output-len", str(args.output_len), "--prompts-per-task", str(args.prompts_per_task),
         "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--temperature", str(args.temperature),
+        *(["--shape", args.shape] if args.shape else []),
     ]
     # stdout: the child's one JSON line; its logs go to this process's stderr.
     child = subprocess.run([sys.executable, __file__, *forwarded], stdout=subprocess.PIPE,
@@ -241,7 +251,7 @@ def plain_llm(settings: Any) -> Any:
     from vllm import LLM
 
     return LLM(model=settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
-               gpu_memory_utilization=settings.gpu_memory_utilization)
+               gpu_memory_utilization=settings.gpu_memory_utilization, load_format=settings.load_format)
 
 
 def warm_prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -271,7 +281,7 @@ def check_tokens(leg: str, tokens: int, expected: int) -> None:
 
 def workload(args: argparse.Namespace) -> dict[str, Any]:
     return {"prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "temperature": args.temperature}
+            "temperature": args.temperature, "shape": args.shape}
 
 
 if __name__ == "__main__":
