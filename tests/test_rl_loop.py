@@ -43,10 +43,11 @@ from examples.grpo import (
     run_loop,
     sum_reward,
 )
+from rollout_queue.cli.quickstart_model import ensure_quickstart_model
 from rollout_queue.tasks import generate, sync_weights
 from rollout_queue.tasks.errors import RolloutError
 from rollout_queue.weight_sync.settings import SyncSettings, SyncTimeouts
-from tests.conftest import CONTROL_SECRET, WorkerStarter
+from tests.conftest import CONTROL_SECRET, MODELS, WorkerStarter
 from tests.procs import ROOT
 
 POOL = QUEUE = "rl"
@@ -263,6 +264,21 @@ def test_cuda_sleeps_at_level_2_on_policy_and_stays_awake_with_max_staleness() -
     assert grpo.parse_args(["--device", "cuda", "--sleep-level", "1"]).sleep_level == 1
     cpu = grpo.parse_args([])  # the CPU run as it was: no sleep, float32 workers
     assert (cpu.device, cpu.sleep_level, cpu.engine_dtype) == ("cpu", 0, "float32")
+
+
+def test_the_cuda_examples_policy_sends_the_whole_model_a_level_2_wake_requires() -> None:
+    """At level 2 the engine drops its weights, and a wake is refused unless the update
+    brings every tensor of its checkpoint (workers/node/sync.py). The CUDA example's
+    policy (SmolLM2, tied embeddings) sends its parameters: all of them, the tied
+    head once, which the worker does not require."""
+    from rollout_queue.weight_sync.sender import list_tensors
+    from rollout_queue.workers.node.weight_files import checkpoint_shapes, whole_model
+
+    model = str(ensure_quickstart_model(MODELS).resolve())  # the example's default model
+    sent = {name for name, _ in list_tensors(Policy(Path(model), 1e-3, seed=0).model).pairs}
+    shapes = checkpoint_shapes(model)
+    assert shapes is not None and "lm_head.weight" not in sent
+    assert whole_model(model, shapes) <= sent <= set(shapes)
 
 
 @pytest.mark.parametrize(("argv", "reason"), [
