@@ -140,6 +140,9 @@ class FakeEngineHost:
     def weights_restored(self) -> None:
         pass
 
+    def weights_loading(self) -> None:
+        pass
+
     def inflight_requests(self) -> int:
         return 0
 

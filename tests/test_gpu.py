@@ -342,11 +342,16 @@ def test_colocated_cuda_ipc_handoff_matches_a_fresh_engine_and_survives_three_sl
     # copies them straight into its parameters.
     own = {k: p.detach().to(torch.bfloat16) for k, p in params.items()}
     for version in (5, 6):
+        sent = expected_sum(own)
         report = sender.sync(own, version=version, timeout=300)
+        # The next step's writes at once: the engine's copies may still run when the
+        # sync returns, and the trainer's stream waits for them (its "released" event).
+        for tensor in own.values():
+            tensor.add_(torch.randn_like(tensor), alpha=1e-2)
         print(f"[colocated] own storages, sync {version}: {report.seconds:.4f}s phases {report.phases} "
               f"worker {report.worker_phases} receive {last_receive(node)}")
+        assert checksums([node])[node] == pytest.approx(sent, rel=1e-6), f"sync {version}"
     assert last_receive(node)["in_place_bytes"] > 0
-    assert checksums([node])[node] == pytest.approx(expected_sum(own), rel=1e-6)
     # The trainer steps its tensors in place, and the pool sleeps (level 2: the
     # weights are dropped) and wakes with them: the copies into place carry the new values.
     for tensor in own.values():

@@ -484,6 +484,9 @@ class EngineHostFake:
     def weights_restored(self) -> None:
         pass
 
+    def weights_loading(self) -> None:
+        pass
+
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         raise AssertionError(f"no engine to call {method}")
 
@@ -913,7 +916,7 @@ def test_a_shared_memory_handoff_delivers_every_tensor_and_reuses_its_segments()
         receiver.open({"segment": "../etc/passwd", "size": 1}, 1, torch.device("cpu"))
 
 
-def test_a_handoff_of_the_trainers_own_storages_is_announced_by_digest_and_made_anew_when_one_moves() -> None:
+def test_a_handoff_of_the_trainers_own_storages_is_named_in_the_plan_and_made_anew_when_one_moves() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
@@ -925,30 +928,58 @@ def test_a_handoff_of_the_trainers_own_storages_is_announced_by_digest_and_made_
     tensors = {f"t{i}": torch.randn(16 + i, 8).share_memory_() for i in range(4)}
     manifest = wire.plan_buckets([(n, "float32", list(t.shape)) for n, t in tensors.items()], 1 << 20)
     store, sender, receiver = _Store(), ShmSender("shm", SyncSettings()), ShmReceiver("shm")
-    plan = _plan(round=SyncRound("1-own"), store_port=1, handoffs={"w@h": "shm"})
     decision = SyncDecision.handed("w@h")
     receiver.store, receiver.store_address = store, ("127.0.0.1", 1)
-    announced = []
+    digests = []
     try:
         with ThreadPoolExecutor(1) as executor:
             for step in range(3):
                 if step == 2:  # one tensor replaced by another in other memory
                     tensors["t1"] = (tensors["t1"] * 3).share_memory_()
+                plan = _plan(round=SyncRound(f"{step + 1}-own"), store_port=1, handoffs={"w@h": "shm"})
+                own = list_tensors(tensors).layout
+                # Before the trigger: the layout is stored and the plan names it.
+                digest = sender.announce_layout(plan, tensors, own, store)
+                assert digest is not None
+                plan.layouts["shm"] = digest
+                digests.append(digest)
+                assert set(store.values) == {keys.sync_handoff_layout("shm", digest)}  # the one before it dropped
+                if step == 1:  # a layout the engine holds is not read again: a steady sync reads nothing
+                    store.values.clear()
                 sender.send(SendJob(plan=plan, decision=decision, manifest=manifest, tensors=tensors, store=store,
-                                    nodes=["w@h"], deadline=time.monotonic() + 30, executor=executor,
-                                    own=list_tensors(tensors).layout))
-                announced.append(store.values[keys.sync_handoff(plan.round, "shm", 0)])
+                                    nodes=["w@h"], deadline=time.monotonic() + 30, executor=executor, own=own))
+                assert not any(key.startswith(keys.sync_handoff(plan.round, "shm", 0)) for key in store.values)
                 receiver.begin(UpdateRequest(plan=plan, decision=decision, node="w@h"), 0, torch.device("cpu"))
                 sink = _Sink()
                 receiver.receive(sink, manifest, torch.device("cpu"), time.monotonic() + 30)
                 assert all(torch.equal(sink.loaded[n], t) for n, t in tensors.items())
+                assert receiver.finish() is None  # on CPU the engine's copies are done when it answers
                 sender.finished(plan)
                 for tensor in tensors.values():
                     tensor.add_(1)  # a step in place: the same storages
-        assert announced[0] == announced[1] != announced[2]
-        assert announced[0].startswith(b'{"layout"')
+        assert digests[0] == digests[1] != digests[2]
     finally:
         sender.close()
+
+
+def test_a_plan_naming_a_layout_the_trainer_never_stored_fails_the_engine_at_its_deadline() -> None:
+    from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
+    from rollout_queue.weight_sync.transports.shm import ShmReceiver
+
+    class _Waiting(_Store):
+        def get(self, key: str) -> bytes:
+            if key not in self.values:  # a TCPStore waits for the key until its timeout
+                raise TimeoutError(f"wait timeout for key {key}")
+            return super().get(key)
+
+    manifest = wire.plan_buckets([("t0", "float32", [4, 4])], 1 << 20)
+    receiver = ShmReceiver("shm")
+    receiver.store, receiver.store_address = _Waiting(), ("127.0.0.1", 1)
+    plan = _plan(round=SyncRound("1-lost"), store_port=1, handoffs={"w@h": "shm"}, layouts={"shm": "0" * 32})
+    receiver.begin(UpdateRequest(plan=plan, decision=SyncDecision.handed("w@h"), node="w@h"), 0,
+                   torch.device("cpu"))
+    with pytest.raises(TimeoutError, match="wait timeout"):
+        receiver.receive(_Sink(), manifest, torch.device("cpu"), time.monotonic() + 1)
 
 
 def test_a_handoff_that_fails_while_packing_fails_the_engine_waiting_for_its_next_bucket_at_once() -> None:

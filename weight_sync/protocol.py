@@ -44,8 +44,10 @@ from rollout_queue.tasks.schemas import PauseMode
 # 7: one name per round (``SyncRound``) in the plan, the acks and the decision;
 # 8: the ready ack names the group the engine holds (``SyncAck.group_round``);
 # 9: a catch-up relayed by a member (``SyncDecision.relay``);
-# 10: a round of one handed member is decided by its plan (``SyncPlan.decided``).
-PROTOCOL_VERSION = 10
+# 10: a round of one handed member is decided by its plan (``SyncPlan.decided``);
+# 11: a handoff of the trainer's storages is named in the plan (``SyncPlan.layouts``),
+#     and a CUDA engine's copies end by an event the trainer waits on (``SyncAck.released``).
+PROTOCOL_VERSION = 11
 
 _ROUND = re.compile(r"(0|[1-9][0-9]*)-([0-9A-Za-z_.-]+)")
 
@@ -187,6 +189,12 @@ class SyncPlan(_Message):
     # first write stands, so the worker never loads from memory the trainer
     # has moved on from.
     decided: bool = False
+    # Handoff transport → the digest of the trainer's storages layout it hands
+    # over (``transports.handoff``), stored in the trainer's store before this
+    # plan was published: an engine that holds that layout loads at once, one
+    # that does not reads it there. A handoff not named here announces its
+    # buckets in the store as they are packed.
+    layouts: dict[str, str] = {}
 
     def transport_of(self, node: str) -> str:
         """The transport ``node`` gets its weights by in this sync."""
@@ -234,6 +242,10 @@ class SyncAck(_Message):
     # member still holds it: another trainer's sync in between moves a worker
     # into a group of its own.
     group_round: SyncRound | None = None
+    # "done": what the engine's reads of the trainer's memory end with (CUDA IPC
+    # event handles, hex): the copies may still run on the GPU when the engine
+    # answers; the trainer's stream waits for these before it writes again.
+    released: list[str] = []
 
 
 class Relay(_Message):
@@ -309,6 +321,9 @@ class UpdateResult(_Message):
 
     seconds: dict[str, float] = {}
     failure: SyncFailure | None = None
+    # What this rank's reads of the trainer's memory end with (a CUDA IPC event's
+    # handle, hex), when its copies may still run on the GPU (``SyncAck.released``).
+    released: str | None = None
 
 
 class SyncReport(_Message):

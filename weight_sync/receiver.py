@@ -141,6 +141,9 @@ class EngineReceiver:
         self.in_place = InPlaceMap()
         self.last_stats: dict[str, float] = {}  # of the last receive
         self._steady: _SteadyLoad | None = None  # the last load of a handoff's storages, as planned
+        # What the last update's reads of the trainer's memory end with, when they
+        # may still run on the device (``TransportReceiver.finish``).
+        self.released: str | None = None
 
     # ---------------------------------------------------------------- helpers
 
@@ -184,7 +187,7 @@ class EngineReceiver:
         # worker host subtracts its own stamps around the call (the call's way in and out).
         seconds = {"join_s": t1 - t0, "receive_s": t2 - t1, **stats, "finish_s": left - t2,
                    "entered_at": entered, "left_at": left}
-        return UpdateResult(seconds=seconds).model_dump(mode="json")
+        return UpdateResult(seconds=seconds, released=self.released).model_dump(mode="json")
 
     def begin_update(self, request: UpdateRequest) -> int:
         """Join this sync's transport (a group: join or reuse it); returns this rank's global rank.
@@ -193,6 +196,7 @@ class EngineReceiver:
         rank received last (it is kept for the syncs that follow).
         """
         self.expect(Phase.IDLE, "rq_begin_update")
+        self.released = None
         plan, decision = request.plan, request.decision
         if request.manifest is not None:
             self.manifest = (plan.manifest_digest, Manifest.from_wire(request.manifest, plan.manifest_digest))
@@ -249,7 +253,7 @@ class EngineReceiver:
             finalize_layerwise_reload(self.model(), self.worker.model_config)
             self.layerwise_open = False
             refresh_tied_layers(self.model(), self.received)
-        self.transport.finish()
+        self.released = self.transport.finish()
         self.phase = Phase.IDLE
         return len(self.received)
 
@@ -430,6 +434,16 @@ class WeightReceiver:
 
     def rq_abort_update(self) -> bool:
         return self._receiver().abort_update()
+
+    def rq_settle(self) -> bool:
+        """Wait until this rank's device has run what was issued on it (a handoff's
+        copies run on after the update's answer): before a sleep unmaps their memory."""
+        device = self._receiver().device()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        return True
 
 
 __all__ = ["EngineReceiver", "Phase", "WeightReceiver", "refresh_tied_layers"]

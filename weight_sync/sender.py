@@ -42,8 +42,9 @@ handed the weights (``shm``, ``cuda_ipc``), the others share a process group
 
 A round of one member handed the weights (the one-GPU colocated set-up:
 a trainer and its engine) is *decided* by its plan (``SyncPlan.decided``):
-the trainer announces the handoff (4) while the trigger (3) travels, and
-the worker, once paused, claims the round by writing the go decision into the
+the trainer announces a packed handoff (4) while the trigger (3) travels (a
+handoff of its own storages is named in the plan itself: ``SyncPlan.layouts``,
+stored before the trigger), and the worker, once paused, claims the round by writing the go decision into the
 store itself (a compare-and-set: a trainer giving the round up writes its
 no-go the same way, and the first write stands), then loads and acks
 "done". No "ready" ack, no decision to wait for: the all-accepted check has
@@ -313,6 +314,8 @@ class WeightSender:
         decided = len(members) == 1 and members[0].node in (handoffs or {})
         t = time.monotonic()
         plan = self.plan_round(members, manifest, version, pause, backend, deadline, handoffs, decided=decided)
+        if own is not None:
+            self._announce_layouts(plan, tensors, own)
         planned = time.monotonic() - t
         try:
             if decided:
@@ -322,10 +325,26 @@ class WeightSender:
             phases["trigger"] = time.monotonic() - t
             return self._run_triggered(plan, silent, deadline, tensors, own, phases)
         finally:
-            phases["trigger"] = phases.get("trigger", 0.0) + planned  # the plan is the trigger's first step
+            # The plan (and the layouts it names) is the trigger's first step.
+            phases["trigger"] = phases.get("trigger", 0.0) + planned
             t = time.monotonic()
             self._mark_over(plan)
             phases["close"] = time.monotonic() - t
+
+    def _announce_layouts(self, plan: SyncPlan, tensors: dict[str, torch.Tensor],
+                          own: tuple[tuple[Any, ...], ...]) -> None:
+        """Before the trigger: each handoff of the plan that can name the caller's own
+        storages stores that layout and the plan names its digest (``SyncPlan.layouts``):
+        its engine loads as soon as it has the plan, nothing is announced later."""
+        for name in plan.transports():
+            try:
+                digest = self.transport(name).announce_layout(plan, tensors, own, self.store)
+            except Exception as exc:  # nothing published yet: no worker has changed a weight
+                raise WeightSyncError(f"could not store the {name} handoff's layout for sync round "
+                                      f"{plan.round}: {type(exc).__name__}: {exc}; no worker was told of the round",
+                                      phase="transfer") from exc
+            if digest is not None:
+                plan.layouts[name] = digest
 
     def _mark_over(self, plan: SyncPlan) -> None:
         """The round has ended and the pool's version is final for it (``keys.sync_over``)."""
@@ -720,6 +739,9 @@ class WeightSender:
         failed = {node: str(ack.error or "failed") for node, ack in acks.items() if not ack.ok}
         for node in decision.roster - set(acks):
             failed[node] = "no commit ack before the deadline"
+        for node, ack in acks.items():  # an engine's copies may still run: what comes next waits
+            if ack.released:
+                self.transport(plan.transport_of(node)).released(ack.released)
         if committed:
             self.client.set(keys.fleet_version(self.pool), plan.weight_version)
         for name in plan.transports():

@@ -71,12 +71,25 @@ class TransportSender(abc.ABC):
         if self.before_bucket is not None:
             self.before_bucket(bucket)
 
+    def announce_layout(self, plan: SyncPlan, tensors: dict[str, torch.Tensor],
+                        own: tuple[tuple[Any, ...], ...], store: Any) -> str | None:
+        """Before ``plan`` is published: the digest of a layout of the caller's own
+        ``tensors`` (lying as ``own`` says) that this transport hands over as they lie,
+        stored where its engines read it (``SyncPlan.layouts``); None (the default):
+        ``send`` delivers them."""
+        return None
+
     @abc.abstractmethod
     def send(self, job: SendJob) -> None:
         """Deliver every bucket of ``job``; a failure raises ``WeightSyncError``."""
 
     def finished(self, plan: SyncPlan) -> None:
         """The sync's commit is over (whatever its outcome)."""
+
+    def released(self, handles: list[str]) -> None:
+        """An engine's reads of this sync's memory end when ``handles`` fire
+        (``SyncAck.released``: its copies may still run on the GPU); whatever the
+        trainer runs after the sync waits for them."""
 
     def reset(self) -> None:
         """Forget what a failed sync may have broken (a process group)."""
@@ -128,8 +141,11 @@ class TransportReceiver(abc.ABC):
     def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
         """Take every bucket and hand it to ``sink``; returns seconds and counts."""
 
-    def finish(self) -> None:
-        """Every bucket is loaded and the load finalized."""
+    def finish(self) -> str | None:
+        """Every bucket is loaded and the load finalized. Returns what the engine's
+        reads of the trainer's memory end with when they may still run on the device
+        (an event's handle, hex: ``UpdateResult.released``), None when they are done."""
+        return None
 
     def abort(self) -> None:
         """The sync failed: drop what may be broken."""

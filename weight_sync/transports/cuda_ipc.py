@@ -4,11 +4,18 @@ The trainer names its own parameters' storages by CUDA IPC handles (one per
 storage, shared once: the optimizer updates them in place), or, when its
 tensors are copies made for the sync (a cast), packs each bucket into a
 buffer on its GPU (kept between syncs, one per bucket: a few IPC handles,
-however many tensors); either is announced once the trainer's stream is
-synchronized. The engine opens the handles on its own device (the same physical GPU, checked
-by UUID: device indices differ between processes with another
-``CUDA_VISIBLE_DEVICES``) and loads from it. No NCCL group (NCCL refuses two
-ranks on one GPU), no copy through the host.
+however many tensors). The engine opens the handles on its own device (the
+same physical GPU, checked by UUID: device indices differ between processes
+with another ``CUDA_VISIBLE_DEVICES``) and loads from it. No NCCL group
+(NCCL refuses two ranks on one GPU), no copy through the host.
+
+Neither side waits on the host for the other's GPU work: two interprocess
+events order it (``transports.handoff``, "Ordering"). The trainer records
+``written`` after its writes (its handle in the layout and each bucket's
+description); the engine's stream waits on it before copying, and records
+``released`` after the copies, whose handle goes back in the "done" ack; the
+trainer's current stream waits on that before whatever it runs next (the
+optimizer step that writes the parameters again).
 
 Handles travel as JSON (hex bytes), never pickled: the engine rebuilds the
 tensor itself from known classes (``torch.multiprocessing.reductions``).
@@ -24,6 +31,8 @@ from rollout_queue.weight_sync.transports.handoff import HandoffReceiver, Handof
 
 if TYPE_CHECKING:
     import torch
+
+    from rollout_queue.weight_sync.settings import SyncSettings
 
 
 def device_uuid(index: int | None = None) -> str:
@@ -69,10 +78,35 @@ class CudaIpcSender(HandoffSender):
             "event_handle": bytes(event_handle).hex() if event_handle else "", "event_sync": bool(event_sync),
         }
 
-    def packed(self) -> None:
+    def __init__(self, name: str, settings: SyncSettings) -> None:
+        super().__init__(name, settings)
+        self._written: torch.cuda.Event | None = None  # recorded after the trainer's writes
+        self._engines: dict[str, torch.cuda.Event] = {}  # the engines' "released" events, by handle
+
+    def _written_event(self) -> torch.cuda.Event:
         import torch
 
-        torch.cuda.current_stream().synchronize()
+        if self._written is None:
+            self._written = torch.cuda.Event(interprocess=True)
+            self._written.record()  # created on this device, so that it has a handle
+        return self._written
+
+    def fence(self) -> dict[str, Any]:
+        return {"written": bytes(self._written_event().ipc_handle()).hex()}
+
+    def packed(self) -> None:
+        self._written_event().record()  # the engine's stream waits on it: the trainer goes on
+
+    def released(self, handles: list[str]) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+        for handle in handles:
+            event = self._engines.get(handle)
+            if event is None:
+                event = torch.cuda.Event.from_ipc_handle(stream.device, bytes.fromhex(handle))
+                self._engines[handle] = event
+            stream.wait_event(event)
 
     def release(self) -> None:
         import torch
@@ -105,10 +139,42 @@ class CudaIpcReceiver(HandoffReceiver):
         )
         return tensor[:size]
 
-    def finish(self) -> None:
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._fences: dict[str, torch.cuda.Event] = {}  # the trainer's "written" events, by handle
+        self._released: torch.cuda.Event | None = None
+
+    def open_fence(self, description: dict[str, Any]) -> Any:
         import torch
 
-        torch.cuda.synchronize()  # the trainer packs these buffers again at its next sync
+        handle = description.get("written")
+        if not handle:
+            return None
+        if handle not in self._fences:
+            self._fences[handle] = torch.cuda.Event.from_ipc_handle(
+                torch.cuda.current_device(), bytes.fromhex(handle))
+        return self._fences[handle]
+
+    def wait(self, fence: Any) -> None:
+        if fence is not None:
+            fence.wait()  # this stream's copies wait for the trainer's writes
+
+    def finish(self) -> str:
+        """The copies may still run: the trainer waits on this event (``released``)
+        before writing its memory again; this engine's own work runs after them
+        on the same stream."""
+        import torch
+
+        if self._released is None:
+            self._released = torch.cuda.Event(interprocess=True)
+        self._released.record()
+        return bytes(self._released.ipc_handle()).hex()
+
+    def abort(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()  # copies issued before the failure end before the trainer hears of it
+        super().abort()
 
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender", "device_uuid"]

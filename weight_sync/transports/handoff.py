@@ -7,27 +7,37 @@ Trainer, two ways:
   was cast) and each lies in memory the engine can map (a CUDA tensor on the
   engine's GPU; a CPU tensor in shared memory, ``model.share_memory()``), the
   trainer names each storage under them once (a CUDA IPC handle, a
-  ``/dev/shm`` name), stores that layout once (``keys.sync_handoff_layout``,
-  by digest) and announces its digest under ``keys.sync_handoff`` bucket 0.
-  No packing; the engine copies from the trainer's tensors straight into its
-  parameters. The layout is kept while the storages are the same ones, so a
-  steady sync shares nothing new and the engine reads a digest it knows.
+  ``/dev/shm`` name) and stores that layout once (``keys.sync_handoff_layout``,
+  by digest), before the round's plan is published: the plan names its digest
+  (``SyncPlan.layouts``, :meth:`HandoffSender.announce_layout`). No packing,
+  nothing announced per round; the engine copies from the trainer's tensors
+  straight into its parameters. The layout is kept while the storages are the
+  same ones, so a steady sync shares nothing new and the engine, holding the
+  digest the plan names, loads at once.
 - *packed* (otherwise): each bucket is packed into a buffer the engine can
   map (kept between syncs, one per bucket, so a steady sync allocates
   nothing and the engine maps nothing new), and its description is written
-  under ``keys.sync_handoff`` once the bytes are there (CUDA: the stream is
-  synchronized): bucket k is announced while bucket k+1 is packed.
+  under ``keys.sync_handoff`` once the bytes are there: bucket k is announced
+  while bucket k+1 is packed.
 
 A send that fails announces the failure under every bucket key it had not
 announced yet: an engine waiting for one fails at once, not at its deadline.
 
-Either way, before announcing, the trainer waits until its writes are done,
-and its memory is written again only by the next sync, after every worker's
-"done" ack of this one (the sender's commit phase). No process group, no wire.
+Ordering, both ways: the engine reads the trainer's memory only after the
+trainer's writes to it, and the trainer writes it again only after the
+engine's reads. On CPU both ends finish their copies before they go on. On
+CUDA nobody waits on the host: the trainer records an event after its writes
+(named in the layout and in every bucket's description, ``fence``), the
+engine's stream waits on it before the copies, and the engine records an
+event after them whose handle its "done" ack carries (``SyncAck.released``);
+the trainer's stream waits on that one before anything it runs after the
+sync (:meth:`TransportSender.released`). The copies run on the GPU while the
+engine answers and the worker resumes: the engine's own work after them is
+on the same stream.
 
-Engine: reads bucket 0's key (the plan's receive deadline), maps what it
-names (kept while the description holds) and loads: a layout of storages
-tensor by tensor, packed buckets bucket by bucket.
+Engine: maps what the plan's layout or each bucket's key names (kept while
+the description holds) and loads: a layout of storages tensor by tensor,
+packed buckets bucket by bucket.
 """
 
 from __future__ import annotations
@@ -78,26 +88,39 @@ class HandoffSender(TransportSender):
         it lies (the sync is packed then)."""
         return None
 
+    def fence(self) -> dict[str, Any]:
+        """What the engine waits on before it reads (``packed`` marks it), put in
+        the layout and in every bucket's description: nothing, where ``packed``
+        waits for the writes itself."""
+        return {}
+
     def packed(self) -> None:
-        """The writes just issued (packing, or the trainer's own) must be complete
-        before the engine reads."""
+        """The writes just issued (packing, or the trainer's own) come before the
+        engine's reads: done, or marked where the engine waits (``fence``)."""
 
     def release(self) -> None:
         """The buffers are being dropped."""
 
+    def announce_layout(self, plan: SyncPlan, tensors: dict[str, torch.Tensor],
+                        own: tuple[tuple[Any, ...], ...], store: Any) -> str | None:
+        """Before ``plan`` is published: the digest of the layout naming the storages
+        under ``tensors`` (the caller's own, lying as ``own`` says), stored in ``store``
+        with the trainer's writes to them marked done; the plan names it
+        (``SyncPlan.layouts``). None when one of them cannot be named: ``send``
+        packs them."""
+        digest = self._storages_layout(plan.manifest_digest, tensors, own)
+        if digest is None:
+            return None
+        self.packed()
+        self._store_layout(store)
+        return digest
+
     def send(self, job: SendJob) -> None:
+        if self.name in job.plan.layouts:
+            return  # the plan named the trainer's storages: nothing to pack or announce
         announced: list[str] = []
         self._announced = (job.store, announced)
         try:
-            digest = self._storages_layout(job) if job.own is not None else None
-            if digest is not None:
-                self.leaving(0)
-                self.packed()
-                self._store_layout(job.store)
-                key = keys.sync_handoff(job.plan.round, self.name, 0)
-                job.store.set(key, json.dumps({"layout": digest}))
-                announced.append(key)
-                return
             buffers = self._ensure(job.manifest.bucket_sizes)
             for bucket in wire.iter_buckets(job.manifest):
                 if time.monotonic() > job.deadline:
@@ -143,25 +166,25 @@ class HandoffSender(TransportSender):
         store.set(keys.sync_handoff_layout(self.name, digest), text)
         self._layout_stored = (store, digest)
 
-    def _storages_layout(self, job: SendJob) -> str | None:
-        """The digest of the layout naming the storages under ``job``'s tensors (made
-        or kept in ``_layout``), or None when one of them cannot be named (not
+    def _storages_layout(self, manifest_digest: str, tensors: dict[str, torch.Tensor],
+                         own: tuple[tuple[Any, ...], ...]) -> str | None:
+        """The digest of the layout naming the storages under ``tensors`` (made or
+        kept in ``_layout``), or None when one of them cannot be named (not
         contiguous, elsewhere, not mappable). The tensors of a layout equal to the
-        last one's (``job.own``) lie where they lay: the layout made then holds."""
+        last one's (``own``) lie where they lay: the layout made then holds."""
         import torch
 
-        if self._layout is not None and self._layout[0] == (job.plan.manifest_digest, job.own):
+        if self._layout is not None and self._layout[0] == (manifest_digest, own):
             return self._layout[2]
-        assert job.own is not None  # the caller's own tensors only, listed in the manifest's order
         device = self.device()
-        if any(where != device or not contiguous for _, _, _, where, contiguous, *_ in job.own):
+        if any(where != device or not contiguous for _, _, _, where, contiguous, *_ in own):
             return None
         described: dict[int, int] = {}  # storage address -> its index in the layout
         storages: list[dict[str, Any]] = []
         places: list[tuple[int, int]] = []
-        for name, *_, data, address, nbytes in job.own:  # where each lies, as listed (sender.TensorList)
+        for name, *_, data, address, nbytes in own:  # where each lies, as listed (sender.TensorList)
             if address not in described:
-                whole = torch.empty(0, dtype=torch.uint8, device=device).set_(job.tensors[name].untyped_storage())
+                whole = torch.empty(0, dtype=torch.uint8, device=device).set_(tensors[name].untyped_storage())
                 description = self.share(whole)
                 if description is None:
                     return None
@@ -169,8 +192,8 @@ class HandoffSender(TransportSender):
                 storages.append({**description, "bytes": nbytes})
             places.append((described[address], data - address))
         # The manifest's digest in it: the places are those of its tensors, in its order.
-        text = json.dumps({"manifest": job.plan.manifest_digest, "storages": storages, "tensors": places})
-        self._layout = ((job.plan.manifest_digest, job.own), text, hashlib.sha256(text.encode()).hexdigest()[:32])
+        text = json.dumps({"manifest": manifest_digest, "storages": storages, "tensors": places, **self.fence()})
+        self._layout = ((manifest_digest, own), text, hashlib.sha256(text.encode()).hexdigest()[:32])
         return self._layout[2]
 
     def _ensure(self, sizes: list[int]) -> list[torch.Tensor]:
@@ -178,7 +201,7 @@ class HandoffSender(TransportSender):
             self.close()
             made = [self.allocate(index, size) for index, size in enumerate(sizes)]
             self._buffers = [buffer for buffer, _ in made]
-            self._descriptions = [json.dumps(description) for _, description in made]
+            self._descriptions = [json.dumps({**description, **self.fence()}) for _, description in made]
         return self._buffers
 
     def finished(self, plan: SyncPlan) -> None:
@@ -209,14 +232,24 @@ class HandoffReceiver(TransportReceiver):
         self.store: Any = None
         self.store_address: tuple[str, int] | None = None
         self.round: SyncRound | None = None  # the round being received
-        self._mapped: dict[str, Any] = {}  # description -> the buffer mapped from it
-        # The storages layout last received: its digest, and per manifest tensor
-        # (spec, the mapped storage, the tensor's byte offset in it, the storage's index).
-        self._layout: tuple[str, list[tuple[Any, Any, int, int]]] | None = None
+        self.layout_digest: str | None = None  # the storages layout the round's plan names
+        # description -> the buffer mapped from it, and its fence opened here
+        self._mapped: dict[str, tuple[Any, Any]] = {}
+        # The storages layout last received: its digest, per manifest tensor (spec,
+        # the mapped storage, the tensor's byte offset in it, the storage's index),
+        # and its fence opened here.
+        self._layout: tuple[str, list[tuple[Any, Any, int, int]], Any] | None = None
 
     @abc.abstractmethod
     def open(self, description: dict[str, Any], size: int, device: Any) -> Any:
         """The trainer's buffer that ``description`` names, as a uint8 tensor of ``size`` bytes."""
+
+    def open_fence(self, description: dict[str, Any]) -> Any:
+        """What the trainer's ``fence`` in ``description`` names, opened here (None: nothing)."""
+        return None
+
+    def wait(self, fence: Any) -> None:
+        """The loads issued after this read what the trainer wrote before marking ``fence``."""
 
     def begin(self, request: UpdateRequest, rank: int, device: Any) -> None:
         plan = request.plan
@@ -230,36 +263,42 @@ class HandoffReceiver(TransportReceiver):
                     phase="rendezvous") from exc
             self.store_address = address
         self.round = plan.round
+        self.layout_digest = plan.layouts.get(self.name)
+
+    def _read(self, key: str, deadline: float) -> str:
+        self.store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        return str(self.store.get(key).decode())
 
     def _announced(self, bucket: int, deadline: float) -> str:
         assert self.round is not None  # set by begin()
-        self.store.set_timeout(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        text = str(self.store.get(keys.sync_handoff(self.round, self.name, bucket)).decode())
+        text = self._read(keys.sync_handoff(self.round, self.name, bucket), deadline)
         if text.startswith('{"failed"'):
             raise WorkerLost(f"the trainer's handoff failed before bucket {bucket} was there: "
                              f"{json.loads(text)['failed']}", phase="transfer")
         return text
 
     def receive(self, sink: BucketSink, manifest: Manifest, device: Any, deadline: float) -> dict[str, float]:
-        t0 = time.monotonic()
-        first = self._announced(0, deadline)
-        if first.startswith('{"layout"'):
-            digest = json.loads(first)["layout"]
+        if self.layout_digest is not None:
+            t0 = time.monotonic()
+            digest = self.layout_digest
             held = self._layout is not None and self._layout[0] == digest
-            text = None if held else self.store.get(keys.sync_handoff_layout(self.name, digest)).decode()
+            text = None if held else self._read(keys.sync_handoff_layout(self.name, digest), deadline)
             return self._receive_storages(sink, manifest, device, digest, text, time.monotonic() - t0)
         self._layout = None
         wait_s = load_s = 0.0
         used: set[str] = set()
         for bucket in wire.iter_buckets(manifest):
             t0 = time.monotonic()
-            text = first if bucket.index == 0 else self._announced(bucket.index, deadline)
-            buffer = self._mapped.get(text)
-            if buffer is None or int(buffer.numel()) < bucket.size:
-                buffer = self.open(json.loads(text), bucket.size, device)
-                self._mapped[text] = buffer
+            text = self._announced(bucket.index, deadline)
+            mapped = self._mapped.get(text)
+            if mapped is None or int(mapped[0].numel()) < bucket.size:
+                description = json.loads(text)
+                mapped = (self.open(description, bucket.size, device), self.open_fence(description))
+                self._mapped[text] = mapped
             used.add(text)
+            buffer, fence = mapped
             t1 = time.monotonic()
+            self.wait(fence)
             sink.load(buffer[: bucket.size], bucket.specs, [spec.offset for spec in bucket.specs],
                       learn_in_place=False)
             sink.arrived([spec.name for spec in bucket.specs])
@@ -289,9 +328,10 @@ class HandoffReceiver(TransportReceiver):
                     raise SyncRefused(f"{spec.name} ({spec.nbytes} bytes at {offset}) lies outside "
                                       f"the trainer's storage {index} ({int(storages[index].numel())} bytes)")
                 placed.append((spec, storages[index], int(offset), int(index)))
-            self._layout = (digest, placed)
+            self._layout = (digest, placed, self.open_fence(layout))
         t1 = time.monotonic()
         assert self._layout is not None and self._layout[0] == digest
+        self.wait(self._layout[2])
         loaded = sink.load_tensors(self._layout[1])
         sink.arrived([spec.name for spec in manifest.tensors])
         return {"wire_s": wait_s + t1 - t0, "load_s": time.monotonic() - t1, **loaded}

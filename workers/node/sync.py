@@ -105,6 +105,9 @@ class SyncParticipant:
         self._lock = threading.Lock()
         self._shapes: dict[str, list[int]] | None = None
         self._shapes_loaded = False
+        # The last manifest that passed the check, as (digest, backend): a steady sync
+        # sends the same one again, checked in one comparison.
+        self._checked: tuple[str, str] | None = None
         # Catching up through a relay: the version, and the tensors its rounds brought so far.
         self._catching_up: tuple[int, set[str]] | None = None
         self._manifests: dict[str, Manifest] = {}  # by digest, the last few seen
@@ -185,6 +188,8 @@ class SyncParticipant:
         return manifest
 
     def _check_manifest(self, plan: SyncPlan) -> None:
+        if self._checked == (plan.manifest_digest, plan.backend):
+            return
         if not self._shapes_loaded:
             self._shapes = checkpoint_shapes(self.host.settings.model)
             self._shapes_loaded = True
@@ -202,6 +207,7 @@ class SyncParticipant:
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise ManifestMismatch("manifest refused: " + "; ".join(problems[:3]) + more, phase="trigger")
+        self._checked = (plan.manifest_digest, plan.backend)
 
     # ------------------------------------------------------------------ sync
 
@@ -248,7 +254,9 @@ class SyncParticipant:
                 raise SyncRefused(f"trainer called off round {plan.round} for {self.node}: {reason}")
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
-            stats = self._update_engine(plan, decision)
+            stats, released = self._update_engine(plan, decision)
+            if released:
+                self.host.weights_loading()
             if decision.group_round is not None and not decision.relayed(self.node):
                 self._groups[plan.transport_of(self.node)] = decision.group_round
             returned = time.monotonic()
@@ -259,7 +267,7 @@ class SyncParticipant:
             seconds.update(_call_ways(stats, t, returned))
             missing = self._incomplete(plan, decision)
             if missing is not None:
-                self._stay_fenced(plan, missing, seconds)
+                self._stay_fenced(plan, missing, seconds, released)
                 return
             self.host.weights_restored()
             t = time.monotonic()
@@ -272,7 +280,7 @@ class SyncParticipant:
             self.last_error = None
             for observe in self.on_synced:
                 observe(time.monotonic() - t_start)
-            self._ack(plan, "done", True, seconds=seconds)
+            self._ack(plan, "done", True, seconds=seconds, released=released)
             log.info("weight sync round %s: now at version %d", plan.round, plan.weight_version)
         except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
             failure = SyncFailure.of(exc)
@@ -318,19 +326,22 @@ class SyncParticipant:
         return (f"the update has not brought {len(missing)} of its checkpoint's {len(required)} tensors, "
                 f"e.g. {', '.join(missing[:3])}")
 
-    def _stay_fenced(self, plan: SyncPlan, missing: str, seconds: dict[str, float]) -> None:
+    def _stay_fenced(self, plan: SyncPlan, missing: str, seconds: dict[str, float], released: list[str]) -> None:
         """The engine loaded part of the plan's version: resume on it fenced (half-loaded)
-        and tell the coordinator why, in the "done" ack."""
+        and tell the coordinator why, in the "done" ack (with what the engine's copies end
+        with: the trainer waits for them all the same)."""
         message = f"{self.node} {missing}: it stays fenced until an update brings the whole model"
         self.host.resume(None, timeout=plan.timeouts.resume)
         self.state.fail_update(Fence(FenceReason.HALF_LOADED, message))
         self.last_error = message
         log.warning("weight sync round %s: %s", plan.round, message)
-        self._ack(plan, "done", False, error=SyncFailure(kind="refused", message=message), seconds=seconds)
+        self._ack(plan, "done", False, error=SyncFailure(kind="refused", message=message), seconds=seconds,
+                  released=released)
 
-    def _update_engine(self, plan: SyncPlan, decision: SyncDecision) -> list[dict[str, float]]:
+    def _update_engine(self, plan: SyncPlan, decision: SyncDecision) -> tuple[list[dict[str, float]], list[str]]:
         """The engine's part, one call on every rank (``UpdateRequest``); each rank's
-        seconds, or its failure raised as the error it stands for."""
+        seconds and what its copies end with where they may still run
+        (``UpdateResult.released``), or its failure raised as the error it stands for."""
         assert plan.manifest is not None
         # The engine keeps the last manifest it was sent: only a new layout travels.
         sent = None if self._engine_digest == plan.manifest_digest else plan.manifest.model_dump_json()
@@ -342,7 +353,7 @@ class SyncParticipant:
         if failed is not None:
             raise failed.error(phase="transfer", workers=[self.node])
         self._engine_digest = plan.manifest_digest
-        return [result.seconds for result in results]
+        return [result.seconds for result in results], [r.released for r in results if r.released is not None]
 
     def _check_rendezvous(self, plan: SyncPlan) -> None:
         """Fail before pausing when the trainer's store cannot be reached from here
@@ -455,9 +466,11 @@ class SyncParticipant:
         return self._store
 
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: SyncFailure | None = None,
-             seconds: dict[str, float] | None = None, group_round: SyncRound | None = None) -> None:
+             seconds: dict[str, float] | None = None, group_round: SyncRound | None = None,
+             released: list[str] | None = None) -> None:
         ack = SyncAck(node=self.node, round=plan.round, phase=phase,  # type: ignore[arg-type]
-                      ok=ok, error=error, seconds=seconds or {}, group_round=group_round)
+                      ok=ok, error=error, seconds=seconds or {}, group_round=group_round,
+                      released=released or [])
         name = keys.sync_acks(plan.round, phase)
         try:
             pipe = self.client.pipeline(transaction=False)  # one round trip
