@@ -51,6 +51,11 @@ def _uuid_of(index: int) -> str:
 
 
 class CudaIpcSender(HandoffSender):
+    def __init__(self, name: str, settings: SyncSettings) -> None:
+        super().__init__(name, settings)
+        self._written: torch.cuda.Event | None = None  # recorded after the trainer's writes
+        self._engines: dict[str, torch.cuda.Event] = {}  # the engines' "released" events, by handle
+
     def device(self) -> torch.device:
         import torch
 
@@ -77,11 +82,6 @@ class CudaIpcSender(HandoffSender):
             "counter_offset": int(counter_offset),
             "event_handle": bytes(event_handle).hex() if event_handle else "", "event_sync": bool(event_sync),
         }
-
-    def __init__(self, name: str, settings: SyncSettings) -> None:
-        super().__init__(name, settings)
-        self._written: torch.cuda.Event | None = None  # recorded after the trainer's writes
-        self._engines: dict[str, torch.cuda.Event] = {}  # the engines' "released" events, by handle
 
     def _written_event(self) -> torch.cuda.Event:
         import torch
@@ -116,6 +116,11 @@ class CudaIpcSender(HandoffSender):
 
 
 class CudaIpcReceiver(HandoffReceiver):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._fences: dict[str, torch.cuda.Event] = {}  # the trainer's "written" events, by handle
+        self._released: torch.cuda.Event | None = None
+
     def open(self, description: dict[str, Any], size: int, device: Any) -> Any:
         import torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -138,11 +143,6 @@ class CudaIpcReceiver(HandoffReceiver):
             description["event_sync"],
         )
         return tensor[:size]
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self._fences: dict[str, torch.cuda.Event] = {}  # the trainer's "written" events, by handle
-        self._released: torch.cuda.Event | None = None
 
     def open_fence(self, description: dict[str, Any]) -> Any:
         import torch

@@ -111,6 +111,7 @@ class HandoffSender(TransportSender):
         digest = self._storages_layout(plan.manifest_digest, tensors, own)
         if digest is None:
             return None
+        self.leaving(0)
         self.packed()
         self._store_layout(store)
         return digest
