@@ -50,6 +50,16 @@ def _uuid_of(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def _opened_event(opened: dict[str, torch.cuda.Event], handle: str) -> torch.cuda.Event:
+    """The other process's interprocess event of ``handle`` (hex), opened on this
+    process's current device once and kept in ``opened``."""
+    import torch
+
+    if handle not in opened:
+        opened[handle] = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(), bytes.fromhex(handle))
+    return opened[handle]
+
+
 class CudaIpcSender(HandoffSender):
     def __init__(self, name: str, settings: SyncSettings) -> None:
         super().__init__(name, settings)
@@ -102,11 +112,7 @@ class CudaIpcSender(HandoffSender):
 
         stream = torch.cuda.current_stream()
         for handle in handles:
-            event = self._engines.get(handle)
-            if event is None:
-                event = torch.cuda.Event.from_ipc_handle(stream.device, bytes.fromhex(handle))
-                self._engines[handle] = event
-            stream.wait_event(event)
+            stream.wait_event(_opened_event(self._engines, handle))
 
     def release(self) -> None:
         import torch
@@ -145,15 +151,8 @@ class CudaIpcReceiver(HandoffReceiver):
         return tensor[:size]
 
     def open_fence(self, description: dict[str, Any]) -> Any:
-        import torch
-
         handle = description.get("written")
-        if not handle:
-            return None
-        if handle not in self._fences:
-            self._fences[handle] = torch.cuda.Event.from_ipc_handle(
-                torch.cuda.current_device(), bytes.fromhex(handle))
-        return self._fences[handle]
+        return _opened_event(self._fences, handle) if handle else None
 
     def wait(self, fence: Any) -> None:
         if fence is not None:

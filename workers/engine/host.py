@@ -200,7 +200,7 @@ class EngineHost:
         # Whether an engine call returned with copies still running on the device (a
         # CUDA handoff's: ``weights_loading``): a sleep waits for them before vLLM
         # unmaps the memory they write.
-        self._device_busy = False
+        self._copies_running = False
         # Whether requests may enter the engine (a sync's pause, sleep) is the node's state.
         self.state = state if state is not None else NodeState()
         self.weight_version = 0
@@ -629,9 +629,9 @@ class EngineHost:
         # Even after a sync wakes the weights to load new ones, no request
         # enters until the KV cache wakes.
         self.state.sleep()
-        if self._device_busy:
+        if self._copies_running:
             self.collective_rpc("rq_settle", 120)
-            self._device_busy = False
+            self._copies_running = False
         self._weights_asleep = True  # before the call: a sleep that times out may still land
         if level >= 2:
             self._weights_dropped = True
@@ -675,7 +675,7 @@ class EngineHost:
     def weights_loading(self) -> None:
         """A sync's engine call returned while its copies still run on the device: the
         engine's own work is ordered after them, a sleep must wait for them first."""
-        self._device_busy = True
+        self._copies_running = True
 
     def weights_restored(self) -> None:
         """A sync loaded a whole model into weights a level-2 sleep had dropped."""
