@@ -15,9 +15,20 @@ the end of a ``generate`` task's run, after its handed-on check (a task the
 fleet handed to another worker while this one was cut off is dropped
 unstored, ``workers.queue.handed_on``), and a delivery of a task already
 finished is acked unrun (``workers.queue.dedup``); what the read still
-guarded, two runs of one task at once, ends with either run's result. Every
-other state (``FAILURE``, ``RETRY``, ``REVOKED``, ``STARTED``) is read
-first, as Celery does: none may replace a ``SUCCESS``.
+guarded, two runs of one task at once, ends with either run's result.
+
+Every other state (``FAILURE``, ``RETRY``, ``REVOKED``, ``STARTED``) may not
+replace a ``SUCCESS``. Celery reads the state, then writes: two round trips,
+and the write alone is what its retries (``ensure``) and redis-py's
+(``retry_on_timeout``) send again. A worker cut off from Redis just as it
+stored a task's ``STARTED`` sent that write again once its link was back,
+after the worker the task had been handed to had stored its ``SUCCESS``: the
+task stayed ``STARTED`` for good (its first run, handed on, stores nothing).
+Here the read and the write are one optimistic transaction (``WATCH``, read,
+``MULTI``/``EXEC``), and what is retried is the whole transaction: the state
+is read again each time. redis-py does not resend a transaction whose
+connection failed while it watched; a key changed between read and write
+fails the ``EXEC``, and the transaction runs again.
 
 A traced task's result (``tasks.trace``) gets its ``storing`` stamp here, as
 the backend begins to encode and write it.
@@ -33,9 +44,12 @@ from celery import states
 from celery.backends.redis import RedisBackend
 from celery.exceptions import BackendStoreError
 from kombu.utils.encoding import bytes_to_str
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import OutOfMemoryError, WatchError
 
 log = logging.getLogger(__name__)
+
+# Transactions of one non-final write whose key changed under them before it gives up.
+WATCHED_ATTEMPTS = 10
 
 
 def backend_url(redis_url: str) -> str:
@@ -57,15 +71,47 @@ class ResultBackend(RedisBackend):  # type: ignore[misc]
 
     def _store_result(self, task_id: str, result: Any, state: str, traceback: Any = None,
                       request: Any = None, **kwargs: Any) -> Any:
-        if state != states.SUCCESS:
-            return super()._store_result(task_id, result, state, traceback, request, **kwargs)
         meta = self._get_result_meta(result=result, state=state, traceback=traceback, request=request)
         meta["task_id"] = bytes_to_str(task_id)
+        key, value = self.get_key_for_task(task_id), self.encode(meta)
         try:
-            self._set_with_state(self.get_key_for_task(task_id), self.encode(meta), state)
+            if state == states.SUCCESS:
+                self._set_with_state(key, value, state)
+            else:
+                if isinstance(value, str) and len(value) > self._MAX_STR_VALUE_SIZE:
+                    raise BackendStoreError("value too large for Redis backend")
+                expires = self.failure_expires if state == states.FAILURE else None
+                self.ensure(self._set_unless_succeeded, (key, value, expires))
         except BackendStoreError as exc:
             raise BackendStoreError(str(exc), state=state, task_id=task_id) from exc
         return result
+
+    def _set_unless_succeeded(self, key: str, value: Any, expires: Any = None) -> bool:
+        """Celery's ``_set`` (the value, its expiry, its publish) unless ``key`` holds a
+        ``SUCCESS``, read and written in one transaction; whether it was written."""
+        if expires is None:
+            expires = self.expires
+        attempts = 0
+        with self.client.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    current = pipe.get(key)
+                    if current is not None and self.decode(current).get("status") == states.SUCCESS:
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    pipe.set(key, value, ex=expires or None)
+                    pipe.publish(key, value)
+                    pipe.execute()
+                    return True
+                except WatchError:
+                    # Changed under the transaction, or its connection failed while it
+                    # watched (a connection error now reaches ``ensure``): read again.
+                    attempts += 1
+                    if attempts == WATCHED_ATTEMPTS:
+                        raise
+                    pipe.reset()
 
     def on_connection_error(self, max_retries: int | None, exc: Exception, intervals: Any,
                             retries: int) -> float:
