@@ -29,7 +29,7 @@ from rollout_queue.cli.localstack import valkey_binary
 from rollout_queue.tasks import keys
 from tests.conftest import ENGINE_FLAGS, MAX_MODEL_LEN, tiny_model
 from tests.netns import Network, unavailable
-from tests.procs import LOGS, Proc, on_exit, python
+from tests.procs import LOGS, Proc, engine_cores, on_exit, python
 from tests.test_monitoring import compose_flower_columns
 
 pytestmark = pytest.mark.multihost
@@ -299,15 +299,21 @@ def test_a_worker_host_cut_from_redis_mid_task_is_declared_dead_its_tasks_finish
     w1 = hosts.workers["w1"]
     already_handed = len(log_lines(w1, "was handed to another worker"))
     # A task w1 holds when cut cannot be acked while the link is down: whatever
-    # its engine does meanwhile, the reaper hands it on. Long enough that w1
-    # still holds tasks when the cut follows its in-flight ledger's word (written
-    # as it fetches) that it holds one, on a fast machine too (a quiet CI
-    # machine ran six tasks of 4 x 256 tokens in 0.67 s).
+    # its engine does meanwhile, the reaper hands it on. So that w1 still holds
+    # one when the link goes down, its engine core is stopped (SIGSTOP) from
+    # before it fetches until the cut, a second or so (a fast machine ran w1's
+    # tasks to their acks between the ledger's word that w1 holds one and the
+    # cut). Its engine then runs them to completion while the link is down.
     long = {"temperature": 0.0, "max_tokens": 448, "ignore_eos": True}
-    ids = hosts.agent("send", tasks=[{"prompts": [f"cut {t} prompt {p}" for p in range(4)], "params": long,
-                                      "queue": QUEUE} for t in range(6)])
-    until(lambda: hosts.agent("scard", key=keys.inflight_key("w1@mh")) > 0, 120, "w1 to hold a task")
-    hosts.net.cut("w1")
+    (core,) = engine_cores(w1)
+    core.suspend()
+    try:
+        ids = hosts.agent("send", tasks=[{"prompts": [f"cut {t} prompt {p}" for p in range(4)], "params": long,
+                                          "queue": QUEUE} for t in range(6)])
+        until(lambda: hosts.agent("scard", key=keys.inflight_key("w1@mh")) > 0, 120, "w1 to hold a task")
+        hosts.net.cut("w1")
+    finally:
+        core.resume()
     cut_at = time.monotonic()
     try:
         gone_at = until(lambda: "w1@mh" not in hosts.agent("registry"), 30, "w1 to leave the registry")
@@ -340,7 +346,11 @@ def test_a_worker_host_cut_from_redis_mid_task_is_declared_dead_its_tasks_finish
     mended_at = time.monotonic()
 
     back_at = until(lambda: hosts.states().get("w1@mh") == "serving", 60, "w1 to register again")
-    metas = hosts.agent("results", ids=ids, timeout=240)
+    answer = hosts.agent.call("results", ids=ids, timeout=240)
+    # Not done: where each task stands (the agent's answer), and what the workers logged of it.
+    assert "ok" in answer, (answer, {name: [line for line in log_lines(proc, "") if any(i in line for i in ids)]
+                                     for name, proc in hosts.workers.items()})
+    metas = answer["ok"]
     done_at = time.monotonic()
     assert all(m["status"] == "SUCCESS" for m in metas.values()), metas
     # w1 ran the task it was generating when cut to completion in its engine;

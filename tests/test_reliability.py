@@ -60,7 +60,7 @@ from tests.private_redis import (
     server_fixture,
     wait_results,
 )
-from tests.procs import ARTIFACTS, Proc, free_port
+from tests.procs import ARTIFACTS, Proc, engine_cores, free_port
 
 QUEUE = POOL = "rel"
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
@@ -1059,14 +1059,22 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
 
     fenced, refused = count("fenced: Redis is full"), count("a result write was refused")
     was = {key: client.config_get(key)[key] for key in ("maxmemory", "maxmemory-policy")}
-    # Long enough to be generating when Redis fills (128 tokens a prompt finished first on a quiet machine).
     # An earlier test's last task can still be held (acked a moment later): a
     # held tag alone once let Redis fill before the busy task was even fetched.
     wait_for(lambda: not held_tags(server, "rel-a@tests"), 60, "rel-a to ack what earlier tests sent")
-    busy = send(producer, [f"busy p{p}" for p in range(16)], {"max_tokens": 480, "ignore_eos": True})
-    rel_worker.wait_until(lambda: count(f"[{busy.id}] received") > 0 and bool(held_tags(server, "rel-a@tests")),
-                          60, "rel-a to hold the busy task")
-    filled = fill_to_maxmemory(client)
+    # The busy task must still be generating when Redis is full: rel-a's engine
+    # core is stopped (SIGSTOP) from before the task is sent until Redis is
+    # full, a second or two (a quiet machine ran its 16 x 480 tokens in 1.5 s,
+    # done before the fill).
+    (core,) = engine_cores(rel_worker)
+    core.suspend()
+    try:
+        busy = send(producer, [f"busy p{p}" for p in range(16)], {"max_tokens": 480, "ignore_eos": True})
+        rel_worker.wait_until(lambda: count(f"[{busy.id}] received") > 0 and bool(held_tags(server, "rel-a@tests")),
+                              60, "rel-a to hold the busy task")
+        filled = fill_to_maxmemory(client)
+    finally:
+        core.resume()
     full_since = time.monotonic()
     try:
         with pytest.raises(BrokerFull, match="is full .*maxmemory.*nothing was enqueued"):

@@ -17,11 +17,20 @@ from rollout_queue.workers.queue.result_backend import ResultBackend, backend_ur
 
 @pytest.fixture
 def backend(redis_url: str) -> Iterator[ResultBackend]:
-    app = Celery("result-backend-tests", broker=redis_url, backend=backend_url(redis_url))
+    # Not the process's current app: later tests' results are read through theirs.
+    app = Celery("result-backend-tests", broker=redis_url, backend=backend_url(redis_url), set_as_current=False)
     app.conf.result_compression = "gzip"  # as tasks.app configures every app
     found = app.backend
     assert isinstance(found, ResultBackend)
     yield found
+    app.close()
+
+
+@pytest.fixture
+def other(backend: ResultBackend) -> Iterator[Any]:
+    """The backend of the worker a task was handed to (Celery's own)."""
+    app = Celery("other-worker", backend=backend.url, set_as_current=False)
+    yield app.backend
     app.close()
 
 
@@ -79,11 +88,10 @@ def test_states_before_a_success_replace_each_other_as_in_celery(backend: Result
 
 
 def test_a_success_stored_between_a_started_writes_read_and_its_write_stays(
-    backend: ResultBackend, monkeypatch: pytest.MonkeyPatch,
+    backend: ResultBackend, other: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     task_id = uuid.uuid4().hex
     backend.store_result(task_id, {"pid": 1}, states.STARTED)  # read as STARTED below
-    other = Celery("other-worker", backend=backend.url).backend  # the worker the task went to
 
     interleaved = Interleaved(backend.client, lambda: other.store_result(task_id, {"outputs": [7]}, states.SUCCESS))
     monkeypatch.setattr(backend, "client", interleaved)
@@ -94,13 +102,12 @@ def test_a_success_stored_between_a_started_writes_read_and_its_write_stays(
 
 
 def test_a_write_retried_after_its_connection_failed_reads_the_state_again(
-    backend: ResultBackend, monkeypatch: pytest.MonkeyPatch,
+    backend: ResultBackend, other: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The cut-off worker's case: its STARTED write failed with the link; meanwhile the
     task's new holder stored SUCCESS; the write's retry (the backend's ``ensure``)
     must not put STARTED back over it (Celery's own retry resends the bare SET)."""
     task_id = uuid.uuid4().hex
-    other = Celery("other-worker", backend=backend.url).backend
     interleaved = Interleaved(backend.client, lambda: other.store_result(task_id, {"outputs": [9]}, states.SUCCESS),
                               fails=redis_lib.ConnectionError("link down"))
     monkeypatch.setattr(backend, "client", interleaved)
