@@ -18,7 +18,6 @@ Each answer is ``{"ok": value}`` or ``{"error": class name, "message": ...,
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from typing import Any
@@ -71,6 +70,7 @@ class Agent:
         import redis
 
         from rollout_queue.tasks import app
+        from tests.whereabouts import whereabouts
 
         done: dict[str, Any] = {}
         deadline = time.monotonic() + timeout
@@ -78,7 +78,7 @@ class Agent:
             if time.monotonic() > deadline:
                 missing = [task_id for task_id in ids if task_id not in done]
                 raise TimeoutError(f"{len(missing)} of {len(ids)} tasks not done in {timeout:.0f}s: "
-                                   + "; ".join(self.whereabouts(task_id) for task_id in missing))
+                                   + "; ".join(whereabouts(self.redis_url, task_id) for task_id in missing))
             try:
                 for task_id in ids:
                     if task_id not in done:
@@ -89,33 +89,6 @@ class Agent:
                 pass
             time.sleep(0.2)
         return done
-
-    def whereabouts(self, task_id: str) -> str:
-        """Where a task that is not done stands: its stored state, and every Redis key
-        that names it or its delivery (queues, processing lists, ``unacked``, ledgers)."""
-        import redis
-
-        from rollout_queue.tasks import keys
-
-        try:
-            client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=5)
-            raw = client.get(f"celery-task-meta-{task_id}")
-            head = re.match(rb'^\{\s*"status"\s*:\s*"([A-Z_]+)"', raw or b"")
-            state = head.group(1).decode() if head else ("no result key" if raw is None else "unreadable")
-            places, tags = [], set()
-            for tag, entry in client.hgetall(keys.KOMBU_UNACKED).items():
-                if task_id.encode() in entry:
-                    tags.add(tag)
-                    places.append(f"unacked[{tag.decode()}]")
-            for key in client.scan_iter(count=1000):
-                kind = client.type(key)
-                if kind == b"list" and any(task_id.encode() in item for item in client.lrange(key, 0, -1)):
-                    places.append(f"list {key!r}")
-                elif kind == b"set" and tags & set(client.smembers(key)):
-                    places.append(f"set {key!r}")
-            return f"{task_id}: state {state}, in {', '.join(places) or 'no key'}"
-        except redis.RedisError as exc:
-            return f"{task_id}: not read ({exc})"
 
     def generate(self, tasks: list[dict[str, Any]], timeout: float) -> list[Any]:
         ids = self.send(tasks)

@@ -26,6 +26,7 @@ from rollout_queue.cli.localstack import RedisServer as LocalRedisServer
 from rollout_queue.cli.localstack import free_port
 from rollout_queue.tasks.settings import redis_url_env
 from tests.procs import ARTIFACTS, LOGS
+from tests.whereabouts import whereabouts
 
 
 class RedisServer(LocalRedisServer):
@@ -173,7 +174,8 @@ def wait_results(
             time.sleep(0.5)
     if pending:
         raise AssertionError(
-            f"{len(pending)} of {total} tasks not done within {timeout:.0f}s: {sorted(pending)[:5]}"
+            f"{len(pending)} of {total} tasks not done within {timeout:.0f}s: "
+            + "; ".join(whereabouts(app.conf.result_backend, task_id) for task_id in sorted(pending)[:5])
         )
     return done
 

@@ -1,0 +1,45 @@
+"""Where a task that is not done stands, read from Redis, for a test's failure message:
+its stored state, and every key that names it or its delivery (queues, processing
+lists, kombu's ``unacked``, the workers' in-flight and handed-on sets)."""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import redis
+from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
+
+from rollout_queue.tasks import keys
+
+_STATUS = re.compile(rb'^\{\s*"status"\s*:\s*"([A-Z_]+)"')
+
+
+def stored_state(raw: bytes | None) -> str:
+    """The state at the head of a stored result (compressed or not)."""
+    if raw is None:
+        return "no result key"
+    if raw.startswith(COMPRESSED_PAYLOAD_MAGIC):
+        raw = zlib.decompressobj(wbits=47).decompress(raw[len(COMPRESSED_PAYLOAD_MAGIC):].partition(b"\x00")[2])
+    head = _STATUS.match(raw)
+    return head.group(1).decode() if head else "unreadable"
+
+
+def whereabouts(redis_url: str, task_id: str) -> str:
+    try:
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        state = stored_state(client.get(f"celery-task-meta-{task_id}"))
+        places, tags = [], set()
+        for tag, entry in client.hgetall(keys.KOMBU_UNACKED).items():
+            if task_id.encode() in entry:
+                tags.add(tag)
+                places.append(f"unacked[{tag.decode()}]")
+        for key in client.scan_iter(count=1000):
+            kind = client.type(key)
+            if kind == b"list" and any(task_id.encode() in item for item in client.lrange(key, 0, -1)):
+                places.append(f"list {key.decode(errors='replace')}")
+            elif kind == b"set" and tags & set(client.smembers(key)):
+                places.append(f"set {key.decode(errors='replace')}")
+        return f"{task_id}: state {state}, in {', '.join(places) or 'no key'}"
+    except Exception as exc:  # noqa: BLE001  a failure message's detail must not raise
+        return f"{task_id}: not read ({exc})"
