@@ -16,10 +16,11 @@ below the pytest process, before pytest goes on as the signal says.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,19 @@ def install_guard() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
     atexit.register(kill_everything_started)
+
+
+@contextlib.contextmanager
+def engine_stopped(proc: LocalProcess) -> Iterator[None]:
+    """``proc``'s engine core stopped (SIGSTOP) for the block, then resumed: a
+    test's tasks are still generating when the fault it sets up lands, however
+    fast the machine (keep it to seconds: the worker's engine watch allows 30)."""
+    (core,) = engine_cores(proc)
+    core.suspend()
+    try:
+        yield
+    finally:
+        core.resume()
 
 
 def engine_cores(proc: LocalProcess) -> list[psutil.Process]:

@@ -29,7 +29,7 @@ from rollout_queue.cli.localstack import valkey_binary
 from rollout_queue.tasks import keys
 from tests.conftest import ENGINE_FLAGS, MAX_MODEL_LEN, tiny_model
 from tests.netns import Network, unavailable
-from tests.procs import LOGS, Proc, engine_cores, on_exit, python
+from tests.procs import LOGS, Proc, engine_stopped, on_exit, python
 from tests.test_monitoring import compose_flower_columns
 
 pytestmark = pytest.mark.multihost
@@ -305,15 +305,11 @@ def test_a_worker_host_cut_from_redis_mid_task_is_declared_dead_its_tasks_finish
     # tasks to their acks between the ledger's word that w1 holds one and the
     # cut). Its engine then runs them to completion while the link is down.
     long = {"temperature": 0.0, "max_tokens": 448, "ignore_eos": True}
-    (core,) = engine_cores(w1)
-    core.suspend()
-    try:
+    with engine_stopped(w1):
         ids = hosts.agent("send", tasks=[{"prompts": [f"cut {t} prompt {p}" for p in range(4)], "params": long,
                                           "queue": QUEUE} for t in range(6)])
         until(lambda: hosts.agent("scard", key=keys.inflight_key("w1@mh")) > 0, 120, "w1 to hold a task")
         hosts.net.cut("w1")
-    finally:
-        core.resume()
     cut_at = time.monotonic()
     try:
         gone_at = until(lambda: "w1@mh" not in hosts.agent("registry"), 30, "w1 to leave the registry")

@@ -60,7 +60,7 @@ from tests.private_redis import (
     server_fixture,
     wait_results,
 )
-from tests.procs import ARTIFACTS, Proc, engine_cores, free_port
+from tests.procs import ARTIFACTS, Proc, engine_stopped, free_port
 
 QUEUE = POOL = "rel"
 # Faster death detection than the defaults (10 s TTL + 10 s grace), same code.
@@ -1066,15 +1066,11 @@ def test_a_full_redis_fences_the_worker_which_stays_alive_keeps_its_task_and_ser
     # core is stopped (SIGSTOP) from before the task is sent until Redis is
     # full, a second or two (a quiet machine ran its 16 x 480 tokens in 1.5 s,
     # done before the fill).
-    (core,) = engine_cores(rel_worker)
-    core.suspend()
-    try:
+    with engine_stopped(rel_worker):
         busy = send(producer, [f"busy p{p}" for p in range(16)], {"max_tokens": 480, "ignore_eos": True})
         rel_worker.wait_until(lambda: count(f"[{busy.id}] received") > 0 and bool(held_tags(server, "rel-a@tests")),
                               60, "rel-a to hold the busy task")
         filled = fill_to_maxmemory(client)
-    finally:
-        core.resume()
     full_since = time.monotonic()
     try:
         with pytest.raises(BrokerFull, match="is full .*maxmemory.*nothing was enqueued"):

@@ -4,31 +4,17 @@ lists, kombu's ``unacked``, the workers' in-flight and handed-on sets)."""
 
 from __future__ import annotations
 
-import re
-import zlib
-
 import redis
-from celery.backends.base import COMPRESSED_PAYLOAD_MAGIC
 
 from rollout_queue.tasks import keys
-
-_STATUS = re.compile(rb'^\{\s*"status"\s*:\s*"([A-Z_]+)"')
-
-
-def stored_state(raw: bytes | None) -> str:
-    """The state at the head of a stored result (compressed or not)."""
-    if raw is None:
-        return "no result key"
-    if raw.startswith(COMPRESSED_PAYLOAD_MAGIC):
-        raw = zlib.decompressobj(wbits=47).decompress(raw[len(COMPRESSED_PAYLOAD_MAGIC):].partition(b"\x00")[2])
-    head = _STATUS.match(raw)
-    return head.group(1).decode() if head else "unreadable"
+from rollout_queue.workers.queue.dedup import status_of_head
 
 
 def whereabouts(redis_url: str, task_id: str) -> str:
     try:
         client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
-        state = stored_state(client.get(f"celery-task-meta-{task_id}"))
+        raw = client.get(f"celery-task-meta-{task_id}")
+        state = "no result key" if raw is None else status_of_head(raw) or "unreadable"
         places, tags = [], set()
         for tag, entry in client.hgetall(keys.KOMBU_UNACKED).items():
             if task_id.encode() in entry:

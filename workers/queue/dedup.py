@@ -76,7 +76,7 @@ class DuplicateGuard:
             head = self.client.getrange(self.backend.get_key_for_task(task_id), 0, HEAD_BYTES - 1)
         if not head:
             return None
-        state = _status_of_head(head if isinstance(head, bytes) else head.encode())
+        state = status_of_head(head if isinstance(head, bytes) else head.encode())
         if state is None:  # an encoding this fast path does not read: decode it all
             raw = self.client.get(self.backend.get_key_for_task(task_id))
             meta = self.backend.decode_result(raw) if raw else {}
@@ -98,7 +98,8 @@ class DuplicateGuard:
             self.duplicate_deliveries += 1
 
 
-def _status_of_head(head: bytes) -> str | None:
+def status_of_head(head: bytes) -> str | None:
+    """The state a stored result starts with (compressed or not); None: unreadable."""
     if head.startswith(COMPRESSED_PAYLOAD_MAGIC):
         content_type, _, body = head[len(COMPRESSED_PAYLOAD_MAGIC):].partition(b"\x00")
         if content_type not in (b"application/x-gzip", b"application/x-zlib", b"zlib", b"gzip"):
