@@ -141,7 +141,11 @@ class ResultWatcher:
             result: dict[str, Any] = meta["result"]
             return result
         if status == states.REVOKED:
-            raise ResultTimeout(f"task {task_id} was revoked or expired before a worker served it")
+            # A call's task expires when its timeout does (``expires``): a worker that
+            # fetched it later stores REVOKED, which can arrive before this wait ends
+            # (its clock started after the publish). That is the call's timeout too.
+            within = f"no result within {timeout:g}s: " if timeout is not None else ""
+            raise ResultTimeout(f"{within}task {task_id} was revoked or expired before a worker served it")
         error = meta.get("result")
         if isinstance(error, BaseException):
             raise error

@@ -60,6 +60,28 @@ def test_a_watcher_that_cannot_reach_redis_raises_broker_unavailable_naming_the_
         asyncio.run(start())
 
 
+def test_a_call_whose_task_expired_with_its_timeout_says_so_as_a_timeout_does(redis_url: str) -> None:
+    """A call's task expires when its timeout does: a worker that fetched it later
+    stores REVOKED, which can come back before the call's own wait ends (seen in
+    CI with a 0.05 s timeout). The error names the timeout either way."""
+    from rollout_queue.tasks.app import settings
+
+    async def scenario() -> None:
+        watcher = ResultWatcher(settings().redis_url.get_secret_value(), celery_app.backend, namespace="aio")
+        await watcher.start()
+        try:
+            task_id = watcher.new_task_id()
+            watcher.expect(task_id)
+            # What Celery's worker stores for a message fetched past its expiry.
+            await asyncio.to_thread(celery_app.backend.mark_as_revoked, task_id, "expired")
+            with pytest.raises(ResultTimeout, match=r"within 30s: .*revoked or expired"):
+                await watcher.result(task_id, 30.0)
+        finally:
+            await watcher.close()
+
+    asyncio.run(scenario())
+
+
 def test_as_completed_refuses_a_params_list_of_another_length_before_sending_anything(redis_url: str) -> None:
     async def scenario() -> None:
         with pytest.raises(InvalidRequest, match="2 params for 3 calls"):
