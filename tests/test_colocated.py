@@ -89,6 +89,11 @@ def versions(redis_client: Any) -> dict[str, int]:
     return {w.node: w.weight_version for w in live_workers(redis_client, POOL)}
 
 
+def said(redis_client: Any) -> dict[str, tuple[str, int]]:
+    """What the registry says of each pool worker: its state and weight version."""
+    return {w.node: (w.state, w.weight_version) for w in live_workers(redis_client, POOL)}
+
+
 def test_a_colocated_worker_is_handed_the_weights_through_shared_memory_beside_a_gloo_worker(
     workers: Any, sender: Any, weights: Any, reference_a: Any, redis_client: Any,
 ) -> None:
@@ -110,6 +115,9 @@ def test_a_colocated_worker_is_handed_the_weights_through_shared_memory_beside_a
     for version in (2, 3):
         report = sender.sync(weights["A"], version=version)
         assert report.backend == "shm+gloo" and report.reused_group
+        # A sync's start goes to the registry from a writer thread; its end, before the
+        # "done" ack: once the sync returns, no late "syncing" stands over it.
+        assert said(redis_client) == {NEAR: ("serving", version), FAR: ("serving", version)}
         on_a = by_worker(GREEDY)
         for node in (NEAR, FAR):
             assert all(tokens(r) == reference_a and r["weight_version"] == version for r in on_a[node])

@@ -109,9 +109,15 @@ class InPlaceMap:
     @staticmethod
     def unmoved(anchors: Iterable[tuple[Any, str, Any, int]]) -> bool:
         """Whether each parameter of ``anchors`` is still its module's, at the same address
-        (a parameter vLLM replaced, or whose data it swapped, is not)."""
-        return all(module._parameters.get(leaf) is param and param.data_ptr() == address
-                   for module, leaf, param, address in anchors)
+        (a parameter vLLM replaced, or whose data it swapped, is not).
+
+        vLLM's parameters are subclasses whose ``__torch_function__`` only defers to
+        ``Parameter``'s: with it on, each ``data_ptr()`` went through Python (~1.9 us
+        a parameter on a GPU host, 0.38 ms of every steady 7B handoff, before its
+        first copy); with it off, the same address in ~0.15 us."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return all(module._parameters.get(leaf) is param and param.data_ptr() == address
+                       for module, leaf, param, address in anchors)
 
     @contextmanager
     def watch(

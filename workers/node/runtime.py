@@ -9,7 +9,8 @@ Redis refuses for memory (a fetch, the registry) stops until its registry
 write goes through again (:meth:`WorkerRuntime.redis_full`).
 Its state (``workers.state.NodeState``, the engine host's) is written only
 through its transitions; the runtime follows each change, consuming its queues
-or not and publishing the registry entry.
+or not and publishing the registry entry (a change while a weight sync runs
+from the registry writer thread: the sync does not wait for it).
 It also owns the in-flight ledger and the reaper (``workers.queue.reaper``) that
 redeliver a dead worker's tasks.
 """
@@ -54,6 +55,11 @@ ENGINE_LOST_EXIT = 4
 # How long a worker whose engine is lost waits for its tasks to go back to the
 # queue before it stops (they go at once: their requests fail or are cancelled).
 HAND_BACK_S = 30.0
+# How long after a sync's start the registry writer says it: the sync's own steps in
+# this process (its pause, claim and engine call: ~1 ms on a GPU host) run first, the
+# write's Python (the entry's ~0.5 ms) not taking their interpreter lock; then the
+# engine copies and this process waits.
+SYNC_SAID_AFTER_S = 0.005
 # KEYS[1]: the registry key; ARGV: the entry, its TTL (ms). Goes through when Redis is
 # full (its first write, the DEL, frees what the SET takes again; a script that has
 # written is not stopped midway): the registry says the worker is fenced meanwhile.
@@ -109,6 +115,15 @@ class WorkerRuntime:
         self._consuming = True
         self.state.on_change(self._follow)
         self._stop = threading.Event()
+        # One registry write at a time, each of the state as it is when written: whatever
+        # order they run in, the last one says the latest state (reentrant: a write that
+        # fences or lifts a fence writes again inside). ``_removed``: the entry is gone
+        # for good (stop), nothing writes it again.
+        self._publishing = threading.RLock()
+        self._removed = False
+        # A change for the writer thread to say (set by _follow while a sync runs).
+        self._changed = threading.Event()
+        self._writer = threading.Thread(target=self._write_changes, name="registry-writer", daemon=True)
         self._hand_back: threading.Thread | None = None  # hand_back_waiting()'s, if any
         self._heartbeat = threading.Thread(target=self._beat, name="registry-heartbeat", daemon=True)
         self._last_tokens = (time.monotonic(), 0)
@@ -117,9 +132,26 @@ class WorkerRuntime:
     # ----------------------------------------------------------------- state
 
     def _follow(self, state: NodeState) -> None:
-        """After each change of the state: consume the queues or not, and say so in the registry."""
+        """After each change of the state: consume the queues or not, and say so in the registry.
+
+        While a weight sync runs, the writer thread says it: a sync's start is on the
+        path to the engine's first copy, and nobody waits for the registry to say
+        "syncing" (the sync's end writes the entry itself, on its own thread)."""
         self._set_consuming(state.consuming)
-        self.publish()
+        if state.current == "syncing":  # written SYNC_SAID_AFTER_S later
+            self._changed.set()
+        else:
+            self.publish()
+
+    def _write_changes(self) -> None:
+        """The registry writer thread: each change ``_follow`` hands it, written
+        ``SYNC_SAID_AFTER_S`` later (the sync's own steps in this process go first)."""
+        while True:
+            self._changed.wait()
+            if self._stop.wait(SYNC_SAID_AFTER_S):
+                return
+            self._changed.clear()
+            self.publish()
 
     def _set_consuming(self, on: bool) -> None:
         if on == self._consuming or self.consumer is None:
@@ -187,6 +219,11 @@ class WorkerRuntime:
         )
 
     def publish(self) -> None:
+        with self._publishing:
+            if not self._removed:
+                self._publish()
+
+    def _publish(self) -> None:
         ttl_ms = int(self.settings.registry_ttl_s * 1000)
         try:
             write_entry(self.client, self.node, self.info().model_dump_json(), ttl_ms)
@@ -231,6 +268,7 @@ class WorkerRuntime:
         except redis.RedisError as exc:
             log.warning("could not reclaim this node's previous tasks: %s", exc)
         self._heartbeat.start()
+        self._writer.start()
         self.reaper.start()
 
     def drain(self, timeout_s: float) -> None:
@@ -282,11 +320,14 @@ class WorkerRuntime:
             # reaper restores them later, counted: this process cannot tell it otherwise).
             log.warning("could not hand back the tasks this worker still holds: %s", exc)
         self.state.stopping()
+        self._changed.set()  # the writer thread ends (_stop is set)
         self.ledger.close()
-        try:
-            remove_entry(self.client, self.node)
-        except redis.RedisError:
-            pass
+        with self._publishing:
+            self._removed = True
+            try:
+                remove_entry(self.client, self.node)
+            except redis.RedisError:
+                pass
 
     def _beat(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
