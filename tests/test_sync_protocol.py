@@ -962,6 +962,40 @@ def test_a_handoff_of_the_trainers_own_storages_is_named_in_the_plan_and_made_an
         sender.close()
 
 
+class _DeferringParameter(torch.nn.Parameter):
+    """A parameter as vLLM's are (``BasevLLMParameter``): a ``__torch_function__`` that
+    only defers to ``Parameter``'s; it counts the torch functions that went through it."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_kept_load_plans_check_reads_vllm_style_parameters_and_sees_their_data_move() -> None:
+    from rollout_queue.weight_sync.inplace import InPlaceMap
+
+    module = torch.nn.Module()
+    module.weight = _DeferringParameter(torch.zeros(4, 4))
+    param = module.weight
+    anchors = [(module, "weight", param, param.data_ptr())]
+    before = _DeferringParameter.calls
+    assert InPlaceMap.unmoved(anchors)
+    assert _DeferringParameter.calls == before, "the check read the address through Python"
+    param.data = torch.ones(4, 4)  # vLLM gives it new storage
+    assert not InPlaceMap.unmoved(anchors)
+    anchors = [(module, "weight", param, param.data_ptr())]
+    assert InPlaceMap.unmoved(anchors)
+    module.weight = _DeferringParameter(torch.zeros(4, 4))  # or replaces it
+    assert not InPlaceMap.unmoved(anchors)
+    # The parameter's own torch functions are on again after the check.
+    before = _DeferringParameter.calls
+    module.weight.data_ptr()
+    assert _DeferringParameter.calls == before + 1
+
+
 def test_a_plan_naming_a_layout_the_trainer_never_stored_fails_the_engine_at_its_deadline() -> None:
     from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
     from rollout_queue.weight_sync.transports.shm import ShmReceiver
