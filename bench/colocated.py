@@ -18,7 +18,8 @@ weights of the chosen shape):
         seconds to wake it (level 1, no new weights) and to wake it with a
         handoff (level 2).
 
-Prints one JSON line per shape:
+Prints one JSON line per shape; its phases (the trainer's and the slowest
+worker's) are each one's median over the steady syncs, as the seconds are:
 
     python bench/colocated.py --device cpu                               # qwen2-0.5b, float32
     python bench/colocated.py --device cuda --shapes qwen2-0.5b qwen2-7b # bf16, GPU 0
@@ -48,7 +49,7 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def timed_syncs(sender: Any, weights: dict[str, Any], iters: int, first_version: int) -> tuple[list[float], Any]:
+def timed_syncs(sender: Any, weights: dict[str, Any], iters: int, first_version: int) -> tuple[list[float], list[Any]]:
     """Each sync's seconds until the bytes are in the engine: on CUDA the engine's
     copies may still run when the sync returns (the trainer's stream waits for
     them), so each sync is timed to a synchronize of the trainer's device after it
@@ -57,22 +58,32 @@ def timed_syncs(sender: Any, weights: dict[str, Any], iters: int, first_version:
 
     cuda = next(iter(weights.values())).device.type == "cuda"
     seconds: list[float] = []
-    report = None
+    reports = []
     for i in range(iters):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         report = sender.sync(weights, version=first_version + i, timeout=600)
+        reports.append(report)
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         log(f"{report.backend} sync {i}: {seconds[-1]:.4f}s landed, {report.seconds:.4f}s returned; phases "
             f"{ {k: round(v, 4) for k, v in report.phases.items()} } worker {report.worker_phases}")
-    return seconds, report
+    return seconds, reports
 
 
 def steady(seconds: list[float]) -> float:
     return statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
+
+
+def steady_phases(reports: list[Any], side: str = "worker_phases") -> dict[str, float]:
+    """Each phase's median over the steady syncs (all but the first) of ``reports``:
+    the trainer's (``side="phases"``) or the slowest worker's, each sync's own."""
+    steady_ones = reports[1:] or reports
+    names = dict.fromkeys(name for report in steady_ones for name in getattr(report, side))
+    return {name: round(statistics.median(getattr(r, side).get(name, 0.0) for r in steady_ones), 4)
+            for name in names}
 
 
 def engine_memory_mib() -> dict[int, int]:
@@ -182,16 +193,16 @@ def cpu_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -
     total = sum(t.numel() * t.element_size() for t in weights.values())
     chosen = {"bucket_bytes": args.bucket_mib << 20}
     gloo = sync_weights.WeightSender(SyncSettings(transport="gloo", **chosen), stack.tag)
-    gloo_s, gloo_report = timed_syncs(gloo, weights, args.iters, 1)
+    gloo_s, gloo_reports = timed_syncs(gloo, weights, args.iters, 1)
     gloo.close()
     shm = sync_weights.WeightSender(SyncSettings(**chosen), stack.tag)
-    shm_s, shm_report = timed_syncs(shm, weights, args.iters, 1 + args.iters)
-    assert shm_report.backend == "shm", shm_report.backend
+    shm_s, shm_reports = timed_syncs(shm, weights, args.iters, 1 + args.iters)
+    assert shm_reports[-1].backend == "shm", shm_reports[-1].backend
     # The trainer's tensors moved into shared memory (model.share_memory()): the
     # handoff names them, and the engine copies from them straight into place.
     for tensor in weights.values():
         tensor.share_memory_()
-    own_s, own_report = timed_syncs(shm, weights, args.iters, 1 + 2 * args.iters)
+    own_s, own_reports = timed_syncs(shm, weights, args.iters, 1 + 2 * args.iters)
     shm.close()
     return {
         "bench": "colocated", "device": "cpu", "shape": shape, "dtype": "float32", "bytes": total,
@@ -201,10 +212,10 @@ def cpu_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) -
         "shm_over_gloo": round(steady(shm_s) / steady(gloo_s), 3),
         "shared_first_s": round(own_s[0], 4), "shared_steady_s": round(steady(own_s), 4),
         "shared_over_gloo": round(steady(own_s) / steady(gloo_s), 3),
-        "shared_worker_phases_s": {k: round(v, 4) for k, v in own_report.worker_phases.items()},
-        "gloo_worker_phases_s": {k: round(v, 4) for k, v in gloo_report.worker_phases.items()},
-        "shm_worker_phases_s": {k: round(v, 4) for k, v in shm_report.worker_phases.items()},
-        "shm_phases_s": {k: round(v, 4) for k, v in shm_report.phases.items()},
+        "shared_worker_phases_s": steady_phases(own_reports),
+        "gloo_worker_phases_s": steady_phases(gloo_reports),
+        "shm_worker_phases_s": steady_phases(shm_reports),
+        "shm_phases_s": steady_phases(shm_reports, "phases"),
     }
 
 
@@ -224,8 +235,8 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
     weights = state_dict(shape, "bfloat16", "cuda:0")
     total = sum(t.numel() * t.element_size() for t in weights.values())
     sender = sync_weights.WeightSender(SyncSettings(bucket_bytes=args.bucket_mib << 20), stack.tag)
-    ipc_s, report = timed_syncs(sender, weights, args.iters, 1)
-    assert report.backend == "cuda_ipc", report.backend
+    ipc_s, reports = timed_syncs(sender, weights, args.iters, 1)
+    assert reports[-1].backend == "cuda_ipc", reports[-1].backend
 
     # The floor: the same bytes copied once on the device (into one flat buffer).
     copy_s = flat_copy_seconds(list(weights.values()), max(args.iters, 3))["copy_s"]
@@ -273,8 +284,8 @@ def cuda_run(args: argparse.Namespace, stack: Any, shape: str, model_dir: Path) 
         "device_copy_s": round(copy_s, 4), "ipc_over_copy": round(steady(ipc_s) / copy_s, 2),
         "cross_process_copy_s": {k: round(v, 4) for k, v in cross.items()},
         "ipc_over_pull_copy": round(steady(ipc_s) / cross["pull_copy_s"], 2),
-        "ipc_phases_s": {k: round(v, 4) for k, v in report.phases.items()},
-        "ipc_worker_phases_s": {k: round(v, 4) for k, v in report.worker_phases.items()},
+        "ipc_phases_s": steady_phases(reports, "phases"),
+        "ipc_worker_phases_s": steady_phases(reports),
         "sleep": sleeping,
     }
 
