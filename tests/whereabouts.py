@@ -7,13 +7,14 @@ from __future__ import annotations
 import redis
 
 from rollout_queue.tasks import keys
+from rollout_queue.tasks.app import app
 from rollout_queue.workers.queue.dedup import status_of_head
 
 
 def whereabouts(redis_url: str, task_id: str) -> str:
     try:
         client = redis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
-        raw = client.get(f"celery-task-meta-{task_id}")
+        raw = client.get(app.backend.get_key_for_task(task_id))
         state = "no result key" if raw is None else status_of_head(raw) or "unreadable"
         places, tags = [], set()
         for tag, entry in client.hgetall(keys.KOMBU_UNACKED).items():
