@@ -4,7 +4,8 @@ Workers write their ``WorkerInfo`` under ``rq:worker:<node>`` with a TTL
 refreshed by a heartbeat (``workers.node.runtime``), and their name into the
 set ``rq:workers`` (``keys.WORKERS``); a worker whose key expired is gone.
 Producers, the trainer and ``rollout-queue status`` read it here: the set's
-names, then their entries in one ``MGET``, never a ``SCAN`` of the keyspace.
+names, then their entries, in one script (one round trip), never a ``SCAN``
+of the keyspace.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from kombu.utils.encoding import bytes_to_str
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -47,13 +47,43 @@ def connect(
     )
 
 
+# The registry's entries, by name (sorted), in one round trip: the set's names,
+# then their keys in MGETs of at most 1,000 (Lua's unpack has a stack limit).
+# KEYS[1]: ``keys.WORKERS``; ARGV[1]: the entries' prefix.
+ENTRIES_SCRIPT = """
+local names = redis.call('SMEMBERS', KEYS[1])
+table.sort(names)
+local entries = {}
+for first = 1, #names, 1000 do
+  local batch = {}
+  for i = first, math.min(first + 999, #names) do
+    batch[#batch + 1] = ARGV[1] .. names[i]
+  end
+  for _, entry in ipairs(redis.call('MGET', unpack(batch))) do
+    entries[#entries + 1] = entry
+  end
+end
+return entries
+"""
+
+
 def live_workers(client: redis.Redis, pool: str | None = None) -> list[WorkerInfo]:
     """Every worker (of ``pool``, if given) whose heartbeat has not expired."""
     try:
-        names = sorted(keys.worker_key(bytes_to_str(node)) for node in client.smembers(keys.WORKERS))
-        values: list[Any] = client.mget(names) if names else []
+        values: list[Any] = read_entries(client)
     except redis.RedisError as exc:
         raise BrokerUnavailable(f"could not read the worker registry: {exc}") from exc
+    return workers_of(values, pool)
+
+
+def read_entries(client: Any) -> Any:
+    """The registry's entries (``ENTRIES_SCRIPT``), on ``client`` or queued in a pipeline:
+    what ``workers_of`` reads."""
+    return client.eval(ENTRIES_SCRIPT, 1, keys.WORKERS, keys.WORKER_KEY_PREFIX)
+
+
+def workers_of(values: list[Any], pool: str | None = None) -> list[WorkerInfo]:
+    """The workers (of ``pool``, if given) in the entries ``read_entries`` read."""
     workers = [WorkerInfo.model_validate_json(v) for v in values if v]
     return [w for w in workers if pool is None or w.pool == pool]
 

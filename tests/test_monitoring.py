@@ -644,7 +644,7 @@ def test_compose_file_parses_and_every_service_command_resolves_to_an_entry_poin
 def test_the_registry_is_read_from_its_set_of_names_and_a_sweep_prunes_only_names_whose_entry_expired(
     redis_client: redis_lib.Redis,
 ) -> None:
-    """``live_workers`` takes ``rq:workers`` and one MGET, never a SCAN of the keyspace
+    """``live_workers`` reads ``rq:workers`` and the entries it names, never a SCAN of the keyspace
     (which grows with every task result); an entry gone leaves its name behind
     until ``prune_workers`` (a reaper's sweep) drops it, and only it."""
     from rollout_queue.tasks.registry import live_workers, prune_workers, remove_entry, write_entry
@@ -671,3 +671,30 @@ def test_the_registry_is_read_from_its_set_of_names_and_a_sweep_prunes_only_name
         for node in nodes:
             remove_entry(redis_client, node)
         redis_client.delete(keys.worker_key("unlisted@tests"))
+
+
+def test_the_registry_reads_a_fleet_larger_than_one_batch_in_name_order(redis_client: redis_lib.Redis) -> None:
+    """The registry is read in one script whose MGETs take 1,000 names each: a fleet of
+    2,345 comes back whole, by name, each entry its own; an expired one left out."""
+    from rollout_queue.tasks.registry import live_workers
+
+    pool = "fleet"
+    nodes = [f"fleet-{i:04d}@tests" for i in range(2345)]
+    pipe = redis_client.pipeline(transaction=False)
+    for i, node in enumerate(reversed(nodes)):
+        info = WorkerInfo(node=node, pool=pool, queues=["fleet"], model="m", device="cpu", dtype="float32",
+                          state="serving", heartbeat_at=time.time(), weight_version=i)
+        pipe.set(keys.worker_key(node), info.model_dump_json(), px=60_000)
+        pipe.sadd(keys.WORKERS, node)
+    pipe.execute()
+    redis_client.delete(keys.worker_key(nodes[1000]))  # expired: its name stays in the set
+    try:
+        read = live_workers(redis_client, pool)
+        assert [w.node for w in read] == nodes[:1000] + nodes[1001:]
+        assert all(w.weight_version == len(nodes) - 1 - nodes.index(w.node) for w in read)
+    finally:
+        pipe = redis_client.pipeline(transaction=False)
+        for node in nodes:
+            pipe.delete(keys.worker_key(node))
+            pipe.srem(keys.WORKERS, node)
+        pipe.execute()

@@ -475,6 +475,9 @@ class EngineHostFake:
     def weights_asleep(self) -> bool:
         return False
 
+    def inflight_requests(self) -> int:
+        return 0
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         raise AssertionError("a sync of an awake engine wakes nothing")
 

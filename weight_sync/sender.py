@@ -89,6 +89,7 @@ from rollout_queue.tasks.app import settings as client_settings
 from rollout_queue.tasks.auth import signed_arguments
 from rollout_queue.tasks.errors import (
     BrokerLost,
+    BrokerUnavailable,
     ManifestMismatch,
     NoWorkers,
     RendezvousTimeout,
@@ -97,7 +98,7 @@ from rollout_queue.tasks.errors import (
     WeightSyncError,
     WorkerLost,
 )
-from rollout_queue.tasks.registry import connect, fleet_version, live_workers
+from rollout_queue.tasks.registry import connect, fleet_version, live_workers, read_entries, workers_of
 from rollout_queue.tasks.schemas import PauseMode, WorkerInfo
 from rollout_queue.weight_sync import transports, wire
 from rollout_queue.weight_sync.locality import host_id
@@ -238,6 +239,9 @@ class WeightSender:
         self._planned: tuple[Any, Manifest, str, str] | None = None
         # What the last sync of the caller's own tensors was planned from, and its manifest.
         self._steady: tuple[tuple[Any, ...], Manifest] | None = None
+        # The current sync's epoch, taken with its membership (``_read_round``), and the
+        # digest of the manifest whose key that round trip refreshed (None: none was).
+        self._taken: tuple[int, str | None] | None = None
 
     # ------------------------------------------------------------------ sync
 
@@ -257,39 +261,45 @@ class WeightSender:
             listed = list_tensors(weights)
 
             t = t_members = time.monotonic()
-            members = self.membership()
-            if stale_only:
-                if version is None:
-                    raise ValueError("stale_only syncs need the version to bring workers to")
-                members = [w for w in members if w.weight_version < version]
-                if not members:
-                    raise NoWorkers(f"no worker of pool {self.pool!r} is behind version {version}",
-                                    phase="membership")
-            phases["membership"] = time.monotonic() - t
+            if stale_only and version is None:
+                raise ValueError("stale_only syncs need the version to bring workers to")
+            try:
+                members, version = self._read_round(version)
+                if stale_only:
+                    members = [w for w in members if w.weight_version < version]
+                    if not members:
+                        raise NoWorkers(f"no worker of pool {self.pool!r} is behind version {version}",
+                                        phase="membership")
+                phases["membership"] = time.monotonic() - t
+                return self._sync(listed, members, version, pause, deadline, started, t_members, phases)
+            finally:
+                self._taken = None
 
-            t = time.monotonic()
-            version = self.next_version() if version is None else int(version)
-            backend = self.choose_backend(listed.pairs, members)
-            handoffs = self.choose_handoffs(members, backend)
-            manifest, tensors_by_name, own = self.plan_manifest(listed, members, backend)
-            phases["prepare"] = time.monotonic() - t + (t_members - started)
-            outcome = self.run_round(members, manifest, version, pause, backend, handoffs, deadline,
-                                     tensors_by_name, own=own, phases=phases)
-            plan, silent, failed, broken = outcome.plan, outcome.silent, outcome.failed, outcome.broken
-            report = outcome.report(manifest, time.monotonic() - started)
-            lost = {**silent, **failed}
-            if lost:
-                error = WorkerLost(
-                    f"weight sync round {plan.round} to version {version}: "
-                    + "; ".join(f"{node} ({why})" for node, why in sorted(lost.items()))
-                    + (f"; the transfer failed: {broken}" if broken is not None else "")
-                    + f". {len(outcome.committed)} worker(s) committed; the others are fenced until the next sync",
-                    phase="transfer" if broken is not None else "ready" if not failed else "commit",
-                    workers=lost,
-                )
-                error.report = report  # type: ignore[attr-defined]
-                raise error
-            return report
+    def _sync(self, listed: TensorList, members: list[WorkerInfo], version: int, pause: PauseMode,
+              deadline: float, started: float, t_members: float, phases: dict[str, float]) -> SyncReport:
+        """``sync`` once its members and version are read: plan, run the round, report."""
+        t = time.monotonic()
+        backend = self.choose_backend(listed.pairs, members)
+        handoffs = self.choose_handoffs(members, backend)
+        manifest, tensors_by_name, own = self.plan_manifest(listed, members, backend)
+        phases["prepare"] = time.monotonic() - t + (t_members - started)
+        outcome = self.run_round(members, manifest, version, pause, backend, handoffs, deadline,
+                                 tensors_by_name, own=own, phases=phases)
+        plan, silent, failed, broken = outcome.plan, outcome.silent, outcome.failed, outcome.broken
+        report = outcome.report(manifest, time.monotonic() - started)
+        lost = {**silent, **failed}
+        if lost:
+            error = WorkerLost(
+                f"weight sync round {plan.round} to version {version}: "
+                + "; ".join(f"{node} ({why})" for node, why in sorted(lost.items()))
+                + (f"; the transfer failed: {broken}" if broken is not None else "")
+                + f". {len(outcome.committed)} worker(s) committed; the others are fenced until the next sync",
+                phase="transfer" if broken is not None else "ready" if not failed else "commit",
+                workers=lost,
+            )
+            error.report = report  # type: ignore[attr-defined]
+            raise error
+        return report
 
     def run_round(
         self, members: list[WorkerInfo], manifest: Manifest, version: int, pause: PauseMode, backend: str,
@@ -447,13 +457,41 @@ class WeightSender:
 
     def membership(self) -> list[WorkerInfo]:
         """1. Live workers of the pool, from the registry."""
-        workers = [w for w in live_workers(self.client, self.pool) if w.state != "stopping"]
-        if not workers:
+        return self._members(live_workers(self.client, self.pool))
+
+    def _members(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The members of a round among the pool's live ``workers``: those not stopping."""
+        members = [w for w in workers if w.state != "stopping"]
+        if not members:
             raise NoWorkers(
                 f"no live worker in pool {self.pool!r}; start one with `rollout-queue worker`",
                 phase="membership",
             )
-        return workers
+        return members
+
+    def _read_round(self, version: int | None) -> tuple[list[WorkerInfo], int]:
+        """1. The round's members and version (``version``, or the fleet's next),
+        in one round trip that also takes the round's epoch and refreshes the key
+        of the last manifest planned: a trainer syncs the same layout every step,
+        and its plan then needs no other (``_take_epoch``)."""
+        digest = self._planned[3] if self._planned is not None else None
+        pipe = self.client.pipeline(transaction=False)
+        read_entries(pipe)
+        pipe.incr(keys.SYNC_EPOCH)
+        if version is None:
+            pipe.get(keys.fleet_version(self.pool))
+        if digest is not None:
+            pipe.expire(keys.sync_manifest(digest), keys.MANIFEST_TTL_S)
+        try:
+            entries, epoch, *rest = pipe.execute()
+        except redis.RedisError as exc:
+            raise BrokerUnavailable(f"could not read the worker registry: {exc}") from exc
+        if version is None:
+            current, *rest = rest
+            version = int(current or 0) + 1
+        kept = digest is not None and bool(rest[0])
+        self._taken = (int(epoch), digest if kept else None)
+        return self._members(workers_of(entries, self.pool)), int(version)
 
     def next_version(self) -> int:
         current = fleet_version(self.client, self.pool)
@@ -767,6 +805,12 @@ class WeightSender:
         assert self._planned is not None and self._planned[1] is manifest  # planned by manifest()
         text, digest = self._planned[2:]
         key = keys.sync_manifest(digest)
+        taken, self._taken = self._taken, None
+        if taken is not None:  # taken with the membership (_read_round)
+            epoch, refreshed = taken
+            if refreshed != digest:
+                self.client.set(key, text, ex=keys.MANIFEST_TTL_S)
+            return epoch, digest
         pipe = self.client.pipeline(transaction=False)
         pipe.incr(keys.SYNC_EPOCH)
         pipe.expire(key, keys.MANIFEST_TTL_S)

@@ -78,9 +78,17 @@ from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
 log = logging.getLogger(__name__)
 
+# A call on the trainer's store under way (``SyncParticipant._ask_store``), and its deadline.
+StoreCall = tuple[Future[SyncDecision], float]
+
 # Seconds waited for the decision past the plan's ``timeouts.decision`` (the
 # store's own round trips, a trainer slow to write it).
 DECISION_GRACE_S = 5.0
+# A decided round's "accepted" ack is pushed this much later, off the consumer
+# thread: nobody waits for it on the way to the engine's first copy (the trainer
+# reads it after announcing the handoff), while the claim and the hand-over to
+# the sync thread, which are on that way, would wait for its interpreter time.
+ACCEPTED_AFTER_S = 0.005
 
 
 class SyncParticipant:
@@ -100,6 +108,8 @@ class SyncParticipant:
         # timeout (giving up is one more round trip), so each is waited for here
         # and, past its deadline, left to end when its connection does.
         self._decision_reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-decision")
+        # Pushes the acks nobody on the way to the engine waits for, a little later.
+        self._courier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync-acks")
         self._current: Future[None] | None = None  # the last sync submitted, and its round
         self._current_round: SyncRound | None = None
         self._lock = threading.Lock()
@@ -159,13 +169,15 @@ class SyncParticipant:
                 # trainer's ready deadline.
                 if not plan.decided:
                     self._ack(plan, "accepted", True)
+                claim = self._claim_early(plan, running)
                 # From the trainer's publish to this handler (one clock when both share a host),
                 # and this handler's own time.
                 timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
-                self._current = self._pool.submit(self.sync, plan, timing, submitted_at=time.monotonic())
+                self._current = self._pool.submit(self.sync, plan, timing, submitted_at=time.monotonic(),
+                                                  claim=claim)
                 self._current_round = plan.round
                 if plan.decided:  # the sync goes on meanwhile: nobody waits for this ack
-                    self._ack(plan, "accepted", True)
+                    self._courier.submit(self._ack_later, plan, "accepted")
         except Exception as exc:  # noqa: BLE001  every refusal is answered, never raised into Celery
             log.warning("weight sync round %s refused: %s", named, exc)
             failure = SyncFailure.of(exc)
@@ -212,10 +224,11 @@ class SyncParticipant:
     # ------------------------------------------------------------------ sync
 
     def sync(self, plan: SyncPlan, timing: dict[str, float] | None = None, *,
-             submitted_at: float | None = None) -> None:
+             submitted_at: float | None = None, claim: StoreCall | None = None) -> None:
         """The sync after ``accept``, phase by phase (the module docstring's);
         ``timing``: the trigger's seconds, reported with the rest; ``submitted_at``:
-        when ``accept`` handed it to this thread (``start``: the hand-over's seconds)."""
+        when ``accept`` handed it to this thread (``start``: the hand-over's seconds);
+        ``claim``: a decided round's claim ``accept`` sent already (``_claim_early``)."""
         t_start = time.monotonic()
         seconds: dict[str, float] = dict(timing or {})
         if submitted_at is not None:
@@ -241,7 +254,7 @@ class SyncParticipant:
             if plan.decided:  # no "ready" ack: the round is this worker's once it claims it
                 ready = True
                 t = time.monotonic()
-                decision = self._claim(plan)
+                decision = self._claim(plan, claim)
                 seconds["claim"] = time.monotonic() - t
             else:
                 self._ack(plan, "ready", True, seconds=seconds,
@@ -405,19 +418,43 @@ class SyncParticipant:
         return self._from_store(plan, "got no decision for sync round", lambda store: (
             SyncDecision.model_validate_json(store.get(key))))
 
-    def _claim(self, plan: SyncPlan) -> SyncDecision:
+    def _claim(self, plan: SyncPlan, sent: StoreCall | None = None) -> SyncDecision:
         """A decided round (``SyncPlan.decided``): write its go decision in the trainer's
-        store unless the trainer has called the round off; the decision that stands."""
+        store unless the trainer has called the round off; the decision that stands.
+        ``sent``: the claim already on its way (``_claim_early``)."""
+        return self._store_answer(plan, "could not claim sync round", sent or self._send_claim(plan))
+
+    def _send_claim(self, plan: SyncPlan) -> StoreCall:
         mine = SyncDecision.handed(self.node)
-        return self._from_store(plan, "could not claim sync round", lambda store: mine.claim(store, plan.round))
+        return self._ask_store(plan, lambda store: mine.claim(store, plan.round))
+
+    def _claim_early(self, plan: SyncPlan, running: bool) -> StoreCall | None:
+        """A decided round's claim, sent as the trigger is accepted when nothing stands
+        between it and the engine call: no request in the engine (the pause is
+        nothing), its weights awake, the trainer's store client kept from an earlier
+        sync, no older round still running. Its round trip then overlaps the
+        hand-over to the sync thread. None: the sync thread claims after pausing
+        (so a trainer tired of a long pause can still call the round off)."""
+        if (not plan.decided or running or not self._store_kept(plan) or self.host.inflight_requests()
+                or self.host.weights_asleep()):
+            return None
+        return self._send_claim(plan)
+
+    def _ack_later(self, plan: SyncPlan, phase: str) -> None:
+        time.sleep(ACCEPTED_AFTER_S)
+        self._ack(plan, phase, True)
 
     def _from_store(self, plan: SyncPlan, what: str, call: Callable[[Any], SyncDecision]) -> SyncDecision:
         """``call`` on the trainer's store (the client is kept between syncs), for no
         longer than the plan's ``timeouts.decision`` (and a grace)."""
-        from torch.distributed import DistError, DistNetworkError
+        return self._store_answer(plan, what, self._ask_store(plan, call))
 
-        waited = plan.timeouts.decision + DECISION_GRACE_S
-        deadline = time.monotonic() + waited
+    def _ask_store(self, plan: SyncPlan, call: Callable[[Any], SyncDecision]) -> StoreCall:
+        """``call`` sent to the trainer's store from a thread of its own, with its deadline
+        (the plan's ``timeouts.decision`` and a grace, from now)."""
+        from torch.distributed import DistNetworkError
+
+        deadline = time.monotonic() + plan.timeouts.decision + DECISION_GRACE_S
 
         def read() -> SyncDecision:
             try:
@@ -428,8 +465,17 @@ class SyncParticipant:
                     raise
                 return call(self._decision_store(plan, deadline))
 
+        return self._decision_reads.submit(read), deadline
+
+    def _store_answer(self, plan: SyncPlan, what: str, asked: StoreCall) -> SyncDecision:
+        """The answer of a call ``_ask_store`` sent, waited for up to its deadline (and
+        a second); a failure raised as the ready phase's error, saying ``what`` failed."""
+        from torch.distributed import DistError
+
+        future, deadline = asked
+        waited = plan.timeouts.decision + DECISION_GRACE_S
         try:
-            return self._decision_reads.submit(read).result(timeout=max(deadline - time.monotonic(), 0.1) + 1.0)
+            return future.result(timeout=max(deadline - time.monotonic(), 0.1) + 1.0)
         except (DistError, OSError, FutureTimeout) as exc:
             # A client that timed out may still get the late answer: never reuse it.
             self._store = None
