@@ -663,6 +663,86 @@ def test_in_a_decided_round_the_first_decision_written_stands_and_a_called_off_w
     assert state.refusal() == "missed sync to version 3"
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_an_idle_worker_claims_a_decided_round_as_it_accepts_the_trigger_a_busy_one_after_pausing(
+    busy: bool,
+) -> None:
+    """Nothing between an idle engine and its engine call: the claim goes out with the
+    trigger's acceptance (the trainer giving up then finds the go standing) and the
+    "accepted" ack follows a few ms later, off that way. An engine with requests
+    in it claims only once paused: a trainer that gave up on the pause meanwhile
+    wins, and the worker loads nothing."""
+    import threading
+
+    from rollout_queue.weight_sync.protocol import SyncDecision
+    from rollout_queue.workers.node.sync import ACCEPTED_AFTER_S, SyncParticipant
+    from rollout_queue.workers.state import NodeState
+
+    paused = threading.Event()
+    release = threading.Event()
+
+    class Host(RecordingHost):  # its pause waits for the test; a request in it when busy
+        def inflight_requests(self) -> int:
+            return int(busy)
+
+        def pause(self, mode: str, timeout: float) -> None:
+            super().pause(mode, timeout)
+            paused.set()
+            assert release.wait(30)
+
+        def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
+            self.calls.append(("engine", method))
+            raise RuntimeError("no engine here")
+
+    class StampedAcks(AckLists):  # when each ack was pushed
+        def __init__(self) -> None:
+            super().__init__()
+            self.pushed: dict[str, float] = {}
+
+        def rpush(self, name: str, value: str) -> None:
+            super().rpush(name, value)
+            self.pushed[SyncAck.model_validate_json(value).phase] = time.monotonic()
+
+    port = free_port()
+    store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)
+    host, acks, state = Host(), StampedAcks(), NodeState()
+    state.ready()
+    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
+    empty = Manifest(tensors=[], bucket_sizes=[])
+    plan = _plan(round=SyncRound(f"1-early-{busy}-{time.time()}"), store_port=port, decided=True,
+                 handoffs={"w@h": "shm"}, issued_at=time.time())
+    participant._manifests[plan.manifest_digest] = empty
+    participant._shapes_loaded = True  # no checkpoint to check the (empty) manifest against
+    # The store client an earlier sync left connected.
+    participant._store = wire.connect_store("127.0.0.1", port, 30.0)
+    participant._store_address = ("127.0.0.1", port)
+    try:
+        accepted_at = time.monotonic()
+        assert participant.accept(plan.model_dump(mode="json")) == {"ok": True, "node": "w@h"}
+        assert paused.wait(30)
+        # The trainer gives the round up while the worker is still pausing.
+        stood = SyncDecision(go=False, reason="given up").claim(store, plan.round)
+        release.set()
+        assert participant._current is not None
+        participant._current.result(30)
+    finally:
+        release.set()
+        del store
+    participant._courier.shutdown(wait=True)  # the "accepted" ack, pushed a few ms later
+    (accepted,) = acks.acks(keys.sync_acks(plan.round, "accepted"))
+    assert accepted.ok and accepted.phase == "accepted"
+    (done,) = acks.acks(keys.sync_acks(plan.round, "done"))
+    assert not done.ok and done.error is not None
+    if busy:
+        assert not stood.go  # claimed only after the pause: the trainer's no-go stands
+        assert host.calls == [("pause", "wait"), ("resume", None)]  # no engine call
+        assert "called off" in done.error.message
+    else:
+        assert stood == SyncDecision.handed("w@h")  # claimed as the trigger was accepted
+        assert ("engine", "rq_update") in host.calls
+    assert acks.pushed["accepted"] - accepted_at >= ACCEPTED_AFTER_S
+
+
 def test_a_decided_round_nobody_answers_is_called_off_in_the_store_and_moves_no_version(redis_client: Any) -> None:
     """A colocated worker in the registry that never hears the trigger (gone, or
     another secret): the trainer waits the trigger's timeout, claims the round's
