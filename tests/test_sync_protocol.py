@@ -779,6 +779,47 @@ def test_a_decided_round_nobody_answers_is_called_off_in_the_store_and_moves_no_
         remove_entry(redis_client, node)
 
 
+def test_the_trainer_reads_members_version_and_epoch_in_one_round_trip_and_stores_a_manifest_gone_from_redis(
+    redis_client: Any,
+) -> None:
+    """A sync's first round trip reads the registry, the fleet's next version and the
+    round's epoch, and refreshes the last manifest's key; the plan then stores the
+    manifest only where that key was gone (a new layout, a flushed Redis)."""
+    from rollout_queue.tasks.registry import remove_entry, write_entry
+    from rollout_queue.weight_sync.sender import WeightSender, list_tensors
+    from rollout_queue.weight_sync.settings import SyncSettings
+
+    pool, node = f"reads-{time.time()}", "reads@tests"
+    info = _member(node, colocated=False, host="elsewhere").model_copy(update={"pool": pool, "queues": [pool]})
+    write_entry(redis_client, node, info.model_dump_json(), 60_000)
+    redis_client.set(keys.fleet_version(pool), 4)
+    sender = WeightSender(SyncSettings(bucket_bytes=1 << 20), pool)
+    weights = {"w": torch.ones(64)}
+    try:
+        members, version = sender._read_round(None)
+        assert [w.node for w in members] == [node] and version == 5
+        manifest, _, _ = sender.plan_manifest(list_tensors(weights), members, "gloo")
+        epoch, digest = sender._take_epoch(manifest)
+        stored = redis_client.get(keys.sync_manifest(digest))
+        assert stored is not None and Manifest.from_wire(stored, digest).wire()[1] == digest
+
+        redis_client.expire(keys.sync_manifest(digest), 60)
+        members, version = sender._read_round(9)  # the caller's version stands
+        assert version == 9
+        again, same = sender._take_epoch(manifest)
+        assert same == digest and again > epoch
+        assert redis_client.ttl(keys.sync_manifest(digest)) > 3600  # refreshed in the first round trip
+
+        redis_client.delete(keys.sync_manifest(digest))  # Redis flushed between two syncs
+        sender._read_round(10)
+        last, _ = sender._take_epoch(manifest)
+        assert last > again and redis_client.get(keys.sync_manifest(digest)) == stored
+    finally:
+        sender.close()
+        remove_entry(redis_client, node)
+        redis_client.delete(keys.fleet_version(pool))
+
+
 def test_a_worker_that_cannot_reach_the_trainers_store_fails_its_ready_ack_at_once_and_never_pauses(
 ) -> None:
     from rollout_queue.workers.node.sync import SyncParticipant
