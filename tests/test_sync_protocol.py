@@ -1120,6 +1120,62 @@ def test_the_kept_load_plans_check_reads_vllm_style_parameters_and_sees_their_da
     assert _DeferringParameter.calls == before + 1
 
 
+def test_a_kept_load_plan_checks_each_parameter_before_its_first_copy_and_plans_anew_when_one_moved() -> None:
+    """A steady handoff copies by the last load's plan, each parameter checked just
+    before the first copy into it (vLLM-style parameters read without their torch
+    functions). One that moved meanwhile stops the copies there (those before it
+    went to places that held) and the load is planned anew, into where it lies now."""
+    from types import SimpleNamespace
+
+    from rollout_queue.weight_sync.protocol import TensorSpec
+    from rollout_queue.weight_sync.receiver import EngineReceiver
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Module()
+            self.first.weight = _DeferringParameter(torch.zeros(4, 4))
+            self.second = torch.nn.Module()
+            self.second.weight = _DeferringParameter(torch.zeros(4, 4))  # holds "b" and "c", 32 bytes each
+            self.loaded: list[str] = []
+
+        def load_weights(self, weights: Any) -> None:
+            self.loaded += [name for name, _ in weights]
+
+    model = Model()
+    receiver = EngineReceiver(SimpleNamespace(model_runner=SimpleNamespace(model=model)), "direct")
+    receiver.in_place.places = {"a": ("first.weight", 0), "b": ("second.weight", 0), "c": ("second.weight", 32)}
+    buffer = torch.arange(16 + 8 + 8, dtype=torch.float32).view(torch.uint8)  # the trainer's storage
+    specs = [TensorSpec(name="a", dtype="float32", shape=[4, 4], bucket=0, offset=0, nbytes=64),
+             TensorSpec(name="b", dtype="float32", shape=[2, 4], bucket=0, offset=64, nbytes=32),
+             TensorSpec(name="c", dtype="float32", shape=[2, 4], bucket=0, offset=96, nbytes=32)]
+    tensors = [(spec, buffer, spec.offset, 0) for spec in specs]
+    whole = buffer.view(torch.float32)
+
+    def landed() -> bool:
+        return (torch.equal(model.first.weight.data.flatten(), whole[:16])
+                and torch.equal(model.second.weight.data.flatten(), whole[16:]))
+
+    assert receiver.load_tensors(tensors)["planned"] == 1.0 and landed()
+    whole += 100  # the trainer's step, in place
+    before = _DeferringParameter.calls
+    steady = receiver.load_tensors(tensors)
+    assert _DeferringParameter.calls == before, "the checks read the parameters' addresses through Python"
+    assert steady["planned"] == 0.0 and steady["in_place_tensors"] == 3 and landed()
+    assert steady["resolve_s"] >= 0 and steady["issue_s"] >= 0
+
+    whole += 100
+    old_second = model.second.weight.data
+    model.second.weight.data = torch.full((4, 4), -1.0)  # vLLM gives it new storage
+    kept = receiver._steady
+    assert kept is not None and kept.copy() is None  # stopped at the moved parameter...
+    assert torch.equal(model.first.weight.data.flatten(), whole[:16])  # ...after copying into the one before
+    assert not torch.equal(old_second.flatten(), whole[16:])  # nothing went through the stale places
+    assert torch.equal(model.second.weight.data, torch.full((4, 4), -1.0))
+    assert receiver.load_tensors(tensors)["planned"] == 1.0 and landed()  # planned anew: where it lies now
+    assert receiver.load_tensors(tensors)["planned"] == 0.0 and model.loaded == []
+
+
 def test_a_plan_naming_a_layout_the_trainer_never_stored_fails_the_engine_at_its_deadline() -> None:
     from rollout_queue.weight_sync.protocol import SyncDecision, UpdateRequest
     from rollout_queue.weight_sync.transports.shm import ShmReceiver

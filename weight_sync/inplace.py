@@ -113,11 +113,16 @@ class InPlaceMap:
 
         vLLM's parameters are subclasses whose ``__torch_function__`` only defers to
         ``Parameter``'s: with it on, each ``data_ptr()`` goes through Python (2.65 us
-        against 0.18 us with it off, on the 2-core VM). The check runs before a steady
-        handoff's first copy: 0.5-0.6 ms of a 7B one on an H100 host, 0.2-0.4 ms now."""
+        against 0.18 us with it off, on the 2-core VM): call this (and :meth:`holds`)
+        under ``torch._C.DisableTorchFunctionSubclass()``, as this does."""
         with torch._C.DisableTorchFunctionSubclass():
-            return all(module._parameters.get(leaf) is param and param.data_ptr() == address
-                       for module, leaf, param, address in anchors)
+            return all(InPlaceMap.holds(anchor) for anchor in anchors)
+
+    @staticmethod
+    def holds(anchor: tuple[Any, str, Any, int]) -> bool:
+        """Whether the parameter of one anchor is still its module's, at the same address."""
+        module, leaf, param, address = anchor
+        return module._parameters.get(leaf) is param and param.data_ptr() == address
 
     @contextmanager
     def watch(
