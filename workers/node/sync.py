@@ -441,8 +441,13 @@ class SyncParticipant:
         return self._send_claim(plan)
 
     def _ack_later(self, plan: SyncPlan, phase: str) -> None:
+        """The courier's job: ``phase``'s ok ack, ``ACCEPTED_AFTER_S`` from now (a failure
+        is logged here: nobody reads this job's future)."""
         time.sleep(ACCEPTED_AFTER_S)
-        self._ack(plan, phase, True)
+        try:
+            self._ack(plan, phase, True)
+        except Exception:  # the trainer's wait for it ends at its deadline
+            log.exception("could not push the %s ack of round %s", phase, plan.round)
 
     def _from_store(self, plan: SyncPlan, what: str, call: Callable[[Any], SyncDecision]) -> SyncDecision:
         """``call`` on the trainer's store (the client is kept between syncs), for no
