@@ -91,36 +91,34 @@ class InPlaceMap:
                 self._views[spec.name] = (param.data_ptr(), offset, out[spec.name])
         return out
 
-    def anchors(self, model: Any, names: Iterable[str]) -> list[tuple[Any, str, Any, int]]:
+    def anchors(self, model: Any, names: Iterable[str]) -> tuple[list[tuple[Any, str, Any, int]], list[int]]:
         """What the regions :meth:`targets` just gave for ``names`` rest on: per parameter,
-        its module, its name there, the parameter and its address. :meth:`unmoved`
-        then tells whether those regions still lie in the model's parameters, a
-        few attribute reads per parameter instead of a walk of the model."""
-        found: dict[str, tuple[Any, str, Any, int]] = {}
+        its module, its name there, the parameter and its address; and, per name, its
+        parameter's index in that list. :meth:`holds` then tells whether a region still
+        lies in the model's parameter, a few attribute reads instead of a walk of the model."""
+        found: dict[str, int] = {}
+        anchors: list[tuple[Any, str, Any, int]] = []
+        rests_on: list[int] = []
         for name in names:
             owner = self.places[name][0]
             if owner not in found:
                 prefix, _, leaf = owner.rpartition(".")
                 module = model.get_submodule(prefix)
                 param = module._parameters[leaf]
-                found[owner] = (module, leaf, param, param.data_ptr())
-        return list(found.values())
+                found[owner] = len(anchors)
+                anchors.append((module, leaf, param, param.data_ptr()))
+            rests_on.append(found[owner])
+        return anchors, rests_on
 
     @staticmethod
-    def unmoved(anchors: Iterable[tuple[Any, str, Any, int]]) -> bool:
-        """Whether each parameter of ``anchors`` is still its module's, at the same address
+    def holds(anchor: tuple[Any, str, Any, int]) -> bool:
+        """Whether the parameter of one anchor is still its module's, at the same address
         (a parameter vLLM replaced, or whose data it swapped, is not).
 
         vLLM's parameters are subclasses whose ``__torch_function__`` only defers to
         ``Parameter``'s: with it on, each ``data_ptr()`` goes through Python (2.65 us
-        against 0.18 us with it off, on the 2-core VM): call this (and :meth:`holds`)
-        under ``torch._C.DisableTorchFunctionSubclass()``, as this does."""
-        with torch._C.DisableTorchFunctionSubclass():
-            return all(InPlaceMap.holds(anchor) for anchor in anchors)
-
-    @staticmethod
-    def holds(anchor: tuple[Any, str, Any, int]) -> bool:
-        """Whether the parameter of one anchor is still its module's, at the same address."""
+        against 0.18 us with it off, on the 2-core VM): call this under
+        ``torch._C.DisableTorchFunctionSubclass()`` (``receiver._SteadyLoad.copy`` does)."""
         module, leaf, param, address = anchor
         return module._parameters.get(leaf) is param and param.data_ptr() == address
 

@@ -391,12 +391,13 @@ class EngineReceiver:
                 known.append(self._typed(spec, buffer, at))
             else:
                 unknown.setdefault(index, (buffer, []))[1].append((spec, at))
-        owners = [self.in_place.places[name][0] for name in placed]
-        anchor_at = {owner: at for at, owner in enumerate(dict.fromkeys(owners))}  # anchors() lists them so
-        self._steady = None if unknown else _SteadyLoad(
-            tensors=tensors, generation=self.in_place.generation, destinations=destinations, sources=sources,
-            known=known, anchors=self.in_place.anchors(model, placed),
-            rests_on=[anchor_at[owner] for owner in owners])
+        if unknown:
+            self._steady = None
+        else:
+            anchors, rests_on = self.in_place.anchors(model, placed)
+            self._steady = _SteadyLoad(
+                tensors=tensors, generation=self.in_place.generation, destinations=destinations, sources=sources,
+                known=known, anchors=anchors, rests_on=rests_on)
         return destinations, sources, known, unknown
 
     @staticmethod
