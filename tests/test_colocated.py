@@ -143,8 +143,10 @@ def test_a_trainer_whose_weights_live_in_shared_memory_hands_over_its_own_storag
     # The engine's host side of that load, reported with the worker's phases.
     assert received[1]["resolve_s"] > 0 and received[1]["issue_s"] > 0
     assert {"resolve", "issue"} <= set(report.worker_phases)
-    # The engine call's ways in and out, from the engine's stamps on this host's clock, within the call.
-    assert 0 < report.worker_phases["call_in"] + report.worker_phases["call_out"] <= report.worker_phases["update"]
+    # The engine call's ways in and out, from the engine's stamps on this host's clock, within
+    # the call: over the update line, both engines holding no request (weight_sync.update_line).
+    assert 0 < report.worker_phases["line_in"] + report.worker_phases["line_out"] <= report.worker_phases["update"]
+    assert "call_in" not in report.worker_phases
     on_b = by_worker(GREEDY)
     assert {str(tokens(r)) for r in on_b[NEAR]} == {str(tokens(r)) for r in on_b[FAR]} != {str(reference_a)}
 

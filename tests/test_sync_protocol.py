@@ -493,6 +493,9 @@ class EngineHostFake:
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         raise AssertionError(f"no engine to call {method}")
 
+    def update_engine(self, request: dict[str, Any], timeout: float) -> tuple[list[Any], str]:
+        return self.collective_rpc("rq_update", timeout, request), "call"
+
 
 class RecordingHost(EngineHostFake):
     """An engine host whose pause and resume only record that they were called."""

@@ -7,12 +7,17 @@ The worker host (``workers.node.sync``) calls it on every engine rank at once
 with ``collective_rpc``. Its steps mirror the sender's and run in this order,
 each refusing to run out of turn::
 
-    rq_attach(load_mode)                 once, at engine start
+    rq_attach(load_mode, line_path)      once, at engine start (and the update
+                                         line's listener: ``weight_sync.update_line``)
     rq_update(UpdateRequest)             the sync's one engine call, in turn:
       rq_begin_update(request)           join the transport           IDLE → JOINED
       rq_receive_buckets()               receive and load buckets     JOINED → RECEIVED
       rq_finish_update()                 verify, finalize             RECEIVED → IDLE
     rq_abort_update()                    from any phase               → IDLE
+
+A single-rank engine also takes ``rq_update`` over the update line, from a
+thread of its own; the receiver serves one call at a time, whichever way it
+came (``EngineReceiver.serial``).
 
 ``rq_update`` answers an ``UpdateResult``: its seconds, or the failure (a kind
 and a message) that stopped it. Its deadlines are the plan's
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +53,7 @@ from rollout_queue.weight_sync.protocol import (
     UpdateResult,
 )
 from rollout_queue.weight_sync.transports.base import TransportReceiver
+from rollout_queue.weight_sync.update_line import LineListener, core_stream, on_stream
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +179,9 @@ class EngineReceiver:
         # What the last update's reads of the trainer's memory end with, when they
         # may still run on the device (``TransportReceiver.finish``).
         self.released: str | None = None
+        # The sync's calls come from the engine core's thread (collective_rpc) and from
+        # the update line's: one at a time.
+        self.serial = threading.RLock()
 
     # ---------------------------------------------------------------- helpers
 
@@ -423,6 +433,7 @@ class WeightReceiver:
     it holds the rank's :class:`EngineReceiver` and forwards the sync's calls."""
 
     rq_receiver: EngineReceiver
+    rq_line: LineListener | None = None
 
     def _receiver(self) -> EngineReceiver:
         receiver = getattr(self, "rq_receiver", None)
@@ -430,9 +441,20 @@ class WeightReceiver:
             raise WeightSyncError("rq_attach was never called on this engine rank", phase="load")
         return receiver
 
-    def rq_attach(self, load_mode: str) -> str:
+    def rq_attach(self, load_mode: str, line_path: str | None = None) -> dict[str, Any]:
+        """Make this rank's receiver; on a single-rank engine, also listen for
+        ``rq_update`` on the update line at ``line_path`` (its updates run on this
+        thread's CUDA stream). Answers the load mode and the line's path (None: no line)."""
         self.rq_receiver = EngineReceiver(self, load_mode)
-        return load_mode
+        line = getattr(self, "rq_line", None)
+        if line is not None:  # attached again: the old line serves an old receiver
+            line.close()
+            self.rq_line = None
+        world_size = int(getattr(getattr(self, "parallel_config", None), "world_size", 1))
+        if line_path and world_size == 1:
+            stream = core_stream(self.rq_receiver.device())
+            self.rq_line = LineListener(line_path, self.rq_update, _failed, lambda: on_stream(stream))
+        return {"load_mode": load_mode, "line": line_path if getattr(self, "rq_line", None) else None}
 
     def rq_device_uuid(self) -> str:
         """The UUID of this rank's GPU ("" on CPU): the trainer tells "same GPU" by it."""
@@ -444,7 +466,9 @@ class WeightReceiver:
         return device_uuid(device.index)
 
     def rq_update(self, request: dict[str, Any]) -> dict[str, Any]:
-        return self._receiver().update(request)
+        receiver = self._receiver()
+        with receiver.serial:
+            return receiver.update(request)
 
     def rq_transfer_join(self, init: dict[str, Any]) -> int:
         """Join the trainer's own group (vLLM's weight-transfer init, ``transports.trainer_group``)
@@ -463,16 +487,24 @@ class WeightReceiver:
         return joined
 
     def rq_begin_update(self, request: UpdateRequest) -> int:
-        return self._receiver().begin_update(request)
+        receiver = self._receiver()
+        with receiver.serial:
+            return receiver.begin_update(request)
 
     def rq_receive_buckets(self) -> dict[str, float]:
-        return self._receiver().receive_buckets()
+        receiver = self._receiver()
+        with receiver.serial:
+            return receiver.receive_buckets()
 
     def rq_finish_update(self) -> int:
-        return self._receiver().finish_update()
+        receiver = self._receiver()
+        with receiver.serial:
+            return receiver.finish_update()
 
     def rq_abort_update(self) -> bool:
-        return self._receiver().abort_update()
+        receiver = self._receiver()
+        with receiver.serial:
+            return receiver.abort_update()
 
     def rq_settle(self) -> bool:
         """Wait until this rank's device has run what was issued on it (a handoff's
@@ -483,6 +515,11 @@ class WeightReceiver:
 
             torch.cuda.synchronize(device)
         return True
+
+
+def _failed(exc: BaseException) -> dict[str, Any]:
+    """The update line's answer to a call that raised (``update`` answers its own failures)."""
+    return UpdateResult(failure=SyncFailure.of(exc)).model_dump(mode="json")
 
 
 __all__ = ["EngineReceiver", "Phase", "WeightReceiver", "refresh_tied_layers"]

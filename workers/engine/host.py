@@ -22,6 +22,8 @@ import concurrent.futures
 import functools
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -30,6 +32,7 @@ from typing import Any, TypeVar
 
 from rollout_queue.tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput
+from rollout_queue.weight_sync.update_line import MAX_PATH_BYTES, LineUnavailable, UpdateLine
 from rollout_queue.workers.engine import orphans
 from rollout_queue.workers.engine.errors import AbortedForSync, EngineLost, HandedOff
 from rollout_queue.workers.engine.run import Drain, GenerationRun, RunOptions, prompt_of, version_spans
@@ -234,6 +237,9 @@ class EngineHost:
         # Why the engine is lost (died, or stopped answering: lose()); None while it serves.
         self.lost: str | None = None
         self.on_lost: list[Callable[[str], None]] = []  # the runtime: fence, hand back, leave
+        # The update line to a single-rank engine (``update_engine``), and its directory.
+        self._line: UpdateLine | None = None
+        self._line_dir: str | None = None
 
     # ------------------------------------------------------------------ life
 
@@ -293,7 +299,21 @@ class EngineHost:
         self.max_model_len = int(config.max_model_len)
         self.vocab_size = int(config.get_vocab_size())
         self.dtype = str(config.dtype).removeprefix("torch.")
-        self.call(self.engine.collective_rpc("rq_attach", args=(self.load_mode,)))
+        self._attach()
+
+    def _attach(self) -> None:
+        """Make the engine ranks' receivers (``rq_attach``); a single-rank engine also
+        listens on the update line (``weight_sync.update_line``), at a path in a
+        directory of this worker's own."""
+        self._line_dir = tempfile.mkdtemp(prefix="rq-line-")
+        path = os.path.join(self._line_dir, "update")
+        fits = len(os.fsencode(path)) <= MAX_PATH_BYTES
+        if not fits:
+            log.info("no update line: its path %s is too long for a Unix socket (TMPDIR)", path)
+        answers = self.call(self.engine.collective_rpc("rq_attach", args=(self.load_mode, path if fits else None)))
+        lines = [answer.get("line") for answer in answers if isinstance(answer, dict)]
+        if len(answers) == 1 and lines and lines[0]:
+            self._line = UpdateLine(lines[0])
 
     @property
     def load_mode(self) -> str:
@@ -306,11 +326,15 @@ class EngineHost:
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine; ``timeout``: seconds its processes get before they are
         killed (None: vLLM's default)."""
+        if self._line is not None:
+            self._line.close()
         if self.engine is not None:
             try:
                 self.engine.shutdown(timeout=timeout)
             except Exception:  # shutting down: nothing left to report to
                 log.exception("engine shutdown failed")
+        if self._line_dir is not None:
+            shutil.rmtree(self._line_dir, ignore_errors=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     # ------------------------------------------------------------ generation
@@ -594,6 +618,18 @@ class EngineHost:
 
     def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
         return self.call(self.engine.collective_rpc(method, args=args), timeout=timeout)
+
+    def update_engine(self, request: dict[str, Any], timeout: float) -> tuple[list[Any], str]:
+        """A sync's engine call (``rq_update``) on every rank: its answers, and the way
+        it took. Over the update line ("line") when the engine holds no request (its
+        core's loop then waits for input: nothing else touches the weights) and the
+        line answers; else through vLLM ("call": ``collective_rpc``)."""
+        if self._line is not None and self.inflight_requests() == 0:
+            try:
+                return [self._line.call(request, timeout)], "line"
+            except LineUnavailable as exc:  # nothing was sent: the engine still waits for the call
+                log.warning("%s; this update goes through vLLM", exc)
+        return self.collective_rpc("rq_update", timeout, request), "call"
 
     def reset_prefix_cache(self) -> bool:
         return self.call(self._reset_prefix_cache(), timeout=30)

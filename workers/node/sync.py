@@ -18,9 +18,10 @@ in ``weight_sync.sender``):
              "ready" ack and no wait: claim the round by writing the go decision
              there unless the trainer has called it off
     update   rq_update(UpdateRequest) on every engine rank, one call
-             (``weight_sync.receiver``): join (or reuse) the group, receive
-             the buckets over gloo / NCCL and load them, check every entry
-             arrived, finalize; an UpdateResult per rank
+             (``weight_sync.receiver``; to an idle single-rank engine over the
+             update line, ``weight_sync.update_line``): join (or reuse) the
+             group, receive the buckets over gloo / NCCL and load them, check
+             every entry arrived, finalize; an UpdateResult per rank
     commit   reset prefix cache, new version, resume, open intake → push "done" ack
 
 Log lines, acks and errors name the round by its one name (``SyncRound``,
@@ -267,7 +268,7 @@ class SyncParticipant:
                 raise SyncRefused(f"trainer called off round {plan.round} for {self.node}: {reason}")
             t = time.monotonic()
             changed = True  # until the engine says no weight changed
-            stats, released = self._update_engine(plan, decision)
+            stats, released, way = self._update_engine(plan, decision)
             if released:
                 self.host.weights_loading()
             if decision.group_round is not None and not decision.relayed(self.node):
@@ -277,7 +278,7 @@ class SyncParticipant:
             for step in ("join", "receive", "wire", "load", "resolve", "issue", "finish"):  # the slowest rank's
                 if any(f"{step}_s" in s for s in stats):
                     seconds[step] = max(s.get(f"{step}_s", 0.0) for s in stats)
-            seconds.update(_call_ways(stats, t, returned))
+            seconds.update(_call_ways(stats, t, returned, way))
             missing = self._incomplete(plan, decision)
             if missing is not None:
                 self._stay_fenced(plan, missing, seconds, released)
@@ -351,22 +352,24 @@ class SyncParticipant:
         self._ack(plan, "done", False, error=SyncFailure(kind="refused", message=message), seconds=seconds,
                   released=released)
 
-    def _update_engine(self, plan: SyncPlan, decision: SyncDecision) -> tuple[list[dict[str, float]], list[str]]:
+    def _update_engine(self, plan: SyncPlan, decision: SyncDecision) -> tuple[
+            list[dict[str, float]], list[str], str]:
         """The engine's part, one call on every rank (``UpdateRequest``); each rank's
-        seconds and what its copies end with where they may still run
-        (``UpdateResult.released``), or its failure raised as the error it stands for."""
+        seconds, what its copies end with where they may still run
+        (``UpdateResult.released``), and the way the call took (``EngineHost.update_engine``:
+        "line" or "call"), or its failure raised as the error it stands for."""
         assert plan.manifest is not None
         # The engine keeps the last manifest it was sent: only a new layout travels.
         sent = None if self._engine_digest == plan.manifest_digest else plan.manifest.model_dump_json()
         self._engine_digest = None  # until this call has succeeded
         request = UpdateRequest(plan=plan, decision=decision, node=self.node, manifest=sent)
-        answers = self.host.collective_rpc("rq_update", plan.timeouts.update, request.model_dump(mode="json"))
+        answers, way = self.host.update_engine(request.model_dump(mode="json"), plan.timeouts.update)
         results = [UpdateResult.model_validate(answer) for answer in answers]
         failed = next((r.failure for r in results if r.failure is not None), None)
         if failed is not None:
             raise failed.error(phase="transfer", workers=[self.node])
         self._engine_digest = plan.manifest_digest
-        return [result.seconds for result in results], [r.released for r in results if r.released is not None]
+        return [result.seconds for result in results], [r.released for r in results if r.released is not None], way
 
     def _check_rendezvous(self, plan: SyncPlan) -> None:
         """Fail before pausing when the trainer's store cannot be reached from here
@@ -541,15 +544,16 @@ def round_named(raw_plan: Any) -> str:
     return str(raw_plan.get("round", "?")) if isinstance(raw_plan, dict) else "?"
 
 
-def _call_ways(stats: list[dict[str, float]], called: float, returned: float) -> dict[str, float]:
+def _call_ways(stats: list[dict[str, float]], called: float, returned: float, way: str = "call") -> dict[str, float]:
     """The engine call's way in (``call_in``: the call made here to the engine method's
     start) and out (``call_out``: its end to the answer here), the slowest rank's, from
     the ranks' stamps (``entered_at``, ``left_at``) on this host's monotonic clock;
-    none where a rank's stamps fall outside the call (a rank on another host)."""
+    none where a rank's stamps fall outside the call (a rank on another host). Named
+    ``line_in`` and ``line_out`` when the call took the update line (``way``)."""
     ways = [(s["entered_at"] - called, returned - s["left_at"]) for s in stats if "entered_at" in s]
-    if not ways or not all(0.0 <= way <= returned - called for pair in ways for way in pair):
+    if not ways or not all(0.0 <= w <= returned - called for pair in ways for w in pair):
         return {}
-    return {"call_in": max(w for w, _ in ways), "call_out": max(w for _, w in ways)}
+    return {f"{way}_in": max(w for w, _ in ways), f"{way}_out": max(w for _, w in ways)}
 
 
 def _is_loopback(host: str) -> bool:
