@@ -799,7 +799,7 @@ def test_the_trainer_reads_members_version_and_epoch_in_one_round_trip_and_store
     sender = WeightSender(SyncSettings(bucket_bytes=1 << 20), pool)
     weights = {"w": torch.ones(64)}
     try:
-        members, version = sender._read_round(None)
+        members, version = sender._read_round(sender._ask_round(None), None)
         assert [w.node for w in members] == [node] and version == 5
         manifest, _, _ = sender.plan_manifest(list_tensors(weights), members, "gloo")
         epoch, digest = sender._take_epoch(manifest)
@@ -807,14 +807,14 @@ def test_the_trainer_reads_members_version_and_epoch_in_one_round_trip_and_store
         assert stored is not None and Manifest.from_wire(stored, digest).wire()[1] == digest
 
         redis_client.expire(keys.sync_manifest(digest), 60)
-        members, version = sender._read_round(9)  # the caller's version stands
+        members, version = sender._read_round(sender._ask_round(9), 9)  # the caller's version stands
         assert version == 9
         again, same = sender._take_epoch(manifest)
         assert same == digest and again > epoch
         assert redis_client.ttl(keys.sync_manifest(digest)) > 3600  # refreshed in the first round trip
 
         redis_client.delete(keys.sync_manifest(digest))  # Redis flushed between two syncs
-        sender._read_round(10)
+        sender._read_round(sender._ask_round(10), 10)
         last, _ = sender._take_epoch(manifest)
         assert last > again and redis_client.get(keys.sync_manifest(digest)) == stored
     finally:

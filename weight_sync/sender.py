@@ -98,6 +98,7 @@ from rollout_queue.tasks.errors import (
     WeightSyncError,
     WorkerLost,
 )
+from rollout_queue.tasks.pipelined import SentPipeline
 from rollout_queue.tasks.registry import connect, fleet_version, live_workers, read_entries, workers_of
 from rollout_queue.tasks.schemas import PauseMode, WorkerInfo
 from rollout_queue.weight_sync import transports, wire
@@ -254,17 +255,22 @@ class WeightSender:
         *,
         stale_only: bool = False,
     ) -> SyncReport:
+        if stale_only and version is None:
+            raise ValueError("stale_only syncs need the version to bring workers to")
         with self._lock:
             started = time.monotonic()
             deadline = started + timeout
             phases: dict[str, float] = {}
-            listed = list_tensors(weights)
+            asked = self._ask_round(version)  # Redis answers while the tensors are listed
+            try:
+                listed = list_tensors(weights)
+            except BaseException:
+                asked[0].drop()
+                raise
 
             t = t_members = time.monotonic()
-            if stale_only and version is None:
-                raise ValueError("stale_only syncs need the version to bring workers to")
             try:
-                members, version = self._read_round(version)
+                members, version = self._read_round(asked, version)
                 if stale_only:
                     members = [w for w in members if w.weight_version < version]
                     if not members:
@@ -469,11 +475,13 @@ class WeightSender:
             )
         return members
 
-    def _read_round(self, version: int | None) -> tuple[list[WorkerInfo], int]:
-        """1. The round's members and version (``version``, or the fleet's next),
-        in one round trip that also takes the round's epoch and refreshes the key
-        of the last manifest planned: a trainer syncs the same layout every step,
-        and its plan then needs no other (``_take_epoch``)."""
+    def _ask_round(self, version: int | None) -> tuple[SentPipeline, str | None]:
+        """1. The round trip that reads the round's members and version (``version``,
+        or the fleet's next), takes the round's epoch and refreshes the key of the
+        last manifest planned (a trainer syncs the same layout every step, and its
+        plan then needs no other: ``_take_epoch``), sent now and read by
+        ``_read_round``, with the digest of that manifest. Running it twice takes two
+        epochs, harmlessly."""
         digest = self._planned[3] if self._planned is not None else None
         pipe = self.client.pipeline(transaction=False)
         read_entries(pipe)
@@ -482,8 +490,14 @@ class WeightSender:
             pipe.get(keys.fleet_version(self.pool))
         if digest is not None:
             pipe.expire(keys.sync_manifest(digest), keys.MANIFEST_TTL_S)
+        return SentPipeline(pipe), digest
+
+    def _read_round(self, asked: tuple[SentPipeline, str | None], version: int | None) -> tuple[
+            list[WorkerInfo], int]:
+        """The round's members and version, from the round trip ``_ask_round`` sent."""
+        sent, digest = asked
         try:
-            entries, epoch, *rest = pipe.execute()
+            entries, epoch, *rest = sent.answers()
         except redis.RedisError as exc:
             raise BrokerUnavailable(f"could not read the worker registry: {exc}") from exc
         if version is None:
