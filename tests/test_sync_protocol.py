@@ -142,6 +142,43 @@ def test_a_sync_of_the_tensors_the_last_one_sent_reuses_its_plan_and_anything_mo
     assert own is None  # copies again: never reused as the caller's own
 
 
+def test_the_tensors_of_the_last_sync_listed_again_keep_their_layout_until_one_moves_and_are_held_weakly() -> None:
+    import gc
+    import weakref
+
+    from rollout_queue.weight_sync.sender import list_tensors
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    model[1].weight = model[0].weight  # tied: sent once
+    first = list_tensors(model)
+    last = first.skeleton()
+    assert last.pairs == [] and [n for n, _ in first.pairs] == ["0.weight", "0.bias", "1.bias"]
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # an optimizer step: in place
+    again = list_tensors(model, last)
+    assert again.layout is first.layout and [n for n, _ in again.pairs] == ["0.weight", "0.bias", "1.bias"]
+    assert torch.equal(again.pairs[0][1], model[0].weight) and not again.pairs[0][1].requires_grad
+
+    # Anything that moved or changed form is listed anew: new memory, another dtype
+    # over the same bytes, other names for the same tensors.
+    model[0].bias.data = torch.zeros(8)
+    assert list_tensors(model, last).layout != first.layout
+    state = {"a": torch.zeros(4, 4), "b": torch.ones(3)}
+    kept = list_tensors(state).skeleton()
+    assert list_tensors(dict(state), kept).layout is kept.layout
+    assert list_tensors({**state, "a": state["a"].view(torch.int32)}, kept).layout != kept.layout
+    assert list_tensors({"A": state["a"], "b": state["b"]}, kept).layout != kept.layout
+    assert list_tensors({**state, "a": state["a"].t()}, kept).layout != kept.layout  # same address, other strides
+
+    # Between syncs the sender holds the tensors weakly: a model the trainer drops is freed.
+    dropped = torch.nn.Linear(64, 64)
+    gone = weakref.ref(dropped.weight)
+    skeleton = list_tensors(dropped).skeleton()
+    del dropped
+    gc.collect()
+    assert gone() is None and skeleton.layout
+
+
 def _plan(**updates: object) -> SyncPlan:
     plan = SyncPlan(
         round=SyncRound("1-abc"), weight_version=3, pause="wait", store_host="127.0.0.1", store_port=1234,
