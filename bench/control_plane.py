@@ -164,6 +164,9 @@ class FakeEngineHost:
             return [False]
         raise ValueError(f"the simulated engine has no {method}")
 
+    def update_engine(self, request: dict[str, Any], timeout: float) -> tuple[list[Any], str]:
+        return self.collective_rpc("rq_update", timeout, request), "call"
+
     def reset_prefix_cache(self) -> bool:
         return True
 

@@ -67,7 +67,8 @@ steps: ``prepare`` (the tensors listed, cast and planned into the manifest,
 the version and each worker's transport chosen) and ``close`` (the round
 marked over); together they are the whole sync but for the report's own
 building. ``worker_phases`` are the slowest worker's steps, the engine
-call's way in and out (``call_in``, ``call_out``) among them.
+call's way in and out (``call_in``, ``call_out``; ``line_in``, ``line_out``
+over the update line) among them.
 """
 
 from __future__ import annotations
