@@ -783,6 +783,61 @@ def test_an_idle_worker_claims_a_decided_round_as_it_accepts_the_trigger_a_busy_
     assert acks.pushed["accepted"] - accepted_at >= ACCEPTED_AFTER_S
 
 
+STORE_HOST = """
+import sys, time
+from rollout_queue.weight_sync import wire
+store = wire.connect_store("127.0.0.1", int(sys.argv[1]), 30.0, is_master=True)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_early_claim_the_trainers_store_does_not_answer_holds_the_trigger_briefly_and_the_sync_thread_claims(
+) -> None:
+    """The early claim runs on the consumer's thread: a trainer's store that does not
+    answer (its process stopped) holds it ``EARLY_CLAIM_S`` at most, and the sync
+    thread claims the round once the store answers again."""
+    import signal
+    import subprocess
+    import sys
+
+    from rollout_queue.workers.node.sync import EARLY_CLAIM_S, SyncParticipant
+    from rollout_queue.workers.state import NodeState
+
+    class Host(RecordingHost):
+        def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
+            self.calls.append(("engine", method))
+            raise RuntimeError("no engine here")
+
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline() == "up\n"
+        host, acks, state = Host(), AckLists(), NodeState()
+        state.ready()
+        participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
+        empty = Manifest(tensors=[], bucket_sizes=[])
+        plan = _plan(round=SyncRound(f"1-silent-{time.time()}"), store_port=port, decided=True,
+                     handoffs={"w@h": "shm"}, issued_at=time.time())
+        participant._manifests[plan.manifest_digest] = empty
+        participant._shapes_loaded = True
+        participant._store = wire.connect_store("127.0.0.1", port, 30.0)  # kept from an earlier sync
+        participant._store_address = ("127.0.0.1", port)
+        trainer.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        assert participant.accept(plan.model_dump(mode="json")) == {"ok": True, "node": "w@h"}
+        assert time.monotonic() - started < EARLY_CLAIM_S + 10.0  # not held until the store answers
+        trainer.send_signal(signal.SIGCONT)
+        assert participant._current is not None
+        participant._current.result(60)
+        # The sync thread's claim went through: the engine was called (and, here, failed).
+        assert ("engine", "rq_update") in host.calls
+    finally:
+        trainer.send_signal(signal.SIGCONT)
+        trainer.kill()
+        trainer.wait()
+
+
 def test_a_decided_round_nobody_answers_is_called_off_in_the_store_and_moves_no_version(redis_client: Any) -> None:
     """A colocated worker in the registry that never hears the trigger (gone, or
     another secret): the trainer waits the trigger's timeout, claims the round's
