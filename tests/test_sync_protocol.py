@@ -703,6 +703,24 @@ def test_in_a_decided_round_the_first_decision_written_stands_and_a_called_off_w
     assert state.refusal() == "missed sync to version 3"
 
 
+def _kept_store_participant(host: Any, acks: Any, port: int, name: str) -> tuple[Any, SyncPlan]:
+    """A worker's sync participant with the trainer's store client an earlier sync
+    left connected (to the store on ``port``), and a decided round's plan for it."""
+    from rollout_queue.workers.node.sync import SyncParticipant
+    from rollout_queue.workers.state import NodeState
+
+    state = NodeState()
+    state.ready()
+    participant = SyncParticipant(host, "w@h", acks, state)  # acks: a fake Redis
+    plan = _plan(round=SyncRound(name), store_port=port, decided=True, handoffs={"w@h": "shm"},
+                 issued_at=time.time())
+    participant._manifests[plan.manifest_digest] = Manifest(tensors=[], bucket_sizes=[])
+    participant._shapes_loaded = True  # no checkpoint to check the (empty) manifest against
+    participant._store = wire.connect_store("127.0.0.1", port, 30.0)
+    participant._store_address = ("127.0.0.1", port)
+    return participant, plan
+
+
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
 def test_an_idle_worker_claims_a_decided_round_as_it_accepts_the_trigger_a_busy_one_after_pausing(
     busy: bool,
@@ -715,8 +733,7 @@ def test_an_idle_worker_claims_a_decided_round_as_it_accepts_the_trigger_a_busy_
     import threading
 
     from rollout_queue.weight_sync.protocol import SyncDecision
-    from rollout_queue.workers.node.sync import ACCEPTED_AFTER_S, SyncParticipant
-    from rollout_queue.workers.state import NodeState
+    from rollout_queue.workers.node.sync import ACCEPTED_AFTER_S
 
     paused = threading.Event()
     release = threading.Event()
@@ -745,17 +762,8 @@ def test_an_idle_worker_claims_a_decided_round_as_it_accepts_the_trigger_a_busy_
 
     port = free_port()
     store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)
-    host, acks, state = Host(), StampedAcks(), NodeState()
-    state.ready()
-    participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
-    empty = Manifest(tensors=[], bucket_sizes=[])
-    plan = _plan(round=SyncRound(f"1-early-{busy}-{time.time()}"), store_port=port, decided=True,
-                 handoffs={"w@h": "shm"}, issued_at=time.time())
-    participant._manifests[plan.manifest_digest] = empty
-    participant._shapes_loaded = True  # no checkpoint to check the (empty) manifest against
-    # The store client an earlier sync left connected.
-    participant._store = wire.connect_store("127.0.0.1", port, 30.0)
-    participant._store_address = ("127.0.0.1", port)
+    host, acks = Host(), StampedAcks()
+    participant, plan = _kept_store_participant(host, acks, port, f"1-early-{busy}-{time.time()}")
     try:
         accepted_at = time.monotonic()
         assert participant.accept(plan.model_dump(mode="json")) == {"ok": True, "node": "w@h"}
@@ -801,8 +809,7 @@ def test_an_early_claim_the_trainers_store_does_not_answer_holds_the_trigger_bri
     import subprocess
     import sys
 
-    from rollout_queue.workers.node.sync import EARLY_CLAIM_S, SyncParticipant
-    from rollout_queue.workers.state import NodeState
+    from rollout_queue.workers.node.sync import EARLY_CLAIM_S
 
     class Host(RecordingHost):
         def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
@@ -813,16 +820,8 @@ def test_an_early_claim_the_trainers_store_does_not_answer_holds_the_trigger_bri
     trainer = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         assert trainer.stdout is not None and trainer.stdout.readline() == "up\n"
-        host, acks, state = Host(), AckLists(), NodeState()
-        state.ready()
-        participant = SyncParticipant(host, "w@h", acks, state)  # type: ignore[arg-type]  # acks: a fake Redis
-        empty = Manifest(tensors=[], bucket_sizes=[])
-        plan = _plan(round=SyncRound(f"1-silent-{time.time()}"), store_port=port, decided=True,
-                     handoffs={"w@h": "shm"}, issued_at=time.time())
-        participant._manifests[plan.manifest_digest] = empty
-        participant._shapes_loaded = True
-        participant._store = wire.connect_store("127.0.0.1", port, 30.0)  # kept from an earlier sync
-        participant._store_address = ("127.0.0.1", port)
+        host = Host()
+        participant, plan = _kept_store_participant(host, AckLists(), port, f"1-silent-{time.time()}")
         trainer.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         assert participant.accept(plan.model_dump(mode="json")) == {"ok": True, "node": "w@h"}
