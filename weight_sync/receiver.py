@@ -219,7 +219,7 @@ class EngineReceiver:
             t2 = time.monotonic()
             self.finish_update()
         except Exception as exc:  # noqa: BLE001  answered as a kind and a message; the host rolls back
-            return UpdateResult(failure=SyncFailure.of(exc)).model_dump(mode="json")
+            return _failed(exc)
         left = time.monotonic()
         # entered_at/left_at: this host's monotonic clock, one for every process on it; the
         # worker host subtracts its own stamps around the call (the call's way in and out).
@@ -446,15 +446,14 @@ class WeightReceiver:
         ``rq_update`` on the update line at ``line_path`` (its updates run on this
         thread's CUDA stream). Answers the load mode and the line's path (None: no line)."""
         self.rq_receiver = EngineReceiver(self, load_mode)
-        line = getattr(self, "rq_line", None)
-        if line is not None:  # attached again: the old line serves an old receiver
-            line.close()
+        if self.rq_line is not None:  # attached again: the old line serves an old receiver
+            self.rq_line.close()
             self.rq_line = None
         world_size = int(getattr(getattr(self, "parallel_config", None), "world_size", 1))
         if line_path and world_size == 1:
             stream = core_stream(self.rq_receiver.device())
             self.rq_line = LineListener(line_path, self.rq_update, _failed, lambda: on_stream(stream))
-        return {"load_mode": load_mode, "line": line_path if getattr(self, "rq_line", None) else None}
+        return {"load_mode": load_mode, "line": line_path if self.rq_line is not None else None}
 
     def rq_device_uuid(self) -> str:
         """The UUID of this rank's GPU ("" on CPU): the trainer tells "same GPU" by it."""

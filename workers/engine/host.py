@@ -311,9 +311,8 @@ class EngineHost:
         if not fits:
             log.info("no update line: its path %s is too long for a Unix socket (TMPDIR)", path)
         answers = self.call(self.engine.collective_rpc("rq_attach", args=(self.load_mode, path if fits else None)))
-        lines = [answer.get("line") for answer in answers if isinstance(answer, dict)]
-        if len(answers) == 1 and lines and lines[0]:
-            self._line = UpdateLine(lines[0])
+        if len(answers) == 1 and isinstance(answers[0], dict) and answers[0].get("line"):  # one rank, listening
+            self._line = UpdateLine(answers[0]["line"])
 
     @property
     def load_mode(self) -> str:

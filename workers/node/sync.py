@@ -556,7 +556,7 @@ def round_named(raw_plan: Any) -> str:
     return str(raw_plan.get("round", "?")) if isinstance(raw_plan, dict) else "?"
 
 
-def _call_ways(stats: list[dict[str, float]], called: float, returned: float, way: str = "call") -> dict[str, float]:
+def _call_ways(stats: list[dict[str, float]], called: float, returned: float, way: str) -> dict[str, float]:
     """The engine call's way in (``call_in``: the call made here to the engine method's
     start) and out (``call_out``: its end to the answer here), the slowest rank's, from
     the ranks' stamps (``entered_at``, ``left_at``) on this host's monotonic clock;
