@@ -169,6 +169,13 @@ def sync_decision(sync_round: str) -> str:
     return f"rq/decision/{sync_round}"
 
 
+def sync_trigger(node: str, token: str) -> str:
+    """Key, in a trainer's rendezvous store, that worker ``node``'s trigger listener
+    (``token``: one listener's) waits on: a decided round's signed trigger is
+    written there instead of broadcast (``workers.node.listener``)."""
+    return f"rq/trigger/{node}/{token}"
+
+
 def sync_handoff(sync_round: str, transport: str, bucket: int) -> str:
     """Key, in the trainer's rendezvous store, of where bucket ``bucket`` of a
     handoff transport waits for the colocated workers (set once it is packed)."""

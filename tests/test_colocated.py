@@ -223,6 +223,45 @@ def test_a_failed_handoff_names_the_worker_fences_it_and_catch_up_brings_it_back
     assert all(tokens(r) == reference_a for r in on_a[NEAR])
 
 
+def _leave_near_behind(sender: Any, weights: Any, version: int) -> None:
+    """A sync to ``version`` the near worker fails (its segment is not there): the far
+    worker takes it, the near one stays behind (its next round is decided)."""
+    broken = sync_weights.WeightSender(sender.settings, POOL)
+    broken._transports["shm"] = _LostSegment("shm", sender.settings)
+    try:
+        with pytest.raises(WorkerLost):
+            broken.sync(weights["A"], version=version)
+    finally:
+        broken.close()
+
+
+def test_a_decided_rounds_next_trigger_goes_through_the_trainers_store_and_a_listener_gone_costs_one_broadcast(
+    workers: Any, sender: Any, weights: Any, reference_a: Any, redis_client: Any,
+) -> None:
+    # The test before: the near worker caught up in a decided round; its "done" ack
+    # named the key of the sender's store its trigger listener waits on.
+    listening = sender._listening[NEAR]
+    current = max(versions(redis_client).values())
+    _leave_near_behind(sender, weights, current + 1)
+    report = sender.catch_up(weights["A"], timeout=120)
+    assert report is not None and report.workers == [NEAR]
+    assert "store_delivery" in report.worker_phases and "delivery" not in report.worker_phases
+    assert sender._listening[NEAR] == listening  # the same listener waits for the next
+
+    # A listener gone (as a restarted worker's): nobody takes the trigger written to
+    # its key; the trainer deletes it and broadcasts the trigger after all.
+    gone = keys.sync_trigger(NEAR, "gone")
+    sender._listening[NEAR] = gone
+    _leave_near_behind(sender, weights, current + 2)
+    report = sender.catch_up(weights["A"], timeout=120)
+    assert report is not None and report.workers == [NEAR]
+    assert "delivery" in report.worker_phases and "store_delivery" not in report.worker_phases
+    assert not sender.store.check([gone])
+    assert sender._listening[NEAR] == listening
+    assert versions(redis_client) == {NEAR: current + 2, FAR: current + 2}
+    assert all(tokens(r) == reference_a for r in by_worker(GREEDY)[NEAR])
+
+
 # Last: a second sender forms its own group with the far worker, which the
 # module's sender (that keeps its group between syncs) would not know of.
 def test_a_sync_forced_over_gloo_reaches_the_colocated_worker_the_old_way(

@@ -837,6 +837,107 @@ def test_an_early_claim_the_trainers_store_does_not_answer_holds_the_trigger_bri
         trainer.wait()
 
 
+def _until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_trigger_written_to_a_listeners_key_is_handed_on_once_and_taken_and_garbage_is_skipped() -> None:
+    import queue
+
+    from rollout_queue.workers.node.listener import TriggerListener
+
+    port = free_port()
+    store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)
+    got: queue.Queue[dict[str, Any]] = queue.Queue()
+    listener = TriggerListener("w@h", "127.0.0.1", port, got.put)
+    try:
+        assert listener.key.startswith("rq/trigger/w@h/")
+        store.set(listener.key, json.dumps({"plan": {"round": "1-a"}, "auth": None}))
+        assert got.get(timeout=10) == {"plan": {"round": "1-a"}, "auth": None}
+        _until(lambda: not store.check([listener.key]))  # taken: the trainer can tell
+        for garbage in (b"not json", b"[1, 2]"):  # logged; the listener waits on
+            store.set(listener.key, garbage)
+            _until(lambda: not store.check([listener.key]))
+        store.set(listener.key, json.dumps({"plan": {"round": "2-b"}}))
+        assert got.get(timeout=10) == {"plan": {"round": "2-b"}}
+        assert got.empty() and listener.waits_on("127.0.0.1", port)
+        assert not listener.waits_on("127.0.0.1", port + 1)
+    finally:
+        listener.stop()
+    assert listener.join(10) and not listener.waits_on("127.0.0.1", port)
+
+
+def test_a_listener_ends_when_the_trainers_store_goes() -> None:
+    from rollout_queue.workers.node.listener import TriggerListener
+
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout is not None and trainer.stdout.readline() == "up\n"
+        listener = TriggerListener("w@h", "127.0.0.1", port, lambda arguments: None)
+        _until(lambda: listener.waits_on("127.0.0.1", port) and not listener.join(0.2))
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert listener.join(10) and not listener.waits_on("127.0.0.1", port)
+
+
+def test_a_trigger_through_the_trainers_store_is_checked_as_a_broadcast_one_and_heard_both_ways_runs_once() -> None:
+    """A decided round's worker listens on a key of its trainer's store
+    (``workers.node.listener``): a trigger written there is checked and accepted
+    as a broadcast one; the same trigger broadcast as well (the trainer's
+    fallback) is a replay, refused without an ack; a forged one gets no ack.
+    The worker listens in one trainer's store at a time."""
+
+    class Host(RecordingHost):
+        def collective_rpc(self, method: str, timeout: float, *args: Any) -> list[Any]:
+            self.calls.append(("engine", method))
+            raise RuntimeError("no engine here")
+
+    port, other_port = free_port(), free_port()
+    store = wire.connect_store("127.0.0.1", port, 30.0, is_master=True)
+    other = wire.connect_store("127.0.0.1", other_port, 30.0, is_master=True)
+    host, acks = Host(), AckLists()
+    participant, plan = _kept_store_participant(host, acks, port, f"1-listened-{time.time()}")
+    participant.verifier = CommandVerifier("w@h", "s3cret")
+    try:
+        key = participant._listen(plan)
+        assert key is not None and participant._listen(plan) == key  # one listener per store
+        signed = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")}, "s3cret",
+                                  destination=["w@h"])
+        store.set(key, json.dumps(signed))
+        _until(lambda: participant._current is not None)
+        assert participant._current is not None
+        participant._current.result(30)
+        (done,) = acks.acks(keys.sync_acks(plan.round, "done"))
+        assert "store_delivery" in done.seconds and "delivery" not in done.seconds
+        assert ("engine", "rq_update") in host.calls  # (and failed: no engine here)
+
+        heard_again = participant.accept_signed(signed["plan"], signed["auth"])
+        assert not heard_again["ok"] and "replayed" in heard_again["error"]
+        forged_plan = plan.model_copy(update={"round": SyncRound(f"2-forged-{time.time()}")})
+        forged = signed_arguments(keys.CONTROL_SYNC, {"plan": forged_plan.model_dump(mode="json")}, "other",
+                                  destination=["w@h"])
+        store.set(key, json.dumps(forged))
+        _until(lambda: not store.check([key]))
+        participant._courier.shutdown(wait=True)
+        assert acks.acks(keys.sync_acks(forged_plan.round, "accepted")) == []
+        assert len(acks.acks(keys.sync_acks(plan.round, "done"))) == 1
+
+        listener = participant._listener
+        assert listener is not None
+        moved = participant._listen(plan.model_copy(update={"store_port": other_port}))
+        assert moved is not None and moved != key
+        assert listener.join(10)  # the listener in the first trainer's store ended
+        other.set(moved, b"not json")  # the new one takes what is written there
+        _until(lambda: not other.check([moved]))
+    finally:
+        participant.close()
+
+
 def test_a_decided_round_nobody_answers_is_called_off_in_the_store_and_moves_no_version(redis_client: Any) -> None:
     """A colocated worker in the registry that never hears the trigger (gone, or
     another secret): the trainer waits the trigger's timeout, claims the round's

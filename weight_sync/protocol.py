@@ -46,8 +46,10 @@ from rollout_queue.tasks.schemas import PauseMode
 # 9: a catch-up relayed by a member (``SyncDecision.relay``);
 # 10: a round of one handed member is decided by its plan (``SyncPlan.decided``);
 # 11: a handoff of the trainer's storages is named in the plan (``SyncPlan.layouts``),
-#     and a CUDA engine's copies end by an event the trainer waits on (``SyncAck.released``).
-PROTOCOL_VERSION = 11
+#     and a CUDA engine's copies end by an event the trainer waits on (``SyncAck.released``);
+# 12: a decided round's "done" ack names the key of the trainer's store its worker
+#     waits on for the next trigger (``SyncAck.listening``).
+PROTOCOL_VERSION = 12
 
 _ROUND = re.compile(r"(0|[1-9][0-9]*)-([0-9A-Za-z_.-]+)")
 
@@ -246,6 +248,10 @@ class SyncAck(_Message):
     # event handles, hex): the copies may still run on the GPU when the engine
     # answers; the trainer's stream waits for these before it writes again.
     released: list[str] = []
+    # "done" of a decided round: the key of the trainer's store this worker waits
+    # on for its next decided round's trigger (``keys.sync_trigger``: the trainer
+    # writes the trigger there instead of broadcasting it); None: it waits on none.
+    listening: str | None = None
 
 
 class Relay(_Message):

@@ -48,7 +48,11 @@ stored before the trigger), and the worker, once paused, claims the round by wri
 store itself (a compare-and-set: a trainer giving the round up writes its
 no-go the same way, and the first write stands), then loads and acks
 "done". No "ready" ack, no decision to wait for: the all-accepted check has
-one member to ask, and the round costs two hops fewer.
+one member to ask, and the round costs two hops fewer. Its worker then waits on
+a key of the trainer's store, named in its "done" ack (``SyncAck.listening``,
+``workers.node.listener``): the next decided round's trigger is written there
+instead of broadcast, and broadcast after all when the key is not taken within
+``TRIGGER_TAKEN_S`` (a worker restarted since).
 
 A round has one name, its ``SyncRound`` (``<epoch>-<nonce>``, the epoch from
 ``keys.SYNC_EPOCH``): the plan and every ack carry it, log lines and errors
@@ -73,6 +77,7 @@ over the update line) among them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -129,6 +134,10 @@ ACK_READ_S = 5.0
 # The pool's version is written this long after the sync's deadline at most
 # (the last ack read, then one SET): what a worker that missed the round waits.
 OUTCOME_GRACE_S = 10.0
+# A decided round's trigger written to the key its worker listens on is broadcast
+# as well when the key is still there this long after (its listener gone: the
+# worker restarted); the trigger's nonce makes the two one command.
+TRIGGER_TAKEN_S = 0.05
 
 # Gloo buckets travel in pieces of this size (SyncSettings.chunk_bytes = None).
 GLOO_CHUNK_BYTES = 128 << 20
@@ -290,6 +299,9 @@ class WeightSender:
         # The current sync's epoch, taken with its membership (``_read_round``), and the
         # digest of the manifest whose key that round trip refreshed (None: none was).
         self._taken: tuple[int, str | None] | None = None
+        # By worker, the key of this sender's store its trigger listener waits on, as
+        # its last decided round's "done" ack named it (used once: the next names it again).
+        self._listening: dict[str, str] = {}
 
     # ------------------------------------------------------------------ sync
 
@@ -465,7 +477,11 @@ class WeightSender:
         (node,) = plan.members
         decision = SyncDecision.handed(node)
         t = time.monotonic()
-        timeout = self._publish(plan, deadline)
+        arguments = self._signed_trigger(plan)
+        written = self._write_trigger(node, arguments)
+        if written is None:
+            self._broadcast(plan, arguments)
+        timeout = self._trigger_timeout(deadline)
         published = time.monotonic()
         phases["trigger"] = published - t
         broken: WeightSyncError | None = None
@@ -477,6 +493,12 @@ class WeightSender:
             phases["transfer"] = time.monotonic() - published
 
             t = time.monotonic()
+            if written is not None:
+                answers = self._collect(plan, "accepted", {node}, published + min(TRIGGER_TAKEN_S, timeout))
+                if node not in answers and self._untaken(written):
+                    log.info("weight sync round %s: %s did not take the trigger from the store; broadcasting it",
+                             plan.round, node)
+                    self._broadcast(plan, arguments)
             answers = self._collect(plan, "accepted", {node}, published + timeout)
             phases["trigger"] += time.monotonic() - t
             self._refused(plan, answers)
@@ -492,6 +514,9 @@ class WeightSender:
             committed, failed, worker_phases = self.await_commit(
                 plan, decision, deadline, within=self.settings.timeouts.ready + self.settings.timeouts.commit)
             phases["commit"] = time.monotonic() - t
+            done = self._acks.get("done", {}).get(node)
+            if done is not None and done.ok and done.listening is not None:
+                self._listening[node] = done.listening
         finally:
             self.transport(plan.handoffs[node]).finished(plan)  # the announced keys leave the store
         silent = node not in self._acks.get("done", {})
@@ -705,14 +730,47 @@ class WeightSender:
 
     def _publish(self, plan: SyncPlan, deadline: float) -> float:
         """3. The one broadcast control message; the seconds to wait for the answers."""
+        self._broadcast(plan, self._signed_trigger(plan))
+        return self._trigger_timeout(deadline)
+
+    def _signed_trigger(self, plan: SyncPlan) -> dict[str, Any]:
+        """The trigger's control arguments, signed (the plan stamped as issued now)."""
         plan.issued_at = time.time()  # a decided round's handoff went between planning and now
-        arguments = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
-                                     self.settings.weight_sync_secret, destination=list(plan.members))
         self._acks = {}
+        return signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")},
+                                self.settings.weight_sync_secret, destination=list(plan.members))
+
+    def _broadcast(self, plan: SyncPlan, arguments: dict[str, Any]) -> None:
         app.control.broadcast(
             keys.CONTROL_SYNC, arguments=arguments, destination=list(plan.members), reply=False,
         )
+
+    def _trigger_timeout(self, deadline: float) -> float:
+        """The seconds to wait for the trigger's answers."""
         return min(self.settings.timeouts.trigger, max(deadline - time.monotonic(), 0.1))
+
+    def _write_trigger(self, node: str, arguments: dict[str, Any]) -> str | None:
+        """A decided round's trigger, written to the key of the store ``node``'s listener
+        waits on (``workers.node.listener``); the key, or None when it waits on none
+        (or the write failed: the trigger is broadcast)."""
+        key = self._listening.pop(node, None)
+        if key is None:
+            return None
+        try:
+            self.store.set(key, json.dumps(arguments))
+        except Exception as exc:  # noqa: BLE001  torch raises RuntimeError kinds: the broadcast is the way
+            log.warning("could not write the sync trigger for %s to the store (%s); broadcasting it", node, exc)
+            return None
+        return key
+
+    def _untaken(self, key: str) -> bool:
+        """Whether the trigger written to ``key`` is still there, deleting it (its listener
+        is gone); a listener that took it meanwhile has it (the delete finds nothing)."""
+        try:
+            return bool(self.store.delete_key(key))
+        except Exception as exc:  # noqa: BLE001  torch raises RuntimeError kinds: broadcast to be sure
+            log.warning("could not delete the untaken sync trigger %s from the store: %s", key, exc)
+            return True
 
     def trigger(self, plan: SyncPlan, deadline: float) -> dict[str, str]:
         """3. Publish the plan; every member answers accepted or refused.

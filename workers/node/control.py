@@ -35,7 +35,6 @@ from celery.worker.control import Panel, ok
 from rollout_queue.tasks import keys
 from rollout_queue.tasks.errors import ControlRefused
 from rollout_queue.workers.node.runtime import WorkerRuntime
-from rollout_queue.workers.node.sync import round_named
 
 log = logging.getLogger(__name__)
 
@@ -185,15 +184,7 @@ class ControlPanel:
 
     def weight_sync(self, state: Any, plan: dict[str, Any], auth: dict[str, Any] | None = None) -> dict[str, Any]:
         """Accept a signed weight-sync plan (its work runs on the sync's thread)."""
-        runtime = self.runtime
-        try:
-            runtime.verifier.verify(keys.CONTROL_SYNC, {"plan": plan}, auth, what="weight sync")
-        except ControlRefused as exc:
-            # No "accepted" ack for a command we cannot trust: a forger replaying a
-            # real sync's round must not be able to drop a worker from that sync.
-            log.warning("weight sync round %s refused: %s", round_named(plan), exc)
-            return {"ok": False, "node": runtime.node, "error": f"ControlRefused: {exc}"}
-        return runtime.sync.accept(plan)
+        return self.runtime.sync.accept_signed(plan, auth)
 
     def engine(
         self, state: Any, op: str, args: dict[str, Any] | None = None, auth: dict[str, Any] | None = None

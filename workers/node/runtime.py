@@ -104,7 +104,7 @@ class WorkerRuntime:
         # Checks the signature of every state-changing control command (workers/node/control.py).
         self.verifier = CommandVerifier(self.node, settings.control_secret(), settings.control_max_age_s,
                                         client=self.client)
-        self.sync = SyncParticipant(host, self.node, self.client, self.state)
+        self.sync = SyncParticipant(host, self.node, self.client, self.state, self.verifier)
         # Where a colocated trainer finds this worker: its host, its GPU (weight_sync/transports).
         self.host_id = host_id()
         self.device_uuids = host.device_uuids() if settings.colocated and settings.device == "cuda" else []
@@ -310,6 +310,7 @@ class WorkerRuntime:
         (``Reaper.hand_back``), so a graceful exit is never taken for a death."""
         self._stop.set()
         self.reaper.stop()
+        self.sync.close()  # no trigger through the trainer's store from here on
         if self._hand_back is not None:
             self._hand_back.join(timeout=30)
         try:

@@ -55,7 +55,9 @@ from typing import Any
 import redis
 
 from rollout_queue.tasks import keys
+from rollout_queue.tasks.auth import CommandVerifier
 from rollout_queue.tasks.errors import (
+    ControlRefused,
     ManifestMismatch,
     RendezvousTimeout,
     RendezvousUnreachable,
@@ -75,6 +77,7 @@ from rollout_queue.weight_sync.protocol import (
     UpdateResult,
 )
 from rollout_queue.workers.engine.protocols import SyncHost
+from rollout_queue.workers.node.listener import TriggerListener
 from rollout_queue.workers.node.weight_files import checkpoint_shapes, whole_model
 from rollout_queue.workers.state import Fence, FenceReason, NodeState
 
@@ -103,11 +106,15 @@ class SyncParticipant:
         node: str,
         client: redis.Redis,
         state: NodeState,
+        verifier: CommandVerifier | None = None,
     ) -> None:
         self.host = host
         self.node = node
         self.client = client
         self.state = state
+        # Checks each trigger's signature (``accept_signed``); None: triggers come checked
+        # (``accept``) and no trigger listener is started.
+        self.verifier = verifier
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
         # Reads of the decision: a store read to a silent trainer outlives its
         # timeout (giving up is one more round trip), so each is waited for here
@@ -132,16 +139,34 @@ class SyncParticipant:
         self._groups: dict[str, SyncRound] = {}
         self._store: Any = None
         self._store_address: tuple[str, int] | None = None
+        # Waits in the store of the trainer whose decided round committed last for its
+        # next trigger (``workers.node.listener``).
+        self._listener: TriggerListener | None = None
         self.last_error: str | None = None
         # Called with each completed sync's seconds (the metrics histogram).
         self.on_synced: list[Callable[[float], None]] = []
 
     # ---------------------------------------------------------------- accept
 
-    def accept(self, raw_plan: Any) -> dict[str, Any]:
+    def accept_signed(self, raw_plan: Any, auth: dict[str, Any] | None, way: str = "delivery") -> dict[str, Any]:
+        """Check the trigger's signature (``self.verifier``), then :meth:`accept` it;
+        ``way``: the name its delivery is timed under ("delivery": a broadcast,
+        "store_delivery": through the trainer's store, ``workers.node.listener``)."""
+        assert self.verifier is not None
+        try:
+            self.verifier.verify(keys.CONTROL_SYNC, {"plan": raw_plan}, auth, what="weight sync")
+        except ControlRefused as exc:
+            # No "accepted" ack for a command we cannot trust: a forger replaying a
+            # real sync's round must not be able to drop a worker from that sync.
+            log.warning("weight sync round %s refused: %s", round_named(raw_plan), exc)
+            return {"ok": False, "node": self.node, "error": f"ControlRefused: {exc}"}
+        return self.accept(raw_plan, way)
+
+    def accept(self, raw_plan: Any, way: str = "delivery") -> dict[str, Any]:
         """Validate the trigger and start the sync thread; the answer is immediate.
 
-        Called with a plan whose signature the control command has checked.
+        Called with a plan whose signature has been checked (``accept_signed``);
+        ``way``: the name its delivery is timed under.
 
         The answer goes to the trainer as an "accepted" ack (ok=False: refused),
         in the list its "ready" acks follow on. Returns the control command's
@@ -177,7 +202,7 @@ class SyncParticipant:
                 claim = self._claim_early(plan, running)
                 # From the trainer's publish to this handler (one clock when both share a host),
                 # and this handler's own time.
-                timing = {"delivery": max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
+                timing = {way: max(arrived - plan.issued_at, 0.0), "accept": time.time() - arrived}
                 self._current = self._pool.submit(self.sync, plan, timing, submitted_at=time.monotonic(),
                                                   claim=claim)
                 self._current_round = plan.round
@@ -298,7 +323,8 @@ class SyncParticipant:
             self.last_error = None
             for observe in self.on_synced:
                 observe(time.monotonic() - t_start)
-            self._ack(plan, "done", True, seconds=seconds, released=released)
+            self._ack(plan, "done", True, seconds=seconds, released=released,
+                      listening=self._listen(plan) if plan.decided else None)
             log.info("weight sync round %s: now at version %d", plan.round, plan.weight_version)
         except Exception as exc:  # noqa: BLE001  any failure fences this worker; the trainer is told
             failure = SyncFailure.of(exc)
@@ -531,12 +557,36 @@ class SyncParticipant:
         self._store.set_timeout(datetime.timedelta(seconds=remaining))
         return self._store
 
+    def _listen(self, plan: SyncPlan) -> str | None:
+        """The key this worker's trigger listener waits on in the plan's store, a
+        listener started there if none waits on it (the one on another store ended);
+        None without a verifier to check what comes that way."""
+        if self.verifier is None:
+            return None
+        with self._lock:
+            listener = self._listener
+            if listener is None or not listener.waits_on(plan.store_host, plan.store_port):
+                if listener is not None:
+                    listener.stop()
+                listener = self._listener = TriggerListener(
+                    self.node, plan.store_host, plan.store_port,
+                    lambda arguments: self.accept_signed(arguments.get("plan"), arguments.get("auth"),
+                                                         way="store_delivery"))
+            return listener.key
+
+    def close(self) -> None:
+        """End the trigger listener, if one waits."""
+        with self._lock:
+            if self._listener is not None:
+                self._listener.stop()
+                self._listener = None
+
     def _ack(self, plan: SyncPlan, phase: str, ok: bool, error: SyncFailure | None = None,
              seconds: dict[str, float] | None = None, group_round: SyncRound | None = None,
-             released: list[str] | None = None) -> None:
+             released: list[str] | None = None, listening: str | None = None) -> None:
         ack = SyncAck(node=self.node, round=plan.round, phase=phase,  # type: ignore[arg-type]
                       ok=ok, error=error, seconds=seconds or {}, group_round=group_round,
-                      released=released or [])
+                      released=released or [], listening=listening)
         name = keys.sync_acks(plan.round, phase)
         try:
             pipe = self.client.pipeline(transaction=False)  # one round trip
