@@ -203,7 +203,7 @@ class SimNode:
         self.service = SimServiceCounts()
         self.intake = Intake(self.host, self.host.max_num_seqs)
         self.verifier = CommandVerifier(node, secret, 30.0)
-        self.sync = SyncParticipant(self.host, node, self.client, self.state)
+        self.sync = SyncParticipant(self.host, node, self.client, self.state, self.verifier)
         self.ledger = InflightLedger(self.client, node, ttl_s=3600)
         self.reaper = Reaper(app, self.client, node, max_redeliveries=3, grace_s=10.0, interval_s=HEARTBEAT_S,
                              counter_ttl_s=3600, ledger=self.ledger)
