@@ -91,6 +91,26 @@ def test_a_line_nobody_listens_on_is_unavailable_and_nothing_is_sent(tmp_path: P
         line.call({"n": 1}, timeout=1)
 
 
+def test_a_workers_line_directory_is_private_and_those_of_workers_killed_before_are_removed(tmp_path: Path) -> None:
+    import os
+
+    from rollout_queue.weight_sync.update_line import line_directory
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"rq-line-{gone.pid}-abc"  # a worker killed with SIGKILL left it
+    stale.mkdir()
+    (stale / "update").write_text("")
+    alive = tmp_path / f"rq-line-{os.getppid()}-def"  # a live process's: kept
+    alive.mkdir()
+    other = tmp_path / f"rq-line-{gone.pid}"  # not a line directory's name: kept
+    other.mkdir()
+    made = Path(line_directory(str(tmp_path)))
+    assert not stale.exists() and alive.exists() and other.exists()
+    assert made.parent == tmp_path and made.name.startswith(f"rq-line-{os.getpid()}-")
+    assert made.stat().st_mode & 0o777 == 0o700
+
+
 ENGINE_THAT_DIES = """
 import os, sys, time
 from rollout_queue.workers.engine.host import EngineHost, LiveRequest

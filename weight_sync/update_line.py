@@ -29,8 +29,10 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +43,43 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
 # A Unix socket's path must fit in sockaddr_un.sun_path (108 bytes with its NUL on Linux).
 MAX_PATH_BYTES = 107
+
+
+# A worker's line directory: ``rq-line-<pid>-<random>`` in the temporary directory.
+LINE_DIR_PREFIX = "rq-line-"
+
+
+def line_directory(parent: str | None = None) -> str:
+    """A private directory (mode 0700) for this process's update line socket, named
+    for the process; first, the line directories of worker processes that are gone
+    (killed with SIGKILL: no shutdown removed them) are removed. ``parent``: the
+    temporary directory by default."""
+    parent = parent or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            pid = _owner_pid(entry.name)
+            if pid is not None and pid != os.getpid() and not _alive(pid) and entry.is_dir(follow_symlinks=False) \
+                    and entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{LINE_DIR_PREFIX}{os.getpid()}-", dir=parent)
+
+
+def _owner_pid(name: str) -> int | None:
+    """The process a line directory's name says made it (None: not such a name)."""
+    if not name.startswith(LINE_DIR_PREFIX):
+        return None
+    pid, _, rest = name[len(LINE_DIR_PREFIX):].partition("-")
+    return int(pid) if pid.isdigit() and rest else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class LineClosed(ConnectionError):

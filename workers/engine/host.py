@@ -23,7 +23,6 @@ import functools
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -32,7 +31,7 @@ from typing import Any, TypeVar
 
 from rollout_queue.tasks.errors import EngineError, GenerationTimeout, InvalidRequest, PromptTooLong, Requeue
 from rollout_queue.tasks.schemas import GenerateRequest, PauseMode, PromptOutput
-from rollout_queue.weight_sync.update_line import MAX_PATH_BYTES, LineUnavailable, UpdateLine
+from rollout_queue.weight_sync.update_line import MAX_PATH_BYTES, LineUnavailable, UpdateLine, line_directory
 from rollout_queue.workers.engine import orphans
 from rollout_queue.workers.engine.errors import AbortedForSync, EngineLost, HandedOff
 from rollout_queue.workers.engine.run import Drain, GenerationRun, RunOptions, prompt_of, version_spans
@@ -305,7 +304,7 @@ class EngineHost:
         """Make the engine ranks' receivers (``rq_attach``); a single-rank engine also
         listens on the update line (``weight_sync.update_line``), at a path in a
         directory of this worker's own."""
-        self._line_dir = tempfile.mkdtemp(prefix="rq-line-")
+        self._line_dir = line_directory()
         path = os.path.join(self._line_dir, "update")
         fits = len(os.fsencode(path)) <= MAX_PATH_BYTES
         if not fits:
