@@ -21,6 +21,7 @@ from rollout_queue.tasks.errors import ControlRefused, WeightSyncError
 from rollout_queue.weight_sync import wire
 from rollout_queue.weight_sync.protocol import Manifest, SyncAck, SyncPlan, SyncRound, WorkerTimeouts
 from rollout_queue.weight_sync.sender import named_tensors
+from tests.conftest import wait_for
 from tests.procs import ROOT, free_port
 
 
@@ -837,13 +838,6 @@ def test_an_early_claim_the_trainers_store_does_not_answer_holds_the_trigger_bri
         trainer.wait()
 
 
-def _until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
 def test_a_trigger_written_to_a_listeners_key_is_handed_on_once_and_taken_and_garbage_is_skipped() -> None:
     import queue
 
@@ -857,10 +851,10 @@ def test_a_trigger_written_to_a_listeners_key_is_handed_on_once_and_taken_and_ga
         assert listener.key.startswith("rq/trigger/w@h/")
         store.set(listener.key, json.dumps({"plan": {"round": "1-a"}, "auth": None}))
         assert got.get(timeout=10) == {"plan": {"round": "1-a"}, "auth": None}
-        _until(lambda: not store.check([listener.key]))  # taken: the trainer can tell
+        wait_for(lambda: not store.check([listener.key]), 10, "the trigger taken")  # the trainer can tell
         for garbage in (b"not json", b"[1, 2]"):  # logged; the listener waits on
             store.set(listener.key, garbage)
-            _until(lambda: not store.check([listener.key]))
+            wait_for(lambda: not store.check([listener.key]), 10, "the garbage taken")
         store.set(listener.key, json.dumps({"plan": {"round": "2-b"}}))
         assert got.get(timeout=10) == {"plan": {"round": "2-b"}}
         assert got.empty() and listener.waits_on("127.0.0.1", port)
@@ -878,7 +872,7 @@ def test_a_listener_ends_when_the_trainers_store_goes() -> None:
     try:
         assert trainer.stdout is not None and trainer.stdout.readline() == "up\n"
         listener = TriggerListener("w@h", "127.0.0.1", port, lambda arguments: None)
-        _until(lambda: listener.waits_on("127.0.0.1", port) and not listener.join(0.2))
+        wait_for(lambda: listener.waits_on("127.0.0.1", port) and not listener.join(0.2), 10, "the listener waiting")
     finally:
         trainer.kill()
         trainer.wait()
@@ -909,7 +903,7 @@ def test_a_trigger_through_the_trainers_store_is_checked_as_a_broadcast_one_and_
         signed = signed_arguments(keys.CONTROL_SYNC, {"plan": plan.model_dump(mode="json")}, "s3cret",
                                   destination=["w@h"])
         store.set(key, json.dumps(signed))
-        _until(lambda: participant._current is not None)
+        wait_for(lambda: participant._current is not None, 10, "the sync started")
         assert participant._current is not None
         participant._current.result(30)
         (done,) = acks.acks(keys.sync_acks(plan.round, "done"))
@@ -922,7 +916,7 @@ def test_a_trigger_through_the_trainers_store_is_checked_as_a_broadcast_one_and_
         forged = signed_arguments(keys.CONTROL_SYNC, {"plan": forged_plan.model_dump(mode="json")}, "other",
                                   destination=["w@h"])
         store.set(key, json.dumps(forged))
-        _until(lambda: not store.check([key]))
+        wait_for(lambda: not store.check([key]), 10, "the forged trigger taken")
         participant._courier.shutdown(wait=True)
         assert acks.acks(keys.sync_acks(forged_plan.round, "accepted")) == []
         assert len(acks.acks(keys.sync_acks(plan.round, "done"))) == 1
@@ -933,7 +927,7 @@ def test_a_trigger_through_the_trainers_store_is_checked_as_a_broadcast_one_and_
         assert moved is not None and moved != key
         assert listener.join(10)  # the listener in the first trainer's store ended
         other.set(moved, b"not json")  # the new one takes what is written there
-        _until(lambda: not other.check([moved]))
+        wait_for(lambda: not other.check([moved]), 10, "the write taken by the new listener")
     finally:
         participant.close()
 
