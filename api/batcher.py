@@ -42,6 +42,7 @@ back through ``ResultWatcher`` on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -304,13 +305,10 @@ class SignatureBatcher:
         self._metrics.batch_prompts.observe(len(prompts))
         self._metrics.batch_requests.observe(len(waiters))
         started = time.monotonic()
-        self._watcher.expect(task_id)
-        try:
-            await asyncio.to_thread(self._send, prompts, batch.params, task_id, self.timeout_s, batch.queue)
-        except BaseException:
-            self._watcher.forget(task_id)
-            raise
-        result = await self._watcher.wait(task_id, self.timeout_s)
+        result = GenerationResult.model_validate(await self._watcher.sent(
+            task_id, functools.partial(self._send, prompts, batch.params, task_id, self.timeout_s, batch.queue),
+            self.timeout_s,
+        ))
         self._metrics.task_seconds.observe(time.monotonic() - started)
         return task_id, result, len(prompts)
 

@@ -17,6 +17,8 @@ pattern subscription for all its tasks). A failed task raises the error its
 ``.get()`` raises (``PromptTooLong``, ``EngineError``, ``GenerationTimeout``
 ... from ``tasks.errors``); Redis unreachable raises ``BrokerUnavailable``; no
 result within ``timeout`` seconds raises ``ResultTimeout`` (a ``TimeoutError``).
+The timeout counts from the call, its send included, and holds on a loaded
+host: a held-up send or event loop does not stretch it.
 A call given up (timed out, or its awaiting task cancelled) costs the workers
 no more: its task expires (a worker that has not started it drops it) and a
 running one's prompts are aborted in the engine (``keys.abort_key``, as the
@@ -30,6 +32,7 @@ first use and closed by :func:`close` (or with its loop).
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Literal, Self, overload
@@ -223,14 +226,10 @@ class AsyncClient:
             options["queue"] = queue
         if timeout is not None:
             options["expires"] = timeout  # a task nobody will read is not started
-        self._watcher.expect(task_id)  # before the send: no result goes unseen
         try:
-            await asyncio.to_thread(generate_task.send, request, headers, options)
-        except BaseException:
-            self._watcher.forget(task_id)
-            raise
-        try:
-            result = await self._watcher.result(task_id, timeout)
+            result = await self._watcher.sent(
+                task_id, functools.partial(generate_task.send, request, headers, options), timeout
+            )
         except (ResultTimeout, asyncio.CancelledError):
             # Given up (timed out, or the caller cancelled): its worker stops
             # generating it; its result is deleted when it comes.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -40,6 +41,9 @@ from rollout_queue.tasks.settings import redact_url
 __all__ = ["ResultWatcher"]
 
 log = logging.getLogger("rollout_queue.results")
+
+# How long a closing watcher lets its deletes and aborts under way finish.
+CLOSE_GRACE_S = 5.0
 
 
 class ResultWatcher:
@@ -67,6 +71,7 @@ class ResultWatcher:
         # Tasks whose result nobody will read: task id → when to stop watching (loop time).
         self._abandoned: dict[str, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._watching: list[asyncio.Task[Any]] = []  # the listener and the poll
         self._redis: aioredis.Redis | None = None
         self._pubsub: Any = None
 
@@ -84,10 +89,15 @@ class ResultWatcher:
                 f"could not subscribe to results at {redact_url(self._url)} "
                 f"({type(exc).__name__}: {str(exc).strip()[:200]}); check REDIS_URL and that Redis is up"
             ) from exc
-        self._spawn(self._listen())
-        self._spawn(self._poll())
+        self._watching = [self._spawn(self._listen()), self._spawn(self._poll())]
 
     async def close(self) -> None:
+        for task in self._watching:
+            task.cancel()
+        # The deletes and aborts under way finish first (a result read just before
+        # the close would stay in Redis for RQ_RESULT_EXPIRES); Redis gone, in time.
+        if self._background - set(self._watching):
+            await asyncio.wait(self._background - set(self._watching), timeout=CLOSE_GRACE_S)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -99,10 +109,11 @@ class ResultWatcher:
         if self._redis is not None:
             await self._redis.aclose()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # --------------------------------------------------------------- waiting
 
@@ -130,11 +141,54 @@ class ResultWatcher:
             raise
         except TimeoutError:
             self._abandon(task_id)  # a worker may still be running it
-            raise ResultTimeout(
-                f"no result for task {task_id} within {timeout:g}s; {self._timeout_hint}"
-            ) from None
+            raise self._timed_out(task_id, timeout) from None
         finally:
             self._futures.pop(task_id, None)
+        return self._outcome(task_id, meta, timeout)
+
+    async def sent(self, task_id: str, send: Callable[[], object], timeout: float | None) -> dict[str, Any]:
+        """Send the task ``task_id`` names (``send``: blocking, run in a thread) and
+        return its result as :meth:`result` does, the send included in ``timeout``.
+
+        At ``timeout`` the call ends, also while the send still runs (a loaded
+        host holds sends up: results were seen in before their send returned):
+        with the result if it was delivered by then, else ``ResultTimeout``, and
+        the task (if it was sent) is abandoned: its result is deleted when it
+        comes. The deadline cancels the wait in the loop's turn where it falls
+        due: after a held loop (1.7 s, seen on two busy cores), a result that
+        landed meanwhile does not beat it, as it did ``asyncio.wait_for``'s
+        timer (CI: a call of 0.05 s returned its 8 x 480 tokens). A send that
+        fails raises its error."""
+        self.expect(task_id)  # before the send: no result goes unseen
+        future = self._futures[task_id]
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                await asyncio.to_thread(send)
+                meta = await future
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            if not future.done() or future.cancelled():
+                self._abandon(task_id)  # a worker may still be running it, or the send be under way
+                raise self._timed_out(task_id, timeout) from None
+            meta = future.result()  # it came while the send was held up
+        except asyncio.CancelledError:
+            # The client went away: its task ends without a reader.
+            if future.done() and not future.cancelled():
+                self._spawn(self._delete(task_id))  # it came while the send was held up
+            else:
+                self._abandon(task_id)
+            raise
+        finally:
+            self.forget(task_id)
+        return self._outcome(task_id, meta, timeout)
+
+    def _timed_out(self, task_id: str, timeout: float | None) -> ResultTimeout:
+        return ResultTimeout(f"no result for task {task_id} within {timeout:g}s; {self._timeout_hint}")
+
+    def _outcome(self, task_id: str, meta: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        """A ready task's result, or its error raised; its result key is deleted."""
         self._spawn(self._delete(task_id))
         status = meta["status"]
         if status == states.SUCCESS:

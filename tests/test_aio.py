@@ -12,6 +12,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -24,7 +26,7 @@ from rollout_queue.tasks.app import app as celery_app
 from rollout_queue.tasks.errors import BrokerUnavailable, InvalidRequest, PromptTooLong, ResultTimeout
 from rollout_queue.tasks.results import ResultWatcher
 from rollout_queue.tasks.schemas import GenerationResult
-from tests.conftest import MAX_MODEL_LEN
+from tests.conftest import MAX_MODEL_LEN, wait_for
 from tests.procs import ARTIFACTS, ROOT, Proc
 
 TIMEOUT = 180.0
@@ -194,13 +196,91 @@ def test_a_failed_call_raises_its_own_error_class_and_a_too_short_timeout_a_time
             with pytest.raises(PromptTooLong, match=rf"600 tokens.*max_model_len is {MAX_MODEL_LEN}"):
                 await client.generate([TOO_LONG], GREEDY, timeout=TIMEOUT)
             with pytest.raises(ResultTimeout, match=r"within 0\.05s") as caught:
-                # Work no warm engine finishes in 50 ms (64 tokens once did, after other tests).
+                # Seconds of work. (It once came back: the timeout started after a held-up
+                # send; see the next test.)
                 await client.generate(["2+2="], {"max_tokens": 480, "ignore_eos": True, "n": 8}, timeout=0.05)
             assert isinstance(caught.value, TimeoutError)
             # The client goes on serving after both.
             return await client.generate(["2+2="], GREEDY, timeout=TIMEOUT)
 
     assert token_ids(asyncio.run(scenario()))[0][0]
+
+
+def test_a_calls_timeout_counts_its_send_which_a_loaded_host_can_hold_up_past_the_result(
+    gen_worker: Proc, redis_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded host holds sends up (short calls' results were seen in before
+    their send returned); the wait's clock used to start after the send. Here
+    every send is held once its publish is done, until the test lets it return."""
+    real_send = generate.send
+    published: list[str] = []
+    release = threading.Event()
+
+    def held_send(request: Any, headers: dict[str, Any], options: dict[str, Any]) -> Any:
+        try:
+            return real_send(request, headers, options)
+        finally:
+            published.append(options["task_id"])
+            release.wait(120)
+
+    monkeypatch.setattr(generate, "send", held_send)
+    long = {"max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True, "n": 8}  # seconds of work
+
+    async def scenario() -> None:
+        async with aio.AsyncClient() as client:
+            try:
+                # No result at the timeout: it raises while the send is still held.
+                with pytest.raises(ResultTimeout, match=r"within 0\.5s"):
+                    await client.generate(["2+2="], long, timeout=0.5)
+                assert len(published) == 1 and not release.is_set()
+                # Its worker aborts it; its result is deleted as it comes.
+                deadline = asyncio.get_running_loop().time() + 120
+                while client.abandoned:
+                    assert asyncio.get_running_loop().time() < deadline, "the abandoned result never came"
+                    await asyncio.sleep(0.1)
+                # A result in by the timeout is returned then, the send still held.
+                result = await client.generate(["2+2="], GREEDY, timeout=5.0)
+                assert len(published) == 2 and not release.is_set()
+                assert token_ids(result)[0][0]
+            finally:
+                release.set()
+
+    asyncio.run(scenario())
+    for task_id in published:  # read or abandoned: deleted either way
+        wait_for(lambda task_id=task_id: not redis_client.exists(celery_app.backend.get_key_for_task(task_id)),
+                 30, f"the result of {task_id} to be deleted")
+
+
+def test_a_call_whose_event_loop_was_held_past_its_timeout_raises_a_timeout_though_its_result_came(
+    gen_worker: Proc, redis_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen with four busy loops beside the suite: the client's loop was held
+    1.7 s after a send of 4 ms. A result that landed meanwhile used to beat the
+    timer in the turns after (CI: a call of 0.05 s returned its 8 x 480 tokens)."""
+    real_send = generate.send
+    published: list[str] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+
+        def send_then_hold_the_loop(request: Any, headers: dict[str, Any], options: dict[str, Any]) -> Any:
+            sent = real_send(request, headers, options)
+            published.append(options["task_id"])
+            loop.call_soon_threadsafe(time.sleep, 5.0)  # the worker answers meanwhile (8 tokens)
+            return sent
+
+        monkeypatch.setattr(generate, "send", send_then_hold_the_loop)
+        async with aio.AsyncClient() as client:
+            with pytest.raises(ResultTimeout, match=r"within 0\.5s"):
+                await client.generate(["2+2="], GREEDY, timeout=0.5)
+            deadline = loop.time() + 60
+            while client.abandoned:  # the poll finds it and deletes it
+                assert loop.time() < deadline, "the abandoned result was not deleted"
+                await asyncio.sleep(0.1)
+
+    asyncio.run(scenario())
+    [task_id] = published
+    assert not redis_client.exists(celery_app.backend.get_key_for_task(task_id))
 
 
 def test_as_completed_raises_a_failed_calls_error_or_yields_it_at_its_index_when_asked(gen_worker: Proc) -> None:
