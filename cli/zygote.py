@@ -69,6 +69,7 @@ class ZygoteClient:
         self._changed = threading.Condition()
         self._exits: dict[int, int] = {}
         self._started: list[int] = []
+        self._given_up = 0  # forks whose caller stopped waiting: their children are killed as they come
         self._gone = False  # the zygote's replies ended: it exited, or closed this connection
         self._forking = threading.Lock()  # one command and its answer at a time: answers carry no request id
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
@@ -86,7 +87,12 @@ class ZygoteClient:
             for line in self._replies:
                 message = json.loads(line)
                 with self._changed:
-                    if "started" in message:
+                    if "started" in message and self._given_up:
+                        # Nobody holds it (its fork timed out): it would run on unstopped,
+                        # and the next fork would take it for its own.
+                        self._given_up -= 1
+                        _kill_session(int(message["started"]))
+                    elif "started" in message:
                         self._started.append(int(message["started"]))
                     else:
                         self._exits[int(message["exited"])] = int(message["code"])
@@ -112,6 +118,7 @@ class ZygoteClient:
             except OSError as exc:
                 raise RuntimeError(f"the zygote is gone: {exc}") from exc
             if not self._changed.wait_for(lambda: len(self._started) > seen or not self.alive(), timeout):
+                self._given_up += 1
                 raise RuntimeError(f"the zygote did not fork within {timeout:.0f}s")
             if len(self._started) == seen:
                 raise RuntimeError("the zygote exited before it forked")
@@ -343,6 +350,19 @@ def serve(address: str | None) -> None:
         os.unlink(address)
 
 
+def _kill_session(pid: int) -> None:
+    """Kill a child of the zygote and what it started (its session, its engine core)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # not yet a session of its own
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    except PermissionError:
+        pass
+
+
 def end_peer(peer: Peer, owner: dict[int, Peer | None]) -> None:
     """``peer`` closed its end. The suite's (stdin): its children are its to end (they run
     in sessions of their own), and the zygote exits once the others' are reaped. A
@@ -352,10 +372,7 @@ def end_peer(peer: Peer, owner: dict[int, Peer | None]) -> None:
             owner.pop(pid, None)
         else:
             owner[pid] = None
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_session(pid)
     if peer.socket is not None:
         peer.socket.close()
 

@@ -88,3 +88,33 @@ def test_a_closed_connection_takes_the_children_it_left_running_with_it(
     while psutil.pid_exists(child.pid):  # killed, then reaped by the zygote
         assert time.monotonic() < deadline, f"pid {child.pid} still running after its connection closed"
         time.sleep(0.1)
+
+
+def test_a_fork_given_up_on_is_killed_when_it_comes_and_the_next_fork_gets_its_own_child(
+    connection: ZygoteClient, tmp_path: Path
+) -> None:
+    # Seen on a loaded host: a fork that timed out came up later and served on,
+    # stopped by nobody (and the next fork would have taken its pid for its own).
+    (tmp_path / "late.py").write_text(textwrap.dedent(f"""
+        import os, time
+        open({str(tmp_path / "late.pid")!r}, "w").write(str(os.getpid()))
+        time.sleep(120)
+    """))
+    (tmp_path / "next.py").write_text("import sys; print('next ran'); sys.exit(3)\n")
+    try:
+        with pytest.raises(RuntimeError, match="did not fork within 0s"):
+            connection.fork([python(), str(tmp_path / "late.py")], dict(os.environ), ROOT, tmp_path / "late.log",
+                            timeout=0)
+        child = connection.fork([python(), str(tmp_path / "next.py")], dict(os.environ), ROOT, tmp_path / "next.log")
+        assert child.wait(60) == 3, (tmp_path / "next.log").read_text()
+        assert "next ran" in (tmp_path / "next.log").read_text()
+    finally:
+        connection.close()
+    # Killed as it came: before or after it wrote its pid.
+    pid_file = tmp_path / "late.pid"
+    if pid_file.exists():
+        late = int(pid_file.read_text())
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(late) and psutil.Process(late).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"the given-up child {late} still runs"
+            time.sleep(0.1)
