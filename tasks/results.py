@@ -134,12 +134,16 @@ class ResultWatcher:
         """The task's result (a ``GenerationResult`` dict); raises its error, or
         ``ResultTimeout`` after ``timeout`` s (None: wait as long as it takes)."""
         future = self._futures[task_id]
+        deadline = asyncio.timeout(timeout)  # strict, as :meth:`sent`'s
         try:
-            meta = await asyncio.wait_for(future, timeout)
+            async with deadline:
+                meta = await future
         except asyncio.CancelledError:
             self._abandon(task_id)  # the client went away: its task ends without a reader
             raise
         except TimeoutError:
+            if not deadline.expired():
+                raise
             self._abandon(task_id)  # a worker may still be running it
             raise self._timed_out(task_id, timeout) from None
         finally:
