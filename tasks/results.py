@@ -96,8 +96,9 @@ class ResultWatcher:
             task.cancel()
         # The deletes and aborts under way finish first (a result read just before
         # the close would stay in Redis for RQ_RESULT_EXPIRES); Redis gone, in time.
-        if self._background - set(self._watching):
-            await asyncio.wait(self._background - set(self._watching), timeout=CLOSE_GRACE_S)
+        under_way = self._background - set(self._watching)
+        if under_way:
+            await asyncio.wait(under_way, timeout=CLOSE_GRACE_S)
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -155,14 +156,12 @@ class ResultWatcher:
         return its result as :meth:`result` does, the send included in ``timeout``.
 
         At ``timeout`` the call ends, also while the send still runs (a loaded
-        host holds sends up: results were seen in before their send returned):
-        with the result if it was delivered by then, else ``ResultTimeout``, and
-        the task (if it was sent) is abandoned: its result is deleted when it
-        comes. The deadline cancels the wait in the loop's turn where it falls
-        due: after a held loop (1.7 s, seen on two busy cores), a result that
-        landed meanwhile does not beat it, as it did ``asyncio.wait_for``'s
-        timer (CI: a call of 0.05 s returned its 8 x 480 tokens). A send that
-        fails raises its error."""
+        host holds sends up): with the result if it was delivered by then, else
+        ``ResultTimeout``, and the task (if it was sent) is abandoned: its result
+        is deleted when it comes. The deadline cancels the wait in the turn where
+        it falls due, so after a held event loop a result that landed meanwhile
+        does not beat it (``asyncio.wait_for`` let it). A send that fails raises
+        its error."""
         self.expect(task_id)  # before the send: no result goes unseen
         future = self._futures[task_id]
         deadline = asyncio.timeout(timeout)
