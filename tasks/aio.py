@@ -17,8 +17,8 @@ pattern subscription for all its tasks). A failed task raises the error its
 ``.get()`` raises (``PromptTooLong``, ``EngineError``, ``GenerationTimeout``
 ... from ``tasks.errors``); Redis unreachable raises ``BrokerUnavailable``; no
 result within ``timeout`` seconds raises ``ResultTimeout`` (a ``TimeoutError``).
-The timeout counts from the call, its send included, and holds on a loaded
-host: a held-up send or event loop does not stretch it.
+The timeout counts from the call, its send included: a result read by then
+is returned (also while a held-up send still runs), one read later is not.
 A call given up (timed out, or its awaiting task cancelled) costs the workers
 no more: its task expires (a worker that has not started it drops it) and a
 running one's prompts are aborted in the engine (``keys.abort_key``, as the

@@ -67,7 +67,8 @@ class ResultWatcher:
         self._abandoned_ttl_s = abandoned_ttl_s
         key_prefix = backend.task_keyprefix
         self._key_prefix = key_prefix.decode() if isinstance(key_prefix, bytes) else str(key_prefix)
-        self._futures: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        # Task id → its result's meta and when it was delivered (loop time).
+        self._futures: dict[str, asyncio.Future[tuple[dict[str, Any], float]]] = {}
         # Tasks whose result nobody will read: task id → when to stop watching (loop time).
         self._abandoned: dict[str, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -134,58 +135,63 @@ class ResultWatcher:
     async def result(self, task_id: str, timeout: float | None) -> dict[str, Any]:
         """The task's result (a ``GenerationResult`` dict); raises its error, or
         ``ResultTimeout`` after ``timeout`` s (None: wait as long as it takes)."""
-        future = self._futures[task_id]
-        deadline = asyncio.timeout(timeout)  # strict, as :meth:`sent`'s
-        try:
-            async with deadline:
-                meta = await future
-        except asyncio.CancelledError:
-            self._abandon(task_id)  # the client went away: its task ends without a reader
-            raise
-        except TimeoutError:
-            if not deadline.expired():
-                raise
-            self._abandon(task_id)  # a worker may still be running it
-            raise self._timed_out(task_id, timeout) from None
-        finally:
-            self._futures.pop(task_id, None)
-        return self._outcome(task_id, meta, timeout)
+        return await self._await(task_id, None, timeout)
 
     async def sent(self, task_id: str, send: Callable[[], object], timeout: float | None) -> dict[str, Any]:
         """Send the task ``task_id`` names (``send``: blocking, run in a thread) and
-        return its result as :meth:`result` does, the send included in ``timeout``.
-
-        At ``timeout`` the call ends, also while the send still runs (a loaded
-        host holds sends up): with the result if it was delivered by then, else
-        ``ResultTimeout``, and the task (if it was sent) is abandoned: its result
-        is deleted when it comes. The deadline cancels the wait in the turn where
-        it falls due, so after a held event loop a result that landed meanwhile
-        does not beat it (``asyncio.wait_for`` let it). A send that fails raises
-        its error."""
+        return its result as :meth:`result` does, the send included in ``timeout``
+        (a loaded host holds sends up). A send that fails raises its error."""
         self.expect(task_id)  # before the send: no result goes unseen
+        return await self._await(task_id, send, timeout)
+
+    async def _await(
+        self, task_id: str, send: Callable[[], object] | None, timeout: float | None
+    ) -> dict[str, Any]:
+        """Wait for the result of ``task_id`` (after ``send``, if given) until ``timeout``.
+
+        The result is returned if this watcher had it by the deadline, also when
+        the send is still held up then; else ``ResultTimeout``, and the task is
+        abandoned (its result deleted when it comes). A result read off the
+        socket after the deadline is late, though it landed earlier while the
+        event loop was held: the outcome does not hang on the order in which the
+        loop's turns run after a hold (``asyncio.wait_for`` let such a result in)."""
         future = self._futures[task_id]
-        deadline = asyncio.timeout(timeout)
+        due = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        deadline = asyncio.timeout_at(due)
         try:
             async with deadline:
-                await asyncio.to_thread(send)
-                meta = await future
+                if send is not None:
+                    await asyncio.to_thread(send)
+                meta, _ = await future
         except TimeoutError:
             if not deadline.expired():
                 raise
-            if not future.done() or future.cancelled():
-                self._abandon(task_id)  # a worker may still be running it, or the send be under way
+            in_time = self._delivered_by(future, due)
+            if in_time is None:
+                self._give_up(task_id, future)  # a worker may still be running it, or the send be under way
                 raise self._timed_out(task_id, timeout) from None
-            meta = future.result()  # it came while the send was held up
+            meta = in_time
         except asyncio.CancelledError:
-            # The client went away: its task ends without a reader.
-            if future.done() and not future.cancelled():
-                self._spawn(self._delete(task_id))  # it came while the send was held up
-            else:
-                self._abandon(task_id)
+            self._give_up(task_id, future)  # the client went away: its task ends without a reader
             raise
         finally:
             self.forget(task_id)
         return self._outcome(task_id, meta, timeout)
+
+    @staticmethod
+    def _delivered_by(future: asyncio.Future[tuple[dict[str, Any], float]], due: float | None) -> dict[str, Any] | None:
+        """The result in ``future`` if it was delivered by ``due`` (loop time), else None."""
+        if not future.done() or future.cancelled():
+            return None
+        meta, delivered_at = future.result()
+        return meta if due is None or delivered_at <= due else None
+
+    def _give_up(self, task_id: str, future: asyncio.Future[Any]) -> None:
+        """Nobody will read the task's result: it is deleted now if it came, else when it comes."""
+        if future.done() and not future.cancelled():
+            self._spawn(self._delete(task_id))
+        else:
+            self._abandon(task_id)
 
     def _timed_out(self, task_id: str, timeout: float | None) -> ResultTimeout:
         return ResultTimeout(f"no result for task {task_id} within {timeout:g}s; {self._timeout_hint}")
@@ -250,7 +256,7 @@ class ResultWatcher:
             del self._abandoned[task_id]
             self._spawn(self._delete(task_id))
         elif future is not None:
-            future.set_result(meta)
+            future.set_result((meta, asyncio.get_running_loop().time()))
 
     async def _listen(self) -> None:
         prefix = len(self._key_prefix)
