@@ -159,21 +159,21 @@ class ResultWatcher:
         due = None if timeout is None else asyncio.get_running_loop().time() + timeout
         deadline = asyncio.timeout_at(due)
         try:
-            async with deadline:
-                if send is not None:
-                    await asyncio.to_thread(send)
-                meta, _ = await future
-        except TimeoutError:
-            if not deadline.expired():
+            try:
+                async with deadline:
+                    if send is not None:
+                        await asyncio.to_thread(send)
+                    await future
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+            except asyncio.CancelledError:
+                self._give_up(task_id, future)  # the client went away: its task ends without a reader
                 raise
-            in_time = self._delivered_by(future, due)
-            if in_time is None:
+            meta = self._delivered_by(future, due)
+            if meta is None:
                 self._give_up(task_id, future)  # a worker may still be running it, or the send be under way
-                raise self._timed_out(task_id, timeout) from None
-            meta = in_time
-        except asyncio.CancelledError:
-            self._give_up(task_id, future)  # the client went away: its task ends without a reader
-            raise
+                raise self._timed_out(task_id, timeout)
         finally:
             self.forget(task_id)
         return self._outcome(task_id, meta, timeout)
